@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   venv + gpulab + Fashion-MNIST, then train LeNet on every available device
+#   make test   venv + gpulab + Fashion-MNIST, then the test suite
+VENV   ?= .venv
+PYTHON ?= python3
+PY      = $(VENV)/bin/python
+# torch is pinned: on this project's CPU machines 2.13.0 is a CPU build on local disk; an
+# unpinned torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test test-all setup data bench clean
+
+demo: setup data
+	$(VENV)/bin/gpulab train --devices auto
+
+test: setup data
+	$(PY) -m pytest -q
+
+test-all: setup data
+	$(PY) -m pytest -q -m ""
+
+bench: setup data
+	$(VENV)/bin/gpulab bench all
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "$(TORCH)"
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	touch $@
+
+data: setup
+	bash scripts/ensure-data.sh $(PY)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,138 @@
+"""Fashion-MNIST: where to find it, how to load it, and what to say when it is missing.
+
+Lookup order (first directory that holds all four files wins):
+  1. `--data-dir` / the `data_dir` argument
+  2. `$GPULAB_DATA`
+  3. the user cache dir (`$XDG_CACHE_HOME/gpulab/fashion-mnist`, default `~/.cache/...`)
+  4. `/usr/share/datasets/fashion-mnist` (Debian's `dataset-fashion-mnist` package)
+When none has it, gpulab downloads into the cache dir if `download=True` and the network
+allows; otherwise it stops with an error listing the ways to get the data.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpulab.data.idx import read_idx
+from gpulab.errors import UserError
+
+FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+MIRRORS = (
+    "https://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+    "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/",
+)
+
+
+@dataclass
+class Split:
+    """One split of an image-classification dataset, kept compact: uint8 images, int64 labels."""
+
+    images: torch.Tensor  # uint8 [N, 1, H, W]
+    labels: torch.Tensor  # int64 [N]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gpulab" / "fashion-mnist"
+
+
+def candidate_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
+    dirs = []
+    if data_dir:
+        dirs.append(Path(data_dir))
+    if os.environ.get("GPULAB_DATA"):
+        dirs.append(Path(os.environ["GPULAB_DATA"]))
+    dirs += [cache_dir(), DEBIAN_DIR]
+    return dirs
+
+
+def _file_in(directory: Path, stem: str) -> Path | None:
+    for name in (stem + ".gz", stem):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
+def find(data_dir: str | os.PathLike | None = None, download: bool = False) -> dict[str, Path]:
+    """Paths of the four IDX files, searched in lookup order."""
+    if data_dir is not None and not Path(data_dir).is_dir():
+        raise UserError(f"--data-dir {data_dir} does not exist; point it at a folder with the Fashion-MNIST IDX files")
+    for d in candidate_dirs(data_dir):
+        found = {k: _file_in(d, stem) for k, stem in FILES.items()}
+        if all(found.values()):
+            return found
+    if download:
+        try:
+            return _download(cache_dir())
+        except OSError:
+            pass  # no network: fall through to the explanation
+    searched = ", ".join(str(d) for d in candidate_dirs(data_dir))
+    raise UserError(
+        f"Fashion-MNIST not found (searched {searched}); get it one of three ways: "
+        "(1) sudo apt-get install dataset-fashion-mnist, "
+        "(2) put the four *-ubyte.gz files in a folder and pass --data-dir DIR or set GPULAB_DATA=DIR, "
+        f"(3) run once with network access to download into {cache_dir()}"
+    )
+
+
+def _download(target: Path) -> dict[str, Path]:
+    target.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for key, stem in FILES.items():
+        dest = target / (stem + ".gz")
+        if not dest.exists():
+            last_error: OSError | None = None
+            for mirror in MIRRORS:
+                try:
+                    tmp = dest.with_name(dest.name + ".part")
+                    with urllib.request.urlopen(mirror + stem + ".gz", timeout=10) as r:
+                        tmp.write_bytes(r.read())
+                    tmp.replace(dest)
+                    break
+                except OSError as e:
+                    last_error = e
+            else:
+                raise last_error or OSError("no mirror answered")
+        paths[key] = dest
+    return paths
+
+
+def load(data_dir: str | os.PathLike | None = None, download: bool = False) -> tuple[Split, Split]:
+    """(train, test) splits, validated: shapes, image/label counts and label range."""
+    paths = find(data_dir, download)
+    splits = []
+    for part in ("train", "test"):
+        images = read_idx(paths[f"{part}_images"], expect_ndim=3)
+        labels = read_idx(paths[f"{part}_labels"], expect_ndim=1)
+        if len(images) != len(labels):
+            raise UserError(
+                f"{paths[f'{part}_images']} has {len(images)} images but {paths[f'{part}_labels']} has "
+                f"{len(labels)} labels; the two files are from different datasets"
+            )
+        if labels.size and labels.max() >= len(CLASSES):
+            raise UserError(
+                f"{paths[f'{part}_labels']}: label {int(labels.max())} out of range 0..{len(CLASSES) - 1}"
+            )
+        splits.append(
+            Split(
+                images=torch.from_numpy(np.array(images)).unsqueeze(1),
+                labels=torch.from_numpy(labels.astype(np.int64)),
+            )
+        )
+    return splits[0], splits[1]

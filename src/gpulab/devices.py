@@ -1,0 +1,310 @@
+"""Devices: naming them, finding them, and moving data between them.
+
+The rules follow the textbook chapter on GPUs:
+- every tensor lives on one device, and an operation needs all its inputs on the same one;
+- `place(x, d)` is free when `x` already lives on `d` (it returns `x` itself);
+- `copy_to(x, d)` always makes a new copy, even on the same device;
+- moving data is slow, so gpulab only ever moves it on purpose.
+
+`resolve("cpu*4")` gives four *virtual* replicas of the CPU: the same physical device four
+times, so data-parallel logic can be exercised and tested on a machine without GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gpulab.errors import UserError
+
+# ----------------------------------------------------------------------------- naming
+
+
+def cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+def gpu(i: int = 0) -> torch.device:
+    return torch.device(f"cuda:{i}")
+
+
+def num_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def try_gpu(i: int = 0) -> torch.device:
+    """GPU `i` if it exists, else the CPU."""
+    return gpu(i) if i < num_gpus() else cpu()
+
+
+def try_all_gpus() -> list[torch.device]:
+    """Every GPU, or `[cpu()]` when there is none (never an empty list)."""
+    return [gpu(i) for i in range(num_gpus())] or [cpu()]
+
+
+def describe_available() -> str:
+    gpus = [f"cuda:{i}" for i in range(num_gpus())]
+    return ", ".join(["cpu", *gpus]) + ("" if gpus else " (no CUDA GPU visible to torch)")
+
+
+_VIRTUAL = re.compile(r"^cpu\*(\d+)$")
+_GPU = re.compile(r"^(?:cuda|gpu)(?::(\d+))?$")
+
+
+def _parse_one(token: str) -> torch.device:
+    if token == "cpu":
+        return cpu()
+    m = _GPU.match(token)
+    if not m:
+        raise UserError(
+            f"unknown device '{token}': use auto, all, cpu, cpu*K, cuda, cuda:N or gpu:N "
+            f"(available: {describe_available()})"
+        )
+    index = int(m.group(1) or 0)
+    if index >= num_gpus():
+        raise UserError(f"device '{token}' is not available here; available: {describe_available()}")
+    return gpu(index)
+
+
+def resolve(spec: str) -> list[torch.device]:
+    """Turn a CLI device spec into a list of devices, one per data-parallel replica.
+
+    auto | all   every GPU, else the CPU
+    cpu          the CPU
+    cpu*K        K virtual replicas on the CPU (for testing multi-device logic)
+    cuda | gpu   the first GPU;  cuda:N | gpu:N  GPU N
+    a,b,c        a comma-separated list of the above (real devices may not repeat)
+    """
+    spec = spec.strip().lower().replace(" ", "")
+    if spec in ("auto", "all"):
+        return try_all_gpus()
+    m = _VIRTUAL.match(spec)
+    if m:
+        k = int(m.group(1))
+        if k < 1:
+            raise UserError(f"device spec '{spec}' asks for {k} replicas: use cpu*K with K >= 1")
+        return [cpu()] * k
+    tokens = [t for t in spec.split(",") if t]
+    if not tokens:
+        raise UserError("empty device spec: use auto, cpu, cpu*K or cuda:0,cuda:1")
+    devices = [_parse_one(t) for t in tokens]
+    if len(set(devices)) != len(devices):
+        raise UserError(
+            f"device spec '{spec}' lists a device twice: list each GPU once "
+            "(use cpu*K for virtual CPU replicas)"
+        )
+    return devices
+
+
+def format_devices(devices: list[torch.device]) -> str:
+    """`[cpu*2]` for virtual replicas, `[cuda:0, cuda:1]` otherwise."""
+    if len(devices) > 1 and len(set(devices)) == 1:
+        return f"[{devices[0]}*{len(devices)}]"
+    return "[" + ", ".join(str(d) for d in devices) + "]"
+
+
+# ----------------------------------------------------------------------------- moving
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        # cuda and cuda:0 name the same device when 0 is current
+        ia = a.index if a.index is not None else torch.cuda.current_device()
+        ib = b.index if b.index is not None else torch.cuda.current_device()
+        return ia == ib
+    return True
+
+
+def _map(fn, x: Any) -> Any:
+    if isinstance(x, torch.Tensor | torch.nn.Module):
+        return fn(x)
+    if isinstance(x, Mapping):
+        return type(x)({k: _map(fn, v) for k, v in x.items()})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(_map(fn, v) for v in x))
+    if isinstance(x, list | tuple):
+        return type(x)(_map(fn, v) for v in x)
+    raise TypeError(f"cannot move a {type(x).__name__}: expected tensors, modules, or lists/dicts of them")
+
+
+def device_of(x: torch.Tensor | torch.nn.Module) -> torch.device:
+    """The one device a tensor or module lives on; a module spread over several is an error."""
+    if isinstance(x, torch.Tensor):
+        return x.device
+    found = {t.device for t in [*x.parameters(), *x.buffers()]}
+    if len(found) > 1:
+        raise UserError(
+            f"module {type(x).__name__} has tensors on several devices "
+            f"({', '.join(sorted(map(str, found)))}): move it to one device first"
+        )
+    return found.pop() if found else cpu()
+
+
+def place(x: Any, device: torch.device | str) -> Any:
+    """Put `x` on `device`; a no-op returning `x` itself when it is already there.
+
+    Works on tensors, modules (moved in place, as `nn.Module.to` does) and nested
+    lists/tuples/dicts of them.
+    """
+    device = torch.device(device)
+
+    def one(t):
+        if _same_device(device_of(t), device):
+            return t
+        return t.to(device)
+
+    return _map(one, x)
+
+
+def copy_to(x: Any, device: torch.device | str) -> Any:
+    """Always a fresh copy of `x` on `device`, even when `x` already lives there."""
+    import copy
+
+    device = torch.device(device)
+
+    def one(t):
+        if isinstance(t, torch.Tensor):
+            # .to(copy=True) keeps autograd history, like MXNet's copyto inside a graph
+            return t.to(device, copy=True)
+        return copy.deepcopy(t).to(device)
+
+    return _map(one, x)
+
+
+def check_same_device(*tensors: torch.Tensor) -> torch.device:
+    """The shared device of `tensors`, or a clear error naming where each one lives."""
+    found = [t.device for t in tensors]
+    first = found[0]
+    if any(not _same_device(d, first) for d in found[1:]):
+        where = ", ".join(str(d) for d in found)
+        raise UserError(
+            f"tensors live on different devices ({where}): move them to one device "
+            "with gpulab.devices.place(x, device) before combining them"
+        )
+    return first
+
+
+# ----------------------------------------------------------------------------- describing
+
+
+def _nvml_gpus() -> tuple[list[dict], dict]:
+    """Per-GPU facts from NVML, plus driver facts. Empty when NVML is unavailable."""
+    try:
+        import pynvml
+    except ImportError:
+        return [], {"nvml": "nvidia-ml-py not installed"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # no driver, no GPU: NVML raises its own error types
+        return [], {"nvml": f"unavailable ({type(e).__name__})"}
+    try:
+        info = {"driver": _str(pynvml.nvmlSystemGetDriverVersion())}
+        try:
+            v = pynvml.nvmlSystemGetCudaDriverVersion_v2()
+            info["cuda_driver"] = f"{v // 1000}.{(v % 1000) // 10}"
+        except Exception:
+            pass
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            row = {
+                "index": i,
+                "name": _str(pynvml.nvmlDeviceGetName(h)),
+                "memory_used_mib": mem.used / 2**20,
+                "memory_total_mib": mem.total / 2**20,
+            }
+            for key, read in (
+                ("utilization_pct", lambda: pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
+                ("temperature_c", lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+                ("power_w", lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000),
+                ("power_limit_w", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000),
+            ):
+                try:
+                    row[key] = read()
+                except Exception:  # a metric this GPU or driver does not support
+                    row[key] = None
+            gpus.append(row)
+        return gpus, info
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _str(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _torch_gpus() -> list[dict]:
+    rows = []
+    for i in range(num_gpus()):
+        free, total = torch.cuda.mem_get_info(i)
+        rows.append(
+            {
+                "index": i,
+                "name": torch.cuda.get_device_name(i),
+                "memory_used_mib": (total - free) / 2**20,
+                "memory_total_mib": total / 2**20,
+                "utilization_pct": None,
+                "temperature_c": None,
+                "power_w": None,
+                "power_limit_w": None,
+            }
+        )
+    return rows
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe() -> dict:
+    """Everything `gpulab devices` shows, as plain data (also its --json output)."""
+    import psutil
+
+    nvml_gpus, driver = _nvml_gpus()
+    torch_sees = num_gpus()
+    gpus = nvml_gpus or _torch_gpus()
+    report = {
+        "torch": torch.__version__,
+        "torch_cuda_build": torch.version.cuda,  # None on a CPU-only build
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "torch_sees_gpus": torch_sees,
+        "driver": driver,
+        "gpus": gpus,
+        "cpu": {
+            "model": _cpu_model(),
+            "logical_cores": psutil.cpu_count(logical=True),
+            "physical_cores": psutil.cpu_count(logical=False),
+            "torch_threads": torch.get_num_threads(),
+            "memory_total_gib": psutil.virtual_memory().total / 2**30,
+            "memory_available_gib": psutil.virtual_memory().available / 2**30,
+        },
+        "warnings": [],
+    }
+    if nvml_gpus and torch.version.cuda is None:
+        report["warnings"].append(
+            f"{len(nvml_gpus)} NVIDIA GPU(s) found but this torch ({torch.__version__}) is a CPU-only build: "
+            "reinstall torch for your CUDA driver, e.g. `pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu126` (pick the cuXYZ that matches `nvidia-smi`)"
+        )
+    elif nvml_gpus and torch_sees == 0:
+        report["warnings"].append(
+            "NVIDIA GPU(s) found but torch cannot use them: check CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')} and that the driver supports CUDA "
+            f"{torch.version.cuda}"
+        )
+    return report

@@ -1,0 +1,227 @@
+"""Data parallelism in one process, from scratch, as the textbook's multi-GPU chapter builds it.
+
+Each of k devices keeps a full copy of the model. A minibatch is split into k shards; each
+device computes the loss and gradients of its shard; the gradients are summed across devices
+(allreduce) so every replica holds the gradient of the whole minibatch; every replica applies
+the same update. The replicas therefore stay identical, and k-device training computes the
+same model as 1-device training on the same batches (tests/parallel prove it on `cpu*k`).
+
+Two details make that equality exact rather than approximate:
+- each shard's mean loss is weighted by shard_size / batch_size before backward, so the summed
+  gradient is the gradient of the full-batch mean even when shards differ in size;
+- with `sync_bn=True` BatchNorm uses whole-minibatch statistics (see `sync_bn.py`).
+
+Nothing in `train_step` reads a value back to the host: on GPUs the k forward/backward passes
+are launched back to back and run concurrently, and the running loss/accuracy stay on device 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from gpulab.devices import device_of, place
+from gpulab.errors import UserError
+from gpulab.monitor.phases import PhaseTimer
+from gpulab.parallel.allreduce import Buckets, choose
+from gpulab.parallel.sync_bn import convert_to_sync, exchanges
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def replicate(module_or_params, devices: list[torch.device]):
+    """One independent copy per device, with gradients enabled.
+
+    Accepts an `nn.Module` (returns a list of modules) or a list of tensors (returns a list of
+    lists of leaf tensors, like the chapter's `get_params`). Copies are independent even when
+    two devices are the same (`cpu*2`).
+    """
+    if isinstance(module_or_params, nn.Module):
+        device_of(module_or_params)  # one clear error if the module spans devices
+        return [copy.deepcopy(module_or_params).to(d) for d in devices]
+    params = list(module_or_params)
+    return [[p.detach().to(d, copy=True).requires_grad_() for p in params] for d in devices]
+
+
+def split_batch(X: torch.Tensor, y: torch.Tensor, devices: list[torch.device]):
+    """Split a minibatch into len(devices) shards, shard i on device i; sizes differ by <= 1."""
+    if len(X) != len(y):
+        raise UserError(f"split_batch: X has {len(X)} samples but y has {len(y)}; they must match")
+    k = len(devices)
+    if len(X) < k:
+        raise UserError(
+            f"split_batch: a batch of {len(X)} cannot be split over {k} devices; use a batch size >= {k}"
+        )
+    if k == 1:
+        return [place(X, devices[0])], [place(y, devices[0])]
+    X_shards = [place(s, d) for s, d in zip(torch.tensor_split(X, k), devices)]
+    y_shards = [place(s, d) for s, d in zip(torch.tensor_split(y, k), devices)]
+    return X_shards, y_shards
+
+
+class Meter:
+    """Running loss sum and correct count, kept on the device; the sample count is known on the host."""
+
+    def __init__(self, device: torch.device):
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self.count = 0
+
+    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int) -> None:
+        self.totals += torch.stack([loss_sum.double(), correct.double()])
+        self.count += count
+
+    def read(self) -> dict[str, float]:
+        """One host read for the whole epoch."""
+        loss_sum, correct = self.totals.tolist()
+        count = self.count
+        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+
+
+class DataParallel:
+    def __init__(
+        self,
+        module: nn.Module,
+        devices: list[torch.device],
+        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.1),
+        allreduce: str = "auto",
+        sync_bn: bool = False,
+        bucket_bytes: int = 25 * 2**20,
+        timer: PhaseTimer | None = None,
+    ):
+        if not devices:
+            raise UserError("DataParallel needs at least one device")
+        self.devices = list(devices)
+        self.replicas = replicate(module, self.devices)
+        self.sync_bn = sync_bn and len(self.devices) > 1
+        if self.sync_bn:
+            convert_to_sync(self.replicas)
+        self.optimizers = [optimizer(r.parameters()) for r in self.replicas]
+        self.buckets = Buckets([list(r.parameters()) for r in self.replicas], bucket_bytes)
+        probes = [torch.empty(0, device=d) for d in self.devices]
+        self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
+        self.timer = timer or PhaseTimer(self.devices, enabled=False)
+
+    @property
+    def module(self) -> nn.Module:
+        """The replica on the first device (all replicas hold the same parameters)."""
+        return self.replicas[0]
+
+    def set_lr(self, lr: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def train(self, mode: bool = True) -> None:
+        for r in self.replicas:
+            r.train(mode)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, meter: Meter | None = None) -> torch.Tensor:
+        """One synchronized step on the whole minibatch; returns its mean loss (on device 0).
+
+        `loss_fn` must return the *mean* loss over its inputs (PyTorch's default reduction).
+        """
+        self.train(True)
+        n = len(y)
+        with self.timer.phase("scatter"):
+            X_shards, y_shards = split_batch(X, y, self.devices)
+        self.buckets.zero_()
+        with self.timer.phase("forward_backward"):
+            outputs, losses = self._forward(X_shards, y_shards, loss_fn, n)
+            torch.autograd.backward(losses)
+        with self.timer.phase("allreduce"):
+            if len(self.devices) > 1:
+                self.buckets.allreduce(self.allreduce_algorithm)
+        with self.timer.phase("optimizer"):
+            for opt in self.optimizers:
+                opt.step()
+        first = self.devices[0]
+        loss = sum(place(l.detach(), first) for l in losses)
+        if meter is not None:
+            correct = sum(place((o.argmax(1) == t).sum(), first) for o, t in zip(outputs, y_shards))
+            meter.add(loss * n, correct, n)
+        return loss
+
+    def _forward(self, X_shards, y_shards, loss_fn: LossFn, n: int):
+        def run(i: int):
+            out = self.replicas[i](X_shards[i])
+            weight = len(y_shards[i]) / n  # shard mean -> its share of the batch mean
+            return out, loss_fn(out, y_shards[i]) * weight
+
+        if not self.sync_bn:
+            results = [run(i) for i in range(len(self.devices))]
+        else:
+            results = self._run_in_threads(run)
+        return [r[0] for r in results], [r[1] for r in results]
+
+    def _run_in_threads(self, fn):
+        """Run fn(i) for every replica concurrently; sync BN layers rendezvous inside."""
+        results, errors = [None] * len(self.devices), []
+
+        def worker(i):
+            try:
+                if self.devices[i].type == "cuda":
+                    torch.cuda.set_device(self.devices[i])
+                results[i] = fn(i)
+            except BaseException as e:  # release the others from their barriers, re-raise below
+                errors.append(e)
+                for ex in exchanges(self.replicas):
+                    ex.abort()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(self.devices))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+            raise (real or errors)[0]
+        return results
+
+    # ------------------------------------------------------------------ evaluation and state
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Average BatchNorm running statistics across replicas (they drift apart with per-device BN)."""
+        if len(self.devices) == 1:
+            return
+        per_replica = [[b for b in r.buffers() if b.is_floating_point()] for r in self.replicas]
+        for bufs in zip(*per_replica):
+            mean = sum(place(b, self.devices[0]) for b in bufs) / len(bufs)
+            for b in bufs:
+                b.copy_(mean)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn | None = None) -> dict:
+        """Accuracy (and mean loss) over `batches`, each batch spread over every device."""
+        self.sync_buffers()
+        self.train(False)
+        meter = Meter(self.devices[0])
+        for X, y in batches:
+            if len(y) < len(self.devices):  # a last batch smaller than k: give it to device 0
+                X_shards, y_shards = [place(X, self.devices[0])], [place(y, self.devices[0])]
+            else:
+                X_shards, y_shards = split_batch(X, y, self.devices)
+            outs = [self.replicas[i](x) for i, x in enumerate(X_shards)]
+            first = self.devices[0]
+            correct = sum(place((o.argmax(1) == t).sum(), first) for o, t in zip(outs, y_shards))
+            loss_sum = torch.zeros((), device=first)
+            if loss_fn is not None:
+                loss_sum = sum(place(loss_fn(o, t) * len(t), first) for o, t in zip(outs, y_shards))
+            meter.add(loss_sum, correct, len(y))
+        self.train(True)
+        return meter.read()
+
+    def state_dict(self) -> dict:
+        self.sync_buffers()
+        return {"model": self.module.state_dict(), "optimizer": self.optimizers[0].state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for replica, opt in zip(self.replicas, self.optimizers):
+            replica.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])  # casts its state onto this replica's device
