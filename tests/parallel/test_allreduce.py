@@ -1,0 +1,89 @@
+import pytest
+import torch
+
+from gpulab.errors import UserError
+from gpulab.parallel import Buckets, allreduce
+from gpulab.parallel.allreduce import choose
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("algorithm", ["naive", "ring", "auto"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("numel", [0, 1, 2, 3, 7, 100, 1001])
+def test_every_tensor_holds_the_exact_sum(algorithm, k, numel):
+    g = torch.Generator().manual_seed(k * 1000 + numel)
+    # Integers in float64 make the expected sum exact whatever the summation order.
+    tensors = [torch.randint(-1000, 1000, (numel,), generator=g).double() for _ in range(k)]
+    expected = torch.stack(tensors).sum(0) if numel else torch.zeros(0, dtype=torch.float64)
+    allreduce(tensors, algorithm)
+    for t in tensors:
+        assert torch.equal(t, expected)
+
+
+@pytest.mark.parametrize("algorithm", ["naive", "ring"])
+def test_multidimensional_float32(algorithm):
+    tensors = [torch.randn(3, 5, 7) for _ in range(4)]
+    expected = torch.stack(tensors).sum(0)
+    allreduce(tensors, algorithm)
+    for t in tensors:
+        torch.testing.assert_close(t, expected)
+        assert t.shape == (3, 5, 7)
+
+
+def test_tensors_stay_where_they_were():
+    tensors = [torch.ones(10) for _ in range(3)]
+    ids = [t.data_ptr() for t in tensors]
+    allreduce(tensors, "ring")
+    assert [t.data_ptr() for t in tensors] == ids  # in place
+    assert all(t.device == CPU for t in tensors)
+
+
+def test_mismatched_shapes_and_dtypes_are_clear_errors():
+    with pytest.raises(UserError, match="equal shapes"):
+        allreduce([torch.zeros(3), torch.zeros(4)])
+    with pytest.raises(UserError, match="dtypes"):
+        allreduce([torch.zeros(3), torch.zeros(3, dtype=torch.float64)])
+    with pytest.raises(UserError, match="no tensors"):
+        allreduce([])
+    with pytest.raises(UserError, match="unknown allreduce algorithm"):
+        allreduce([torch.zeros(3)], "magic")
+
+
+def test_nccl_refused_off_gpu_and_auto_picks_naive_for_virtual_replicas():
+    with pytest.raises(UserError, match="nccl"):
+        allreduce([torch.zeros(3), torch.zeros(3)], "nccl")
+    assert choose([torch.zeros(3), torch.zeros(3)], "auto") == "naive"
+
+
+def test_buckets_make_grads_views_and_reduce_them():
+    replicas = [[torch.nn.Parameter(torch.zeros(s)) for s in [(4, 3), (5,), (2, 2, 2)]] for _ in range(3)]
+    # A 64-byte cap: 48 B fills the first bucket (48 + 20 > 64), then 20 + 32 B share the second.
+    buckets = Buckets(replicas, bucket_bytes=64)
+    assert buckets.num_buckets == 2
+    for r, params in enumerate(replicas):
+        for p in params:
+            p.grad.fill_(r + 1)  # writes through the view into the flat buffer
+    buckets.allreduce("ring")
+    for params in replicas:
+        for p in params:
+            assert torch.equal(p.grad, torch.full_like(p, 6.0))
+    buckets.zero_()
+    assert all(p.grad.abs().sum() == 0 for params in replicas for p in params)
+
+
+def test_bucket_grads_keep_the_parameter_layout():
+    w = torch.nn.Parameter(torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last))
+    Buckets([[w]])
+    assert w.grad.stride() == w.stride()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs")
+@pytest.mark.parametrize("algorithm", ["naive", "ring", "nccl"])
+def test_gpu_allreduce(algorithm):
+    tensors = [torch.full((1001,), float(i + 1), device=f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    total = sum(range(1, len(tensors) + 1))
+    allreduce(tensors, algorithm)
+    for i, t in enumerate(tensors):
+        assert t.device == torch.device(f"cuda:{i}")
+        assert torch.equal(t.cpu(), torch.full((1001,), float(total)))
