@@ -1,0 +1,172 @@
+"""gpulab's trainer vs a faithful port of the textbook's multi-GPU chapter, same data, same steps.
+
+The textbook implementation (ported to PyTorch as the chapter writes it):
+  - per-sample Dataset (uint8 -> float/255, like ToTensor) + DataLoader(shuffle, 4 workers);
+  - functional LeNet over a list of parameter tensors, N(0, 0.01^2) init;
+  - `split_batch` + per-device loss.sum().backward() + allreduce + manual `sgd` (lr 0.2);
+gpulab: DeviceLoader (dataset resident on the device), nn.Module LeNet (channels_last on CPU),
+DataParallel step, metrics on the device, default (modern) recipe.
+
+Both train `--steps` minibatches of 256 (default: one epoch) and are then evaluated on the test
+set. Prints samples/s, test accuracy and the ratio, and writes JSON next to the other results.
+
+    PYTHONPATH=src python benchmarks/train_speed.py [--devices cpu] [--steps 235] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from gpulab import data
+from gpulab.devices import describe, resolve
+from gpulab.train import TrainConfig, build
+from gpulab.train.loop import synchronize
+
+BATCH = 256
+
+# ----------------------------------------------------------------------------- the textbook's way
+
+
+def textbook_params(device):
+    scale = 0.01
+    shapes = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
+    params = [torch.randn(s) * scale if len(s) > 1 else torch.zeros(s) for s in shapes]
+    return [p.to(device).requires_grad_() for p in params]
+
+
+def textbook_lenet(X, params):
+    h1 = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2, stride=2)
+    h2 = F.avg_pool2d(F.relu(F.conv2d(h1, params[2], params[3])), kernel_size=2, stride=2)
+    h2 = h2.reshape(h2.shape[0], -1)
+    h3 = F.relu(torch.mm(h2, params[4]) + params[5])
+    return torch.mm(h3, params[6]) + params[7]
+
+
+def textbook_allreduce(data):
+    for i in range(1, len(data)):
+        data[0][:] += data[i].to(data[0].device)
+    for i in range(1, len(data)):
+        data[i][:] = data[0].to(data[i].device)
+
+
+def textbook_train_batch(X, y, device_params, devices, lr):
+    X_shards = torch.nn.parallel.scatter(X, devices) if devices[0].type == "cuda" else [X]
+    y_shards = torch.nn.parallel.scatter(y, devices) if devices[0].type == "cuda" else [y]
+    ls = [
+        F.cross_entropy(textbook_lenet(Xs, W), ys, reduction="none").sum()
+        for Xs, ys, W in zip(X_shards, y_shards, device_params)
+    ]
+    for l in ls:
+        l.backward()
+    with torch.no_grad():
+        for i in range(len(device_params[0])):
+            textbook_allreduce([device_params[c][i].grad for c in range(len(devices))])
+    for params in device_params:
+        with torch.no_grad():
+            for p in params:
+                p -= lr * p.grad / X.shape[0]
+                p.grad.zero_()
+
+
+def run_textbook(train_split, test_split, device, steps: int) -> dict:
+    torch.manual_seed(0)
+    params = textbook_params(device)
+    train_iter = DataLoader(data.ImageDataset(train_split), BATCH, shuffle=True, num_workers=4)
+    test_iter = DataLoader(data.ImageDataset(test_split), BATCH, num_workers=4)
+    done, t0 = 0, time.perf_counter()
+    while done < steps:
+        for X, y in train_iter:
+            textbook_train_batch(X.to(device), y.to(device), [params], [device], lr=0.2)
+            synchronize([device])  # the chapter waits for every batch
+            done += 1
+            if done == steps:
+                break
+    seconds = time.perf_counter() - t0
+    correct = total = 0
+    with torch.no_grad():
+        for X, y in test_iter:  # the chapter evaluates on one device, one batch at a time
+            correct += (textbook_lenet(X.to(device), params).argmax(1) == y.to(device)).sum().item()
+            total += len(y)
+    return {"samples_per_s": steps * BATCH / seconds, "seconds": seconds, "test_acc": correct / total}
+
+
+# ----------------------------------------------------------------------------- gpulab's way
+
+
+def run_gpulab(devices: str, steps: int, channels_last: str) -> dict:
+    run = build(TrainConfig(devices=devices, epochs=1, channels_last=channels_last))
+    loader = run.train_loader
+    total_steps = len(loader)
+    from gpulab.parallel import Meter
+    from gpulab.train.loop import lr_at
+
+    meter = Meter(run.devices[0])
+    done, epoch = 0, 0
+    synchronize(run.devices)
+    t0 = time.perf_counter()
+    while done < steps:
+        loader.set_epoch(epoch)
+        for X, y in loader:
+            # one-cycle schedule over exactly `steps`, as a 1-epoch run would use
+            run.strategy.set_lr(lr_at(done, max(steps, total_steps), run.peak_lr, run.cfg.recipe_spec))
+            run.strategy.train_step(X, y, run.loss_fn, meter)
+            done += 1
+            if done == steps:
+                break
+        epoch += 1
+    synchronize(run.devices)
+    seconds = time.perf_counter() - t0
+    test = run.strategy.evaluate(run.test_loader)
+    return {"samples_per_s": meter.read()["count"] / seconds, "seconds": seconds, "test_acc": test["accuracy"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default="cpu")
+    parser.add_argument("--steps", type=int, default=235, help="minibatches per contender (235 = one epoch)")
+    parser.add_argument("--out", default=None, help="JSON file for the results")
+    args = parser.parse_args()
+
+    device = resolve(args.devices)[0]
+    train_split, test_split = data.load()
+    rows = {
+        "textbook (DataLoader x4 workers, functional LeNet, manual SGD)": run_textbook(train_split, test_split, device, args.steps),
+        "gpulab, channels_last off": run_gpulab(args.devices, args.steps, "off"),
+        "gpulab (default)": run_gpulab(args.devices, args.steps, "auto"),
+    }
+    base = next(iter(rows.values()))["samples_per_s"]
+    print(f"{args.steps} steps of batch {BATCH} on {args.devices}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'contender':66} {'samples/s':>10} {'test acc':>9} {'vs textbook':>12}")
+    for name, r in rows.items():
+        r["ratio_vs_textbook"] = r["samples_per_s"] / base
+        print(f"{name:66} {r['samples_per_s']:>10,.0f} {r['test_acc']:>9.3f} {r['ratio_vs_textbook']:>11.2f}x")
+    if args.out:
+        env = describe()
+        result = {
+            "benchmark": "train_speed",
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "devices": args.devices,
+            "steps": args.steps,
+            "batch_size": BATCH,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cpu": env["cpu"]["model"],
+            "gpus": [g["name"] for g in env["gpus"]],
+            "machine": platform.machine(),
+            "rows": rows,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
