@@ -46,8 +46,9 @@ def test_allreduce_choice_reaches_the_run(tiny_data, tmp_path, capsys, algorithm
     assert f"allreduce {algorithm}" in capsys.readouterr().out
 
 
-def test_resnet_with_sync_bn_trains(tiny_data, tmp_path):
+def test_resnet_with_sync_bn_trains(make_dataset, tmp_path):
+    data = make_dataset(tmp_path / "small", num_train=96, num_test=32)  # ResNet-18 is slow on 2 cores
     out = tmp_path / "resnet"
     assert main(["train", "--model", "resnet18", "--epochs", "1", "--devices", "cpu*2", "--sync-bn",
-                 "--batch-size", "64", "--out", str(out)]) == 0
+                 "--batch-size", "32", "--data-dir", str(data), "--out", str(out)]) == 0
     assert metrics(out)[0]["train_loss"] > 0
