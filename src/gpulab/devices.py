@@ -122,15 +122,26 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return True
 
 
-def _map(fn, x: Any) -> Any:
+def _map(fn, x: Any, keep_unchanged: bool = False) -> Any:
+    """Apply `fn` to every tensor/module in `x`, rebuilding the containers around the results.
+
+    With `keep_unchanged`, a container whose leaves all come back as the very same objects is
+    returned itself rather than rebuilt, so `place` on data already in place is `x` itself.
+    """
     if isinstance(x, torch.Tensor | torch.nn.Module):
         return fn(x)
     if isinstance(x, Mapping):
-        return type(x)({k: _map(fn, v) for k, v in x.items()})
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*(_map(fn, v) for v in x))
+        items = {k: _map(fn, v, keep_unchanged) for k, v in x.items()}
+        if keep_unchanged and all(items[k] is v for k, v in x.items()):
+            return x
+        return type(x)(items)
     if isinstance(x, list | tuple):
-        return type(x)(_map(fn, v) for v in x)
+        values = [_map(fn, v, keep_unchanged) for v in x]
+        if keep_unchanged and all(a is b for a, b in zip(values, x)):
+            return x
+        if hasattr(x, "_fields"):  # namedtuple
+            return type(x)(*values)
+        return type(x)(values)
     raise TypeError(f"cannot move a {type(x).__name__}: expected tensors, modules, or lists/dicts of them")
 
 
@@ -160,7 +171,7 @@ def place(x: Any, device: torch.device | str) -> Any:
             return t
         return t.to(device)
 
-    return _map(one, x)
+    return _map(one, x, keep_unchanged=True)
 
 
 def copy_to(x: Any, device: torch.device | str) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,12 @@ def read_idx(path: Path, expect_ndim: int) -> np.ndarray:
     path = Path(path)
     try:
         raw = _read_bytes(path)
+    # Before OSError: BadGzipFile (bad header, CRC mismatch) is a subclass of it. A damaged
+    # deflate stream raises zlib.error, a truncated one EOFError.
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise UserError(f"{path}: corrupted gzip data ({e}); delete it and fetch the dataset again") from None
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror or e}); check the path or re-fetch the dataset") from None
-    except (gzip.BadGzipFile, EOFError, ValueError) as e:
-        raise UserError(f"{path}: corrupted gzip data ({e}); delete it and fetch the dataset again") from None
 
     if len(raw) < 4:
         raise UserError(f"{path}: only {len(raw)} bytes, too short for an IDX header; the file is truncated")

@@ -224,4 +224,6 @@ class DataParallel:
     def load_state_dict(self, state: dict) -> None:
         for replica, opt in zip(self.replicas, self.optimizers):
             replica.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])  # casts its state onto this replica's device
+            # A copy per replica: on the same device Optimizer.load_state_dict does not copy, and
+            # virtual replicas (cpu*K) would otherwise share, and K-fold update, one momentum buffer.
+            opt.load_state_dict(copy.deepcopy(state["optimizer"]))

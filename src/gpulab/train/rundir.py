@@ -49,6 +49,10 @@ def check_writable(run_dir: Path) -> None:
     parent = run_dir
     while not parent.exists():
         parent = parent.parent
+    # A file part-way up (--out some.file/run): os.access alone would pass it for root when the
+    # file has an x bit, and mkdir would then fail with a traceback.
+    if not parent.is_dir():
+        raise UserError(f"--out {run_dir}: {parent} is a file, not a folder; choose another directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"--out {run_dir}: {parent} is not writable; choose another directory")
 

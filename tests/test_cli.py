@@ -1,0 +1,225 @@
+"""The command line: bad input is one line on stderr, exit 2, and nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpulab import __version__
+from gpulab.cli import main
+from gpulab.train import TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Train on one thread. With two cores, torch's OpenMP threads spin-wait for each other; when
+    another torch process shares the machine (a second test run, a benchmark), a 1-second test
+    then takes a minute. One thread costs little on this tiny data and keeps the time stable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`main(argv)`'s exit code, stdout and stderr. argparse's own usage errors exit via SystemExit."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2
+    assert err.startswith("gpulab: error: ")
+    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line: {err!r}"
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+
+
+TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--model", "vgg"], ["--model", "invalid choice: 'vgg'", "lenet"]),
+        (["--data", "cifar10"], ["unknown dataset 'cifar10'", "fashion-mnist"]),
+        (["--devices", "tpu"], ["unknown device 'tpu'", "available: cpu"]),
+        (["--devices", "cpu*0"], ["cpu*K with K >= 1"]),
+        (["--devices", "cpu,cpu"], ["lists a device twice"]),
+        (["--batch-size", "0"], ["--batch-size 0"]),
+        (["--batch-size", "-3"], ["--batch-size -3"]),
+        (["--devices", "cpu*4", "--batch-size", "2"], ["smaller than the 4 devices"]),
+        (["--lr", "0"], ["--lr 0.0", "positive"]),
+        (["--lr", "-0.5"], ["--lr -0.5", "positive"]),
+        (["--lr", "nan"], ["--lr nan", "positive"]),
+        (["--epochs", "0"], ["--epochs 0", "at least 1"]),
+        (["--epochs", "two"], ["--epochs", "invalid int value"]),
+        (["--eval-batch-size", "0"], ["--eval-batch-size 0"]),
+        (["--recipe", "textbook", "--model", "resnet18"], ["use --model lenet"]),
+        (["--recipe", "fast"], ["--recipe", "invalid choice"]),
+        (["--frobnicate"], ["unrecognized arguments: --frobnicate"]),
+    ],
+)
+def test_train_bad_input(tiny_data, tmp_path, capsys, args, fragments):
+    out = tmp_path / "run"
+    code, stdout, err = run([*TRAIN, "--out", str(out), *args], capsys)
+    assert_one_line_error(code, err, *fragments)
+    assert not out.exists()
+    assert stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_train_unavailable_gpu(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run([*TRAIN, "--out", str(out), "--devices", "cuda:0"], capsys)
+    assert_one_line_error(code, err, "'cuda:0' is not available", "available: cpu")
+    assert not out.exists()
+
+
+def test_train_missing_data_dir(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run([*TRAIN, "--out", str(out), "--data-dir", str(tmp_path / "nope")], capsys)
+    assert_one_line_error(code, err, "--data-dir", "does not exist")
+    assert not out.exists()
+
+
+def test_train_corrupted_data(tiny_data, tmp_path, capsys):
+    (tiny_data / "t10k-labels-idx1-ubyte.gz").write_bytes(b"\x1f\x8b" + b"\x00" * 30)
+    out = tmp_path / "run"
+    code, _, err = run([*TRAIN, "--out", str(out)], capsys)
+    assert_one_line_error(code, err, "t10k-labels-idx1-ubyte.gz", "corrupted gzip")
+    assert not out.exists()
+
+
+def test_train_out_under_a_file(tiny_data, tmp_path, capsys):
+    a_file = tmp_path / "somefile"
+    a_file.write_text("not a folder")
+    for out in (a_file / "run", a_file):
+        code, _, err = run([*TRAIN, "--out", str(out)], capsys)
+        assert_one_line_error(code, err, f"--out {out}", "choose")
+    assert a_file.read_text() == "not a folder"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders anyway")
+def test_train_out_in_a_read_only_folder(tiny_data, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        code, _, err = run([*TRAIN, "--out", str(locked / "run")], capsys)
+        assert_one_line_error(code, err, "is not writable")
+        assert not (locked / "run").exists()
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.fixture
+def no_data(tmp_path, monkeypatch):
+    """No Fashion-MNIST anywhere, and any download attempt fails the test."""
+    from gpulab.data import fashion_mnist
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("GPULAB_DATA", str(empty))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(empty))
+    monkeypatch.setattr(fashion_mnist, "DEBIAN_DIR", empty)
+
+    def no_download(target):
+        raise AssertionError(f"tried to download into {target}")
+
+    monkeypatch.setattr(fashion_mnist, "_download", no_download)
+
+
+def test_resume_of_a_dir_without_checkpoint(no_data, tmp_path, capsys):
+    """Says so before loading (let alone downloading) any data."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(TrainConfig(devices="cpu", out=str(run_dir)).to_dict()))
+    code, stdout, err = run(["train", "--resume", str(run_dir)], capsys)
+    assert_one_line_error(code, err, f"--resume {run_dir}", "no checkpoint.pt")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_resume_of_a_dir_that_is_not_a_run(tiny_data, tmp_path, capsys, exists):
+    run_dir = tmp_path / "run"
+    if exists:
+        run_dir.mkdir()
+    code, _, err = run(["train", "--resume", str(run_dir)], capsys)
+    assert_one_line_error(code, err, "no readable config.json")
+    assert run_dir.exists() == exists
+    if exists:
+        assert not list(run_dir.iterdir())
+
+
+def test_resume_with_other_options(tiny_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, _, err = run(["train", "--resume", str(run_dir), "--epochs", "5", "--sync-bn"], capsys)
+    assert_one_line_error(code, err, "drop --epochs, --sync-bn")
+    assert not run_dir.exists()
+
+
+def test_nan_loss_stops_with_one_line(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run([*TRAIN, "--epochs", "2", "--lr", "1e6", "--out", str(out)], capsys)
+    assert_one_line_error(code, err, "epoch 1: the training loss became", "lower --lr", "no checkpoint")
+    assert not (out / "checkpoint.pt").exists()
+
+
+def test_train_on_two_virtual_cpus(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, stdout, err = run([*TRAIN, "--devices", "cpu*2", "--epochs", "2", "--out", str(out)], capsys)
+    assert code == 0, err
+    assert "training lenet on [cpu*2]" in stdout
+    assert "test acc:" in stdout
+    rows = json.loads((out / "metrics.json").read_text())
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert json.loads((out / "config.json").read_text())["devices"] == "cpu*2"
+
+
+def test_train_then_resume(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run([*TRAIN, "--out", str(out)], capsys)[0] == 0
+    code, stdout, _ = run(["train", "--resume", str(out)], capsys)
+    assert code == 0
+    assert "test acc:" in stdout
+
+
+def test_devices(capsys):
+    code, out, err = run(["devices"], capsys)
+    assert code == 0 and err == ""
+    assert f"torch {torch.__version__}" in out
+    if not torch.cuda.is_available():
+        assert "no GPU found" in out
+    assert "cpu" in out
+
+
+def test_devices_json(capsys):
+    code, out, _ = run(["devices", "--json"], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert report["torch"] == torch.__version__
+    assert report["torch_sees_gpus"] == torch.cuda.device_count()
+    assert report["cpu"]["logical_cores"] >= 1
+    if not torch.cuda.is_available():
+        assert report["torch_sees_gpus"] == 0
+        assert report["gpus"] == [] or report["warnings"]
+
+
+def test_no_command(capsys):
+    code, _, err = run([], capsys)
+    assert_one_line_error(code, err, "required")
+
+
+def test_version(capsys):
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0 and out.strip() == f"gpulab {__version__}"

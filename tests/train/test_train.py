@@ -1,0 +1,334 @@
+"""The trainer on a tiny IDX dataset (conftest's `tiny_data`): run dirs, determinism, resume,
+learning, virtual replicas, and divergence. Each run is 1-3 short epochs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpulab.errors import UserError
+from gpulab.train import RECIPES, TrainConfig, train
+from gpulab.train.loop import lr_at
+from gpulab.train.rundir import CHECKPOINT, RunDir, check_writable, default_run_dir
+
+TIMING_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds"}
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread(request):
+    """Train on one thread. With two cores, torch's OpenMP threads spin-wait for each other; when
+    another torch process shares the machine (a second test run, a benchmark), a 1-second test
+    then takes a minute. One thread costs little on this tiny data and keeps the time stable.
+    The slow real-data test keeps every thread."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(out: Path, **overrides) -> TrainConfig:
+    args = dict(devices="cpu", epochs=2, batch_size=32, out=str(out))
+    args.update(overrides)
+    return TrainConfig(**args)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False)["strategy"]["model"]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), f"{name} differs"
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def deterministic(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after(epoch: int, exc: type[BaseException] = KeyboardInterrupt):
+    def on_epoch_end(row: dict) -> None:
+        if row["epoch"] == epoch:
+            raise exc()
+
+    return on_epoch_end
+
+
+# ----------------------------------------------------------------------------- run directory
+
+
+def test_run_dir_contents(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    final = train(config(out, epochs=2))
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "metrics.json", "metrics.csv", "curves.png", CHECKPOINT]
+    )
+    saved = json.loads((out / "config.json").read_text())
+    assert saved == config(out, epochs=2).to_dict()
+    assert TrainConfig.from_dict(saved) == config(out, epochs=2)
+
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert rows[-1] == final
+    for row in rows:
+        for key in ("train_loss", "train_acc", "test_loss", "test_acc", "train_seconds", "samples_per_s", "lr_peak"):
+            assert isinstance(row[key], float) and math.isfinite(row[key]), key
+        assert 0 <= row["train_acc"] <= 1 and 0 <= row["test_acc"] <= 1
+    with open(out / "metrics.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in table] == [1, 2]
+    assert float(table[1]["test_acc"]) == rows[1]["test_acc"]
+    assert "phases_s" not in table[0]  # nested values stay in the JSON only
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    checkpoint = torch.load(out / CHECKPOINT, map_location="cpu", weights_only=False)
+    assert checkpoint["epoch"] == 2 and checkpoint["history"] == rows
+    assert set(checkpoint["strategy"]) == {"model", "optimizer"}
+    assert not list(out.glob(".*.tmp"))  # atomic writes leave no temporaries behind
+
+
+def test_same_config_twice_is_identical(tiny_data, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(config(a))
+    train(config(b))
+    assert deterministic(metrics(a)) == deterministic(metrics(b))
+    assert_same_weights(a, b)
+
+
+def test_another_seed_gives_other_weights(tiny_data, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(config(a, epochs=1))
+    train(config(b, epochs=1, seed=1))
+    assert not torch.equal(weights(a)["fc1.weight"], weights(b)["fc1.weight"])
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu*2"])
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_data, tmp_path, devices):
+    whole, crashed = tmp_path / "whole", tmp_path / "crashed"
+    train(config(whole, epochs=3, devices=devices))
+
+    with pytest.raises(KeyboardInterrupt):
+        train(config(crashed, epochs=3, devices=devices), on_epoch_end=crash_after(1))
+    assert [r["epoch"] for r in metrics(crashed)] == [1]
+    assert torch.load(crashed / CHECKPOINT, weights_only=False)["epoch"] == 1
+
+    final = train(resume=str(crashed))
+    assert final["epoch"] == 3
+    assert_same_weights(whole, crashed)
+    assert deterministic(metrics(crashed)) == deterministic(metrics(whole))
+
+
+def test_resume_of_a_finished_run_trains_nothing(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    train(config(out, epochs=1))
+    before = (out / CHECKPOINT).read_bytes()
+    final = train(resume=str(out))
+    assert final["epoch"] == 1
+    assert (out / CHECKPOINT).read_bytes() == before
+
+
+def test_resume_without_checkpoint(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        train(config(out, epochs=1), on_epoch_end=crash_after(1, Crash))
+    (out / CHECKPOINT).unlink()
+    with pytest.raises(UserError, match=f"no {CHECKPOINT}"):
+        train(resume=str(out))
+
+
+def test_resume_of_a_dir_that_is_not_a_run(tiny_data, tmp_path):
+    with pytest.raises(UserError, match="no readable config.json"):
+        train(resume=str(tmp_path))
+    with pytest.raises(UserError, match="no readable config.json"):
+        train(resume=str(tmp_path / "missing"))
+    assert not (tmp_path / "missing").exists()
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def test_training_learns(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    final = train(config(out, epochs=3))
+    rows = metrics(out)
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert final["test_acc"] >= 0.6  # chance is 0.1
+
+
+def test_textbook_recipe_trains(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    final = train(config(out, epochs=1, recipe="textbook"))
+    assert final["lr_peak"] == RECIPES["textbook"].lr
+    assert math.isfinite(final["train_loss"])
+    # the N(0, 0.01^2) init starts at chance: every logit ~0, so the loss is ~ln 10
+    assert final["train_loss"] == pytest.approx(math.log(10), abs=0.05)
+
+
+def test_textbook_recipe_needs_lenet(tiny_data, tmp_path):
+    with pytest.raises(UserError, match="use --model lenet"):
+        train(config(tmp_path / "run", recipe="textbook", model="resnet18"))
+
+
+def test_two_virtual_cpus_train(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    final = train(config(out, epochs=3, devices="cpu*2"))
+    assert "[cpu*2]" in capsys.readouterr().out
+    rows = metrics(out)
+    assert [len(r["allreduce_share"]) for r in rows] == [1, 1, 1]
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert final["test_acc"] >= 0.6
+
+
+def test_virtual_cpus_compute_what_one_cpu_does(tiny_data, tmp_path):
+    """Data parallelism over cpu*2 is the same model as 1 device, up to float summation order."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(config(one, epochs=1))
+    train(config(two, epochs=1, devices="cpu*2"))
+    w1, w2 = weights(one), weights(two)
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=1e-5)
+
+
+def test_batch_smaller_than_device_count(tiny_data, tmp_path):
+    with pytest.raises(UserError, match="smaller than the 4 devices"):
+        train(config(tmp_path / "run", devices="cpu*4", batch_size=3))
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def test_divergence_in_the_first_epoch_says_there_is_no_checkpoint(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(UserError) as info:
+        train(config(out, lr=1e6))
+    message = str(info.value)
+    assert "\n" not in message
+    assert "epoch 1: the training loss became" in message
+    assert "lower --lr" in message
+    assert "no checkpoint" in message
+    assert "last good checkpoint" not in message
+    assert not (out / CHECKPOINT).exists()
+
+
+def test_divergence_later_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        train(config(out, epochs=3), on_epoch_end=crash_after(1, Crash))
+    good = (out / CHECKPOINT).read_bytes()
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**saved, "lr": 1e6}))  # epoch 2 now diverges
+
+    with pytest.raises(UserError) as info:
+        train(resume=str(out))
+    message = str(info.value)
+    assert "epoch 2: the training loss became" in message
+    assert f"last good checkpoint (epoch 1) kept in {out}" in message
+    assert (out / CHECKPOINT).read_bytes() == good
+    assert [r["epoch"] for r in metrics(out)] == [1]
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_config_validation():
+    for bad, match in (
+        (dict(model="vgg"), "unknown model 'vgg'"),
+        (dict(data="cifar10"), "unknown dataset 'cifar10'"),
+        (dict(recipe="fast"), "unknown recipe 'fast'"),
+        (dict(epochs=0), "at least 1 epoch"),
+        (dict(batch_size=0), "batch size must be >= 1"),
+        (dict(eval_batch_size=0), "must be >= 1"),
+        (dict(lr=0.0), "positive number"),
+        (dict(lr=-0.1), "positive number"),
+        (dict(lr=float("nan")), "positive number"),
+        (dict(lr=float("inf")), "positive number"),
+        (dict(channels_last="maybe"), "use auto, on or off"),
+        (dict(allreduce="carrier-pigeon"), "--allreduce carrier-pigeon"),
+    ):
+        with pytest.raises(UserError, match=match):
+            TrainConfig(**bad)
+
+
+def test_config_round_trip_ignores_unknown_keys():
+    cfg = TrainConfig(model="resnet18", epochs=3, lr=0.05, devices="cpu*2")
+    assert TrainConfig.from_dict({**cfg.to_dict(), "from_the_future": 1}) == cfg
+
+
+def test_lr_schedules():
+    constant = RECIPES["textbook"]
+    assert [lr_at(s, 10, 0.2, constant) for s in range(10)] == [0.2] * 10
+    assert [lr_at(s, 10, 0.2, constant, warmup_steps=4) for s in range(5)] == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.2])
+
+    onecycle = RECIPES["modern"]  # 15% warm-up, then cosine down to 0
+    lrs = [lr_at(s, 100, 1.0, onecycle) for s in range(100)]
+    assert lrs[0] == pytest.approx(1 / 15)
+    assert lrs[14] == pytest.approx(1.0) and lrs[15] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[15:], lrs[16:]))
+    assert 0 < lrs[-1] < 0.001
+    assert max(lrs) == pytest.approx(1.0)
+
+
+def test_check_writable(tmp_path):
+    check_writable(tmp_path / "new" / "deeper")  # a path that can be created
+    assert not (tmp_path / "new").exists()  # ... and checking creates nothing
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        check_writable(a_file)
+    with pytest.raises(UserError, match=f"{a_file}"):
+        check_writable(a_file / "run")
+    a_file.chmod(0o755)  # even executable (root passes os.access X_OK then), a file is not a folder
+    with pytest.raises(UserError, match=f"{a_file}"):
+        check_writable(a_file / "run" / "deeper")
+
+
+def test_default_run_dir():
+    path = default_run_dir("lenet")
+    assert path.parent == Path("runs") and path.name.endswith("-lenet")
+
+
+def test_rundir_writes_are_atomic_replacements(tmp_path):
+    run = RunDir(tmp_path)
+    run.write_config({"a": 1})
+    run.write_config({"a": 2})
+    assert run.read_config() == {"a": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+# ----------------------------------------------------------------------------- real data (slow)
+
+
+@pytest.mark.slow
+def test_lenet_reaches_90_percent_on_fashion_mnist(tmp_path):
+    """The default recipe's promise: LeNet, 10 epochs, real Fashion-MNIST, test accuracy >= 0.90."""
+    from gpulab.data import fashion_mnist
+
+    try:
+        fashion_mnist.find(download=False)
+    except UserError as e:
+        pytest.skip(f"real Fashion-MNIST not available: {e}")
+    out = tmp_path / "run"
+    final = train(TrainConfig(model="lenet", epochs=10, out=str(out)))
+    assert final["epoch"] == 10
+    assert final["test_acc"] >= 0.90
