@@ -332,3 +332,12 @@ def test_lenet_reaches_90_percent_on_fashion_mnist(tmp_path):
     final = train(TrainConfig(model="lenet", epochs=10, out=str(out)))
     assert final["epoch"] == 10
     assert final["test_acc"] >= 0.90
+
+
+def test_out_dir_holding_a_run_is_not_overwritten(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    train(config(out, epochs=1))
+    before = (out / CHECKPOINT).read_bytes()
+    with pytest.raises(UserError, match="already holds a gpulab run"):
+        train(config(out, epochs=1))
+    assert (out / CHECKPOINT).read_bytes() == before

@@ -46,6 +46,8 @@ def check_writable(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--out {run_dir} is a file: choose a directory path")
+    if (run_dir / "config.json").exists():
+        raise UserError(f"--out {run_dir} already holds a gpulab run: continue it with --resume {run_dir} or choose another --out")
     parent = run_dir
     while not parent.exists():
         parent = parent.parent
