@@ -84,13 +84,11 @@ def _fmt(value, unit: str, limit=None) -> str:
 
 
 def add_train_parser(sub) -> None:
-    from gpulab.models import MODELS
-    from gpulab.parallel import ALGORITHMS
-    from gpulab.train import RECIPES
-
+    # No choices= here: importing the model/recipe tables would import torch just to build the
+    # parser (2 s before `gpulab profile` can start a script). TrainConfig validates every value.
     p = sub.add_parser("train", help="train a model, data-parallel over the chosen devices")
     # Every default is None so that only options the user typed override TrainConfig's defaults.
-    p.add_argument("--model", choices=list(MODELS), default=None, help="lenet (default) or resnet18")
+    p.add_argument("--model", default=None, help="lenet (default) or resnet18")
     p.add_argument("--data", default=None, help="dataset (fashion-mnist)")
     p.add_argument("--data-dir", default=None, help="folder with the IDX files (default: $GPULAB_DATA, cache, Debian's path)")
     p.add_argument("--devices", default=None, help="auto (default: every GPU, else CPU) | cpu | cpu*K | cuda:0,cuda:1 | gpu:N")
@@ -100,16 +98,16 @@ def add_train_parser(sub) -> None:
         help="GLOBAL minibatch size (default 256): with k devices each device gets about batch-size/k",
     )
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
-    p.add_argument("--recipe", choices=list(RECIPES), default=None, help="modern (default) or textbook (SGD, lr 0.2)")
+    p.add_argument("--recipe", default=None, help="modern (default) or textbook (SGD, lr 0.2)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--allreduce", choices=list(ALGORITHMS), default=None, help="gradient allreduce algorithm (default auto)")
+    p.add_argument("--allreduce", default=None, help="gradient allreduce: auto (default), naive, ring or nccl")
     p.add_argument("--sync-bn", action="store_const", const=True, default=None, help="BatchNorm statistics over the whole minibatch")
     p.add_argument(
         "--scale-batch", action="store_const", const=True, default=None,
         help="multiply the batch and the learning rate by the number of devices (with one epoch of warm-up)",
     )
     p.add_argument("--eval-batch-size", type=int, default=None)
-    p.add_argument("--channels-last", choices=["auto", "on", "off"], default=None)
+    p.add_argument("--channels-last", default=None, help="auto (default: on for CPU), on or off")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>-<model>)")
     p.add_argument("--profile", action="store_const", const=True, default=None, help="sample utilisation; write a timeline")
     p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its last checkpoint")

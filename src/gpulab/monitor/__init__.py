@@ -1,0 +1,28 @@
+"""See where the time goes.
+
+    profile(out=...)   profile a training loop in this process (`with ... as p:`; `p.step()`)
+    Sampler            background sampling of GPUs (NVML, GPM) and the process (psutil)
+
+`gpulab profile -- python script.py` does the same for an unmodified script (runner.py runs it
+under bootstrap.py); `gpulab train --profile` for gpulab's own trainer, whose per-phase step
+timer is gpulab.monitor.phases.PhaseTimer.
+
+Importing this package does not import torch: the profiler's bootstrap must let the user's script
+be the one that imports it (a script may set OMP_NUM_THREADS first).
+"""
+
+from gpulab.monitor.sampler import Sampler
+
+
+def profile(out="profile", **settings):
+    """A profiling session around a block of code: `with gpulab.monitor.profile(out="prof") as p:`.
+
+    `settings` are ProfileConfig fields (interval_s, warmup_steps, kernel_window_steps, ...), plus
+    `console` (a rich Console for the printed report) and `quiet=True` to print nothing.
+    """
+    from gpulab.monitor.session import profile as start_session
+
+    return start_session(out, **settings)
+
+
+__all__ = ["Sampler", "profile"]

@@ -1,12 +1,42 @@
-"""`gpulab profile` (work in progress: being built for the profiling issue)."""
+"""`gpulab profile [--out DIR] [--interval S] -- python your_script.py args...`"""
 
-from gpulab.errors import UserError
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gpulab.monitor.config import ProfileConfig
+
+_DESCRIPTION = """\
+Run an unmodified PyTorch training script and show where its step time goes.
+
+Steps come from optimizer.step(); time blocked on the DataLoader, host syncs (.item(), print,
+.cpu() on CUDA), host-to-device copies, forward/backward/optimizer and the Python in between is
+measured per step while a sampler records GPU and CPU utilization. DIR receives report.json
+(findings ranked by share of step time, each with evidence, the line and the fix),
+timeline.png and trace.json (open in ui.perfetto.dev). The script keeps its exit code, stdout
+and stderr; the short report goes to stderr.
+"""
 
 
 def add_profile_parser(sub) -> None:
-    p = sub.add_parser("profile", help="profile an unmodified training script (in progress)")
-    p.set_defaults(func=_todo)
+    p = sub.add_parser(
+        "profile",
+        help="run an unmodified training script and diagnose why the device idles",
+        description=_DESCRIPTION,
+        usage="gpulab profile [--out DIR] [--interval S] -- python your_script.py [args ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default profiles/<timestamp>-<script>)")
+    p.add_argument("--interval", type=float, default=None, metavar="S",
+                   help="GPU/CPU sampling interval in seconds (default 0.1)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the Python command to profile, after --")
+    p.set_defaults(func=run_profile)
 
 
-def _todo(args) -> int:
-    raise UserError("gpulab profile is not built yet")
+def run_profile(args) -> int:
+    from gpulab.monitor.runner import profile_command
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    cfg = ProfileConfig(**({"interval_s": args.interval} if args.interval is not None else {}))
+    return profile_command(command, Path(args.out) if args.out else None, cfg)

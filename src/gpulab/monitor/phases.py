@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
+
+# While a profiling session runs (gpulab.monitor.profile, `gpulab train --profile`) it sets this to
+# see the trainer's phases as spans on its timeline; None otherwise.
+span_hook: Callable[[str], AbstractContextManager] | None = None
 
 
 class PhaseTimer:
@@ -29,18 +34,19 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
-        if not self.enabled:
-            yield
-            return
-        if self.cuda:
-            starts = [self._record(d) for d in self.devices]
-            yield
-            ends = [self._record(d) for d in self.devices]
-            self._events[name].append((starts, ends))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._wall[name] += time.perf_counter() - t0
+        with span_hook(name) if span_hook is not None else nullcontext():
+            if not self.enabled:
+                yield
+                return
+            if self.cuda:
+                starts = [self._record(d) for d in self.devices]
+                yield
+                ends = [self._record(d) for d in self.devices]
+                self._events[name].append((starts, ends))
+            else:
+                t0 = time.perf_counter()
+                yield
+                self._wall[name] += time.perf_counter() - t0
 
     @staticmethod
     def _record(device: torch.device):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gpulab import data, models
 from gpulab.devices import format_devices, resolve
 from gpulab.errors import UserError
+from gpulab.monitor import profile
 from gpulab.monitor.phases import PhaseTimer
 from gpulab.parallel import DataParallel, Meter
 from gpulab.train.config import Recipe, TrainConfig
@@ -194,6 +196,8 @@ def train(
     if resume:
         run_dir = RunDir(Path(resume))
         cfg = TrainConfig.from_dict(run_dir.read_config())
+        # Before build: a run with nothing to resume should say so, not load (or download) data first.
+        checkpoint = run_dir.load_checkpoint()
     else:
         cfg = cfg or TrainConfig()
         run_dir = RunDir(Path(cfg.out) if cfg.out else default_run_dir(cfg.model))
@@ -203,7 +207,6 @@ def train(
     history: list[dict] = []
     start_epoch = 0
     if resume:
-        checkpoint = run_dir.load_checkpoint()
         run.strategy.load_state_dict(checkpoint["strategy"])
         history, start_epoch = checkpoint["history"], checkpoint["epoch"]
     else:
@@ -219,13 +222,20 @@ def train(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         console=console, transient=True,
     )
-    with progress:
+    # --profile: the same machinery as `gpulab profile`; report, timeline and trace go to <run>/profile.
+    profiling = profile(out=run_dir.path / "profile", console=console) if cfg.profile else nullcontext()
+    with profiling, progress:
         for epoch in range(start_epoch, cfg.epochs):
             try:
                 row = {"epoch": epoch + 1, **train_epoch(run, epoch, progress), **evaluate(run)}
             except NonFiniteLoss as e:
-                kept = f"last good checkpoint (epoch {start_epoch if not history else history[-1]['epoch']})"
-                raise UserError(f"{e}; stopped, {kept} kept in {run_dir.path}: lower --lr") from None
+                # A checkpoint exists only once an epoch has finished; if the first one diverged
+                # there is nothing to keep, and saying "epoch 0" would promise a file that isn't there.
+                if history:
+                    kept = f"last good checkpoint (epoch {history[-1]['epoch']}) kept in {run_dir.path}"
+                else:
+                    kept = f"no checkpoint saved in {run_dir.path} (no epoch finished with a finite loss)"
+                raise UserError(f"{e}; stopped, {kept}: lower --lr") from None
             row["lr_peak"] = run.peak_lr
             history.append(row)
             run_dir.save_checkpoint({"strategy": run.strategy.state_dict(), "history": history, "epoch": epoch + 1})

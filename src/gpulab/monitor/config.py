@@ -1,0 +1,39 @@
+"""The settings of one profiling session (`gpulab profile`, `gpulab.monitor.profile`, `train --profile`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from gpulab.errors import UserError
+
+
+@dataclass(kw_only=True)
+class ProfileConfig:
+    interval_s: float = 0.1
+    """How often the GPUs and the process are sampled (NVML, psutil)."""
+    warmup_steps: int = 2
+    """First steps left out of the statistics: lazy CUDA init, cuDNN autotuning, allocator growth."""
+    kernel_window_steps: int = 3
+    """On CUDA, steps captured with torch.profiler (right after warm-up) to count kernels and measure
+    how long the device was busy per step; 0 turns it off. These steps are left out of the statistics."""
+    stack_interval_s: float = 0.02
+    """How often the training thread's Python stack is sampled to find the hottest user line of
+    each phase; 0 turns it off."""
+    trace_steps: int = 2000
+    """Steps whose individual spans (forward, backward, syncs, ...) go into trace.json; later steps
+    appear as whole steps only, so the trace of a long run stays small."""
+
+    def __post_init__(self):
+        if not 0 < self.interval_s <= 60:
+            raise UserError(f"--interval {self.interval_s}: use a positive number of seconds up to 60, e.g. 0.1")
+        if self.warmup_steps < 0:
+            raise UserError(f"warmup_steps {self.warmup_steps}: use 0 or more")
+        if self.kernel_window_steps < 0:
+            raise UserError(f"kernel_window_steps {self.kernel_window_steps}: use 0 (off) or more")
+        if not 0 <= self.stack_interval_s <= 10:
+            raise UserError(f"stack_interval_s {self.stack_interval_s}: use 0 (off) or a few milliseconds, e.g. 0.02")
+        if self.trace_steps < 0:
+            raise UserError(f"trace_steps {self.trace_steps}: use 0 or more")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,366 @@
+"""CUDA-only instrumentation: host syncs, host->device copies, and a short kernel capture.
+
+Host syncs. A CUDA call returns before the GPU has run it; `.item()`, `print(t)`, `.cpu()`,
+`if t:` and friends make the host wait until the device has caught up, so the GPU idles while
+Python prepares the next step. Two mechanisms, used together:
+- torch's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`) makes torch report every
+  synchronizing operation it knows of as a warning; gpulab intercepts those warnings (the user
+  never sees them) and notes the user's line;
+- the Python-level entry points that sync (Tensor.item/tolist/cpu/numpy/nonzero, bool/int/float/
+  index/repr/format of a tensor, Tensor.to(cpu), torch.cuda.synchronize, Event/Stream.synchronize)
+  are wrapped and timed, so the time the host sat blocked is known. A wrapped call counts as a
+  sync only if torch reported one while it ran (a non_blocking copy to pinned memory does not).
+  Syncs torch reports inside calls gpulab does not wrap (boolean-mask indexing, ...) are counted,
+  with their line, but not timed.
+
+Copies. `Tensor.to(cuda)` / `.cuda()` from a CPU tensor are timed, with their size and whether
+the source was pinned: from pageable memory the copy is staged through a driver buffer and, unless
+non_blocking, waits for the device like a sync.
+
+Kernel window. After warm-up a few steps are captured with torch.profiler: kernels per step,
+their median duration, and the time the device computed per step (the union of kernel
+intervals). A launch-bound loop shows many short kernels and a device idle between them.
+
+Everything here is inert on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from gpulab.monitor.frames import user_site
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+# Tensor methods that wait for the device when called on a CUDA tensor.
+SYNC_METHODS = (
+    "item", "tolist", "numpy", "cpu", "nonzero",
+    "__bool__", "__int__", "__float__", "__index__", "__repr__", "__format__",
+)
+_RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+class _ThreadState(threading.local):
+    depth = 0  # >0 while inside a timed call: nested calls are part of it
+    synced = False  # torch reported a sync during the current timed call
+
+
+class CudaHooks:
+    def __init__(self, recorder, window_after_step: int, window_steps: int):
+        self.rec = recorder
+        self.enabled = False
+        self.sync_debug = False  # torch's sync debug mode is on (our sync detector)
+        self.sync_debug_used = False  # ... and was, at some point of the session
+        self._previous_debug_mode = 0
+        self._state = _ThreadState()
+        self._warning_filter = None
+        self._original_showwarning = None
+        self.window = KernelWindow(recorder, window_after_step, window_steps)
+
+    @property
+    def window_active(self) -> bool:
+        return self.window.active
+
+    # ------------------------------------------------------------------ install
+
+    def install(self, patch) -> None:
+        # Not torch.cuda.is_available(): that initialises the CUDA driver in a script that may never
+        # use the GPU. On a CUDA build the wrappers are inert until a CUDA tensor shows up.
+        if not torch.backends.cuda.is_built():
+            return
+        self.enabled = True
+        self._intercept_sync_warnings()
+        # Enabling sync debug mode needs CUDA initialised; don't initialise it ourselves (a script
+        # that never uses the GPU must not get a CUDA context, or fork-unsafe DataLoader workers):
+        # queue it to run when the script's first CUDA call initialises CUDA.
+        lazy_call = getattr(torch.cuda, "_lazy_call", None)
+        if lazy_call is not None:
+            lazy_call(self._enable_sync_debug)
+        for name in SYNC_METHODS:
+            patch(torch.Tensor, name, lambda orig, name=name: self._timed_sync(orig, f"Tensor.{name}"))
+        patch(torch.Tensor, "to", lambda orig: self._timed_copy(orig, "Tensor.to"))
+        patch(torch.Tensor, "cuda", lambda orig: self._timed_copy(orig, "Tensor.cuda"))
+        patch(torch.cuda, "synchronize", lambda orig: self._timed_explicit(orig, "torch.cuda.synchronize"))
+        patch(torch.cuda.Event, "synchronize", lambda orig: self._timed_explicit(orig, "Event.synchronize"))
+        patch(torch.cuda.Stream, "synchronize", lambda orig: self._timed_explicit(orig, "Stream.synchronize"))
+
+    def uninstall(self) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        if self.sync_debug and torch.cuda.is_initialized():
+            torch._C._cuda_set_sync_debug_mode(self._previous_debug_mode)
+        self.sync_debug = False
+        if warnings.showwarning is self._showwarning:
+            warnings.showwarning = self._original_showwarning
+        if self._warning_filter in warnings.filters:
+            warnings.filters.remove(self._warning_filter)
+            warnings._filters_mutated()
+
+    def _enable_sync_debug(self) -> None:
+        if not self.enabled or self.sync_debug:
+            return
+        try:
+            self._previous_debug_mode = torch._C._cuda_get_sync_debug_mode()
+            torch._C._cuda_set_sync_debug_mode(1)  # 1 = warn
+            self.sync_debug = self.sync_debug_used = True
+        except (AttributeError, RuntimeError):
+            self.sync_debug = False
+
+    def _intercept_sync_warnings(self) -> None:
+        # "always": Python's default shows a warning once per line, and every sync counts.
+        warnings.filterwarnings("always", message=re.escape(SYNC_WARNING))
+        self._warning_filter = warnings.filters[0]
+        self._original_showwarning = warnings.showwarning
+        warnings.showwarning = self._showwarning
+
+    def _showwarning(self, message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith(SYNC_WARNING):
+            self._on_sync_reported()
+            return
+        self._original_showwarning(message, category, filename, lineno, file, line)
+
+    def _on_sync_reported(self) -> None:
+        if self._state.depth:
+            self._state.synced = True  # the timed call around us records it, with its duration
+        elif self.rec.here():
+            self.rec.add_untimed_sync(user_site(sys._getframe(2)))
+
+    @contextmanager
+    def suppressed(self):
+        """gpulab's own CUDA calls (profiler start/stop) are not the user's syncs."""
+        self._state.depth += 1
+        try:
+            yield
+        finally:
+            self._state.depth -= 1
+
+    # ------------------------------------------------------------------ wrappers
+
+    def _timed_sync(self, original, op: str):
+        rec, state, hooks = self.rec, self._state, self
+        is_compiling = torch.compiler.is_compiling
+
+        def wrapper(tensor, *args, **kwargs):
+            # is_compiling() first: under torch.compile the rest folds away and the call is traced as is.
+            if is_compiling() or state.depth or not tensor.is_cuda or not rec.here():
+                return original(tensor, *args, **kwargs)
+            state.depth, state.synced = 1, False
+            t0 = time.perf_counter()
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                t1 = time.perf_counter()
+                state.depth = 0
+                if state.synced or not hooks.sync_debug:
+                    rec.add_sync(op, t0, t1, user_site(sys._getframe(1)))
+
+        return wrapper
+
+    def _timed_copy(self, original, op: str):
+        rec, state, hooks = self.rec, self._state, self
+        is_compiling = torch.compiler.is_compiling
+
+        def wrapper(tensor, *args, **kwargs):
+            if is_compiling() or state.depth or not rec.here():
+                return original(tensor, *args, **kwargs)
+            from_cuda = tensor.is_cuda
+            state.depth, state.synced = 1, False
+            t0 = time.perf_counter()
+            try:
+                out = original(tensor, *args, **kwargs)
+            finally:
+                state.depth = 0
+            t1 = time.perf_counter()
+            if isinstance(out, torch.Tensor) and out is not tensor and out.is_cuda != from_cuda:
+                where = user_site(sys._getframe(1))
+                if out.is_cuda:
+                    rec.add_h2d(op, t0, t1, tensor.nbytes, tensor.is_pinned(), where)
+                elif state.synced or not hooks.sync_debug:
+                    rec.add_sync(f"{op}(cpu)", t0, t1, where)
+            return out
+
+        return wrapper
+
+    def _timed_explicit(self, original, op: str):
+        rec, state = self.rec, self._state
+
+        def wrapper(*args, **kwargs):
+            if state.depth or not rec.here():
+                return original(*args, **kwargs)
+            state.depth = 1
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                t1 = time.perf_counter()
+                state.depth = 0
+                rec.add_sync(op, t0, t1, user_site(sys._getframe(1)))
+
+        return wrapper
+
+    # ------------------------------------------------------------------ steps and the end
+
+    def on_step_end(self, steps_done: int) -> None:
+        if not self.enabled:
+            return
+        if not self.sync_debug and torch.cuda.is_initialized():
+            self._enable_sync_debug()  # torch without _lazy_call: enable once CUDA is up
+        self.window.on_step_end(steps_done)
+
+    def finish(self, steps_done: int) -> None:
+        if self.enabled:
+            self.window.finish(steps_done)
+
+    def usage(self) -> dict:
+        """Did the script use CUDA, and which devices (by UUID, to match NVML's GPUs)?"""
+        initialized = torch.backends.cuda.is_built() and torch.cuda.is_initialized()
+        out = {"available": torch.cuda.is_available(), "initialized": initialized,
+               "sync_debug_mode": self.sync_debug_used, "devices": []}
+        if not initialized:
+            return out
+        for i in range(torch.cuda.device_count()):
+            peak = torch.cuda.max_memory_allocated(i)
+            if peak == 0:
+                continue
+            props = torch.cuda.get_device_properties(i)
+            out["devices"].append({
+                "index": i,
+                "name": props.name,
+                "uuid": str(getattr(props, "uuid", "")),
+                "capability": f"{props.major}.{props.minor}",
+                "peak_allocated_mib": peak / 2**20,
+            })
+        return out
+
+
+class KernelWindow:
+    """torch.profiler over a few steps after warm-up; emits one "kernels" record."""
+
+    def __init__(self, recorder, after_step: int, num_steps: int):
+        self.rec = recorder
+        self.after_step = after_step
+        self.num_steps = num_steps
+        self.active = False
+        self.done = num_steps == 0
+        self._prof = None
+        self._started_at = 0
+
+    def on_step_end(self, steps_done: int) -> None:
+        if self.done:
+            return
+        if not self.active and steps_done >= self.after_step and torch.cuda.is_initialized():
+            self._start(steps_done)
+        elif self.active and steps_done - self._started_at >= self.num_steps:
+            self._stop(steps_done)
+
+    def finish(self, steps_done: int) -> None:
+        if self.active:
+            self._stop(steps_done)
+
+    def _start(self, steps_done: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            with _kineto_logs_hidden():
+                self._prof.start()
+        except Exception as e:  # CUPTI missing or busy (another profiler): no kernel statistics
+            self._give_up(e)
+            return
+        self.active = True
+        self._started_at = steps_done
+
+    def _stop(self, steps_done: int) -> None:
+        self.active = False
+        self.done = True
+        steps = steps_done - self._started_at
+        try:
+            with _kineto_logs_hidden():
+                self._prof.stop()
+            record = kernel_statistics(self._prof.profiler.kineto_results.events(), steps)
+        except Exception as e:
+            self._give_up(e)
+            return
+        finally:
+            self._prof = None
+        if record is not None:
+            self.rec._emit(record)
+
+    def _give_up(self, error: Exception) -> None:
+        self.active = False
+        self.done = True
+        self.rec._emit({"type": "kernels", "error": f"{type(error).__name__}: {error}"})
+
+
+@contextmanager
+def _kineto_logs_hidden():
+    """Kineto writes log lines ("profiler_start", "Completed Stage: ...") straight to fd 2 when a
+    capture starts and stops; they are not the user's stderr, so fd 2 points at /dev/null for the
+    few milliseconds of those two calls."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def kernel_statistics(events, steps: int) -> dict | None:
+    """Kernels per step, their durations, and device-busy time per step, from kineto events."""
+    if steps <= 0:
+        return None
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels: dict[int, list[tuple[int, int]]] = {}  # per device: (start, end) in ns
+    memcpy_ns = pageable = sync_ns = 0
+    for e in events:
+        name = e.name()
+        start, end = e.start_ns(), e.end_ns()
+        if e.device_type() == cuda:
+            if name.startswith("Memcpy"):
+                memcpy_ns += end - start
+                pageable += "Pageable" in name
+            elif not name.startswith("Memset"):
+                kernels.setdefault(e.device_index(), []).append((start, end))
+        elif name in _RUNTIME_SYNCS:
+            sync_ns += end - start
+    # "Busy" means computing: a copy engine moving a batch leaves the SMs idle (NVML agrees:
+    # its utilization counts kernels only).
+    busy = {index: _union_ns(intervals) / 1e9 / steps for index, intervals in kernels.items()}
+    durations = sorted(end - start for intervals in kernels.values() for start, end in intervals)
+    return {
+        "type": "kernels",
+        "steps": steps,
+        "kernels_per_step": len(durations) / steps,
+        "kernel_median_us": durations[len(durations) // 2] / 1e3 if durations else None,
+        "kernel_p90_us": durations[int(len(durations) * 0.9)] / 1e3 if durations else None,
+        "device_busy_s_per_step": max(busy.values()) if busy else 0.0,
+        "device_busy_s_per_step_by_device": {str(k): v for k, v in busy.items()},
+        "memcpy_s_per_step": memcpy_ns / 1e9 / steps,
+        "memcpy_pageable_per_step": pageable / steps,
+        "runtime_sync_s_per_step": sync_ns / 1e9 / steps,
+    }
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    total, end_so_far = 0, None
+    for start, end in sorted(intervals):
+        if end_so_far is None or start > end_so_far:
+            total += end - start
+            end_so_far = end
+        elif end > end_so_far:
+            total += end - end_so_far
+            end_so_far = end
+    return total

@@ -1,0 +1,73 @@
+"""Finding the line of the *user's* code responsible for something that happens deep inside torch.
+
+A host sync is raised inside a torch C++ call, a DataLoader wait inside torch's queue code; the
+line worth showing is the innermost frame that belongs to the user: not the standard library,
+not an installed package (torch, numpy, ...), and not this profiler. gpulab's own trainer counts
+as user code, so `gpulab train --profile` points at the trainer's lines.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+from types import FrameType
+
+_MONITOR_DIR = str(Path(__file__).resolve().parent)
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.add(_MONITOR_DIR)
+    try:
+        import torch
+
+        roots.add(str(Path(torch.__file__).resolve().parent))
+    except ImportError:
+        pass
+    return tuple(os.path.realpath(r) + os.sep for r in roots)
+
+
+_ROOTS: tuple[str, ...] | None = None
+_IS_USER: dict[str, bool] = {}
+
+
+def is_user_file(filename: str) -> bool:
+    """True for the user's source files ("<string>" from `python -c` included)."""
+    known = _IS_USER.get(filename)
+    if known is not None:
+        return known
+    global _ROOTS
+    if _ROOTS is None:
+        _ROOTS = _library_roots()
+    if filename == "<string>":
+        result = True
+    elif filename.startswith("<"):  # <frozen ...>, <stdin>, generated code
+        result = False
+    else:
+        result = not os.path.realpath(filename).startswith(_ROOTS)
+    _IS_USER[filename] = result
+    return result
+
+
+def format_site(filename: str, lineno: int) -> str:
+    """`path:line`, the path relative to the working directory when it lies below it."""
+    if not filename.startswith("<"):
+        try:
+            rel = os.path.relpath(filename)
+            if not rel.startswith(".."):
+                filename = rel
+        except ValueError:  # another drive on Windows
+            pass
+    return f"{filename}:{lineno}"
+
+
+def user_site(frame: FrameType | None) -> str | None:
+    """The innermost user frame at or above `frame`, as `path:line`; None when there is none."""
+    while frame is not None:
+        code = frame.f_code
+        if is_user_file(code.co_filename):
+            return format_site(code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return None

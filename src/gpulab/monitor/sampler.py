@@ -1,0 +1,361 @@
+"""A background thread that samples the GPUs (NVML) and the training process (psutil).
+
+What each GPU number means, honestly:
+- `kernel_active_pct` is NVML's "utilization.gpu": the share of the sample period in which *at
+  least one* kernel was running. One tiny kernel at a time on one SM reads 100 %. It says the GPU
+  was not idle, not that it was busy.
+- `memory_busy_pct` ("utilization.memory"): the share of the period device memory was read or written.
+- On Hopper and newer, NVML's GPM counters say how much of the chip worked: `sm_active_pct` (share
+  of SMs busy), `sm_occupancy_pct` (resident warps vs the maximum), `tensor_active_pct` (tensor
+  pipes) and `dram_bw_pct` (share of peak memory bandwidth).
+
+Every metric a driver or GPU does not support is dropped after its first refusal (it reads None);
+without NVML or without a GPU the sampler still records the process's CPU and memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+
+# NVML field ids of the cumulative PCIe byte counters (nvml.h); read as rates between samples.
+_FI_PCIE_TX_BYTES = 197
+_FI_PCIE_RX_BYTES = 198
+
+# GPM metric ids (nvml.h: NVML_GPM_METRIC_*), with the names gpulab reports them under.
+GPM_METRICS = {
+    2: "sm_active_pct",  # SM_UTIL
+    3: "sm_occupancy_pct",  # SM_OCCUPANCY
+    5: "tensor_active_pct",  # ANY_TENSOR_UTIL
+    10: "dram_bw_pct",  # DRAM_BW_UTIL
+}
+
+# Reading /proc costs ~0.1-0.3 ms of CPU per file: only the main process's CPU time and memory
+# are read every sample; its thread count and the DataLoader workers (the list of children needs
+# a scan of /proc) are refreshed this often, their values repeated in between.
+_SLOW_REFRESH_S = 1.0
+
+
+# ----------------------------------------------------------------------------- GPUs
+
+
+class _Unsupported(Exception):
+    """A metric this GPU or driver will never give; stop asking."""
+
+
+class GpuReader:
+    """Per-GPU readings from NVML. `status` says why there are none, when there are none."""
+
+    def __init__(self):
+        self.gpus: list[dict] = []  # static facts: index, name, uuid, memory_total_mib, gpm
+        self.status = "ok"
+        self._nvml = None
+        self._handles: list = []
+        self._unsupported: set[tuple[int, str]] = set()
+        self._pcie_last: dict[int, tuple[float, int, int]] = {}
+        self._gpm: dict[int, list] = {}  # index -> [previous sample, current sample]
+        try:
+            import pynvml
+        except ImportError:
+            self.status = "nvidia-ml-py not installed"
+            return
+        try:
+            pynvml.nvmlInit()
+        except Exception as e:  # no driver / no library: NVML raises its own error types
+            self.status = f"NVML unavailable ({type(e).__name__})"
+            return
+        self._nvml = pynvml
+        try:
+            for index in _visible_gpu_indices(pynvml):
+                self._open(index)
+        except Exception as e:
+            self.status = f"NVML error while listing GPUs ({type(e).__name__}: {e})"
+        if not self.gpus and self.status == "ok":
+            self.status = "no GPU visible"
+
+    def _open(self, index: int) -> None:
+        nv = self._nvml
+        h = nv.nvmlDeviceGetHandleByIndex(index)
+        info = {
+            "index": index,
+            "name": _str(nv.nvmlDeviceGetName(h)),
+            "uuid": _str(nv.nvmlDeviceGetUUID(h)),
+            "memory_total_mib": nv.nvmlDeviceGetMemoryInfo(h).total / 2**20,
+            "gpm": False,
+        }
+        try:
+            if nv.nvmlGpmQueryDeviceSupport(h).isSupportedDevice:
+                self._gpm[index] = [nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc(), False]
+                info["gpm"] = True
+        except Exception:  # older driver or GPU: no GPM
+            pass
+        self.gpus.append(info)
+        self._handles.append(h)
+
+    def read(self) -> list[dict]:
+        if self._nvml is None:
+            return []
+        return [self._read_one(info["index"], h) for info, h in zip(self.gpus, self._handles)]
+
+    def _read_one(self, index: int, h) -> dict:
+        nv = self._nvml
+        row: dict[str, float | None] = {}
+
+        def util():
+            u = nv.nvmlDeviceGetUtilizationRates(h)
+            return {"kernel_active_pct": float(u.gpu), "memory_busy_pct": float(u.memory)}
+
+        self._try(index, "utilization", row, util)
+        self._try(index, "memory_used_mib", row, lambda: nv.nvmlDeviceGetMemoryInfo(h).used / 2**20)
+        self._try(index, "power_w", row, lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000)
+        self._try(index, "sm_clock_mhz", row, lambda: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)))
+        self._try(index, "pcie", row, lambda: self._pcie(index, h))
+        if index in self._gpm:
+            self._try(index, "gpm", row, lambda: self._gpm_metrics(index, h))
+        return row
+
+    def _try(self, index: int, metric: str, row: dict, read) -> None:
+        """Store `read()` under `metric` (or merge a dict); None when this sample failed."""
+        if (index, metric) in self._unsupported:
+            return
+        try:
+            value = read()
+        except _Unsupported:
+            self._unsupported.add((index, metric))
+            return
+        except self._nvml.NVMLError as e:
+            permanent = (self._nvml.NVML_ERROR_NOT_SUPPORTED, self._nvml.NVML_ERROR_NO_PERMISSION,
+                         self._nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            if getattr(e, "value", None) in permanent:
+                self._unsupported.add((index, metric))
+            else:
+                row[metric] = None
+            return
+        if isinstance(value, dict):
+            row.update(value)
+        else:
+            row[metric] = value
+
+    def _pcie(self, index: int, h) -> dict:
+        """PCIe MB/s from NVML's cumulative byte counters (non-blocking), else the 20 ms sampled API."""
+        nv = self._nvml
+        try:
+            values = nv.nvmlDeviceGetFieldValues(h, [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES])
+            ok = all(v.nvmlReturn == nv.NVML_SUCCESS for v in values)
+        except nv.NVMLError:
+            ok = False
+        if ok:
+            now, tx, rx = time.perf_counter(), values[0].value.ullVal, values[1].value.ullVal
+            last = self._pcie_last.get(index)
+            self._pcie_last[index] = (now, tx, rx)
+            if last is None or now <= last[0]:
+                return {}
+            dt = now - last[0]
+            return {"pcie_tx_mb_s": (tx - last[1]) / dt / 1e6, "pcie_rx_mb_s": (rx - last[2]) / dt / 1e6}
+        # nvmlDeviceGetPcieThroughput blocks ~20 ms per call while it measures: only as a fallback.
+        return {
+            "pcie_tx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * 1e3 / 1e6,
+            "pcie_rx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * 1e3 / 1e6,
+        }
+
+    def _gpm_metrics(self, index: int, h) -> dict:
+        """GPM metrics over the interval between the previous sample and this one."""
+        nv = self._nvml
+        slot = self._gpm[index]
+        previous, current, have_previous = slot
+        nv.nvmlGpmSampleGet(h, current)
+        slot[0], slot[1], slot[2] = current, previous, True  # this sample is the next one's "previous"
+        if not have_previous:
+            return {}
+        request = nv.c_nvmlGpmMetricsGet_t()
+        request.version = nv.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1 = previous
+        request.sample2 = current
+        for i, metric_id in enumerate(GPM_METRICS):
+            request.metrics[i].metricId = metric_id
+        nv.nvmlGpmMetricsGet(request)
+        out = {}
+        for i, name in enumerate(GPM_METRICS.values()):
+            m = request.metrics[i]
+            out[name] = float(m.value) if m.nvmlReturn == nv.NVML_SUCCESS else None
+        if all(v is None for v in out.values()):
+            raise _Unsupported
+        return out
+
+    def unsupported(self) -> dict[int, list[str]]:
+        by_gpu: dict[int, list[str]] = {}
+        for index, metric in sorted(self._unsupported):
+            by_gpu.setdefault(index, []).append(metric)
+        return by_gpu
+
+    def close(self) -> None:
+        if self._nvml is None:
+            return
+        for previous, current, _ in self._gpm.values():
+            for s in (previous, current):
+                try:
+                    self._nvml.nvmlGpmSampleFree(s)
+                except Exception:
+                    pass
+        self._gpm.clear()
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:
+            pass
+        self._nvml = None
+
+
+def _visible_gpu_indices(nv) -> list[int]:
+    """NVML indices of the GPUs this process may use: CUDA_VISIBLE_DEVICES (indices or UUIDs) if set."""
+    count = nv.nvmlDeviceGetCount()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    indices = []
+    for token in (t.strip() for t in visible.split(",")):
+        if not token:
+            continue
+        if token.isdigit():
+            if int(token) >= count:
+                break  # CUDA stops at the first invalid entry, so do we
+            indices.append(int(token))
+        elif token.startswith("GPU-"):
+            by_uuid = {_str(nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i))): i for i in range(count)}
+            match = [i for u, i in by_uuid.items() if u.startswith(token)]
+            if not match:
+                break
+            indices.append(match[0])
+        else:  # MIG-... or something else NVML indexes differently: not sampled
+            break
+    return indices
+
+
+def _str(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+# ----------------------------------------------------------------------------- the process
+
+
+class ProcessReader:
+    """CPU %, memory and threads of one process, and the sum over its children (DataLoader workers).
+
+    CPU % is psutil's: 100 means one core busy, so a process can read 400 on four cores.
+    """
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.proc = psutil.Process(pid)
+        self.proc.cpu_percent(None)  # the first call only starts psutil's measurement
+        self._children: dict[int, psutil.Process] = {}
+        self._slow = {"threads": self.proc.num_threads(), "workers": 0, "workers_cpu_pct": 0.0, "workers_rss_mib": 0.0}
+        self._slow_read_at = time.monotonic()
+
+    def read(self) -> dict | None:
+        try:
+            with self.proc.oneshot():
+                row = {"cpu_pct": self.proc.cpu_percent(None), "rss_mib": self.proc.memory_info().rss / 2**20}
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None
+        now = time.monotonic()
+        if now - self._slow_read_at >= _SLOW_REFRESH_S:
+            self._slow_read_at = now
+            self._read_slow()
+        row.update(self._slow)
+        return row
+
+    def _read_slow(self) -> None:
+        """Threads, and the workers' CPU % (averaged since the last slow read) and memory."""
+        try:
+            self._slow["threads"] = self.proc.num_threads()
+            found = {c.pid: c for c in self.proc.children(recursive=True)}
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return
+        cpu = rss = 0.0
+        for pid, child in list(found.items()):
+            known = self._children.setdefault(pid, child)
+            try:
+                with known.oneshot():
+                    cpu += known.cpu_percent(None)  # 0.0 the first time a worker is seen
+                    rss += known.memory_info().rss / 2**20
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                found.pop(pid, None)
+        self._children = {pid: self._children[pid] for pid in found}
+        self._slow.update(workers=len(found), workers_cpu_pct=cpu, workers_rss_mib=rss)
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+class Sampler:
+    """Samples the GPUs and process `pid` every `interval_s` seconds on a daemon thread.
+
+    `samples` holds one dict per sample: {"t": perf_counter seconds, "gpus": [per-GPU dict],
+    "proc": {...} or None}. perf_counter is CLOCK_MONOTONIC on Linux, the same clock in every
+    process, so samples taken here line up with step times recorded in the training process.
+    `cost_s` holds the CPU time each sample took: the sampler's own overhead, measured.
+    """
+
+    def __init__(self, interval_s: float = 0.1, pid: int | None = None):
+        if not interval_s > 0:
+            raise ValueError(f"sampling interval must be positive, got {interval_s}")
+        self.interval_s = interval_s
+        self.pid = pid if pid is not None else os.getpid()
+        self.gpu = GpuReader()
+        self.samples: list[dict] = []
+        self.cost_s: list[float] = []
+        self._proc: ProcessReader | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Sampler":
+        try:
+            self._proc = ProcessReader(self.pid)
+        except psutil.Error:
+            self._proc = None
+        self._thread = threading.Thread(target=self._run, name="gpulab-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self.gpu.close()
+
+    def sample(self) -> dict:
+        # The cost is this thread's CPU time, not wall time: waiting for the GIL while the training
+        # thread runs Python is not work the sampler takes away from it.
+        cpu0 = time.thread_time()
+        row = {"t": time.perf_counter(), "gpus": self.gpu.read(), "proc": self._proc.read() if self._proc else None}
+        self.cost_s.append(time.thread_time() - cpu0)
+        return row
+
+    def _run(self) -> None:
+        next_t = time.perf_counter()
+        while True:
+            self.samples.append(self.sample())
+            next_t += self.interval_s
+            now = time.perf_counter()
+            if next_t < now:  # a sample took longer than the interval: skip, don't bunch up
+                next_t = now + self.interval_s
+            if self._stop.wait(next_t - now):
+                return
+
+    def summary(self) -> dict:
+        """Facts about the sampler itself for the report: interval, count, its own cost."""
+        cost = sorted(self.cost_s)
+        mean = sum(cost) / len(cost) if cost else 0.0
+        return {
+            "interval_s": self.interval_s,
+            "samples": len(self.samples),
+            "mean_cpu_cost_ms": mean * 1e3,
+            "busy_share": mean / self.interval_s,  # the fraction of one core the sampler keeps busy
+            "nvml": self.gpu.status,
+            "unsupported_metrics": {str(k): v for k, v in self.gpu.unsupported().items()},
+        }

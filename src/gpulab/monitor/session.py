@@ -1,0 +1,80 @@
+"""The Python API: profile a training loop in this process.
+
+    import gpulab.monitor
+
+    with gpulab.monitor.profile(out="prof") as p:
+        for X, y in loader:
+            ...
+            optimizer.step()      # steps are found from optimizer.step() ...
+            p.step()              # ... or marked explicitly (then only p.step() counts)
+
+On leaving the block, report.json, timeline.png and trace.json are written to `out`, the short
+report is printed (stderr), and `p.report` holds the report dict. An exception inside the block
+still writes a partial report, then propagates.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from gpulab.monitor.config import ProfileConfig
+from gpulab.monitor.recorder import Recorder, Recording
+from gpulab.monitor.report import build_report, print_report, write_outputs
+from gpulab.monitor.sampler import Sampler
+from gpulab.train.rundir import check_writable
+
+
+class Profile:
+    def __init__(self, out: str | Path, cfg: ProfileConfig, console: Console | None = None, quiet: bool = False):
+        self.out = Path(out)
+        self.cfg = cfg
+        self.console = console
+        self.quiet = quiet
+        self.report: dict | None = None
+        self._sampler: Sampler | None = None
+        self._recorder: Recorder | None = None
+
+    def __enter__(self) -> "Profile":
+        check_writable(self.out)
+        self._sampler = Sampler(self.cfg.interval_s).start()
+        try:
+            self._recorder = Recorder(self.cfg).start(command=list(sys.argv))
+        except BaseException:
+            self._sampler.stop()
+            raise
+        return self
+
+    def step(self) -> None:
+        """Mark the end of a training step."""
+        self._recorder.mark_step()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        error = f"{exc_type.__name__}: {exc}" if exc_type else None
+        exit_code = 1 if exc_type else 0
+        self._recorder.stop(exit_code=exit_code, error=error)
+        self._sampler.stop()
+        rec = Recording(self._recorder.records)
+        gpus = self._sampler.gpu.gpus
+        self.report = build_report(rec, self._sampler.samples, gpus, self._sampler.summary(), self.cfg, exit_code)
+        write_outputs(self.out, self.report, rec, self._sampler.samples, gpus, title=_program_name())
+        if not self.quiet:
+            print_report(self.report, self.out, self.console)
+        return False  # never swallow the exception
+
+
+def _program_name() -> str:
+    """"train.py", or "gpulab train" for `python -m gpulab train`, for the timeline's title."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if script is None or script.name in ("-c", ""):
+        return "python"
+    if script.name == "__main__.py":
+        return " ".join([script.parent.name, *sys.argv[1:2]])
+    return script.name
+
+
+def profile(out: str | Path = "profile", *, console: Console | None = None, quiet: bool = False, **settings) -> Profile:
+    """A profiling session around a block of code; `settings` are ProfileConfig fields (interval_s, ...)."""
+    return Profile(out, ProfileConfig(**settings), console=console, quiet=quiet)

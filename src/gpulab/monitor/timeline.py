@@ -1,0 +1,159 @@
+"""timeline.png: utilization over time, with the steps and the time spent waiting for data.
+
+Four rows sharing the time axis, readable at a glance:
+  steps    each step as a bar split into its phases (data wait, copy, compute, sync, other)
+  device   GPU: NVML kernel-active % (and GPM SM-active % on Hopper+); CPU run: compute % of each step
+  memory   GPU memory used, and the process's resident memory (with DataLoader workers)
+  CPU      the training process and its workers (100 % = one core)
+Data-wait spans are shaded orange on every row; thin lines mark step boundaries when few enough.
+"""
+
+from __future__ import annotations
+
+import io
+
+from matplotlib.figure import Figure
+
+from gpulab.monitor.recorder import Recording
+
+COLORS = {
+    "data_wait": "#f28e2b",
+    "h2d": "#b07aa1",
+    "compute": "#59a14f",
+    "sync": "#e15759",
+    "other": "#bab0ac",
+}
+LABELS = {
+    "data_wait": "data wait",
+    "h2d": "host-to-device copy",
+    "compute": "compute",
+    "sync": "host sync",
+    "other": "other (Python)",
+}
+_MAX_STEP_LINES = 300
+
+
+def render(rec: Recording, samples: list[dict], gpus: list[dict], report: dict, title: str) -> bytes:
+    origin = time_origin(rec, samples)
+    fig = Figure(figsize=(11, 8.5), dpi=110)
+    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [0.8, 2, 1.5, 1.5]})
+    ax_steps, ax_device, ax_memory, ax_cpu = axes
+    steps = rec.steps + ([rec.tail] if rec.tail else [])
+
+    _plot_steps(ax_steps, steps, origin)
+    if gpus and any(s["gpus"] for s in samples):
+        _plot_gpu_activity(ax_device, samples, gpus, origin)
+    else:
+        _plot_cpu_compute(ax_device, rec.steps, origin)
+    _plot_memory(ax_memory, samples, gpus, origin)
+    _plot_cpu(ax_cpu, samples, rec.start.get("cpu_count"), origin)
+
+    spans = [(a - origin, b - a) for s in steps for a, b in s.get("data", [])]
+    for ax in axes[1:]:
+        if spans:
+            ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(), facecolors=COLORS["data_wait"],
+                           alpha=0.22, linewidth=0, label="waiting for data")
+        if len(rec.steps) <= _MAX_STEP_LINES:
+            ax.vlines([s["t1"] - origin for s in rec.steps], 0, 1, transform=ax.get_xaxis_transform(),
+                      colors="k", linewidth=0.4, alpha=0.25)
+        ax.grid(alpha=0.25)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
+    ax_cpu.set_xlabel("seconds since the script started")
+    ax_cpu.set_xlim(left=0)
+    fig.suptitle(_headline(report, title), fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def time_origin(rec: Recording, samples: list[dict]) -> float:
+    """Time zero of the plots and the trace: when the script (or the sampler) started."""
+    candidates = [t for t in (rec.t_start, samples[0]["t"] if samples else None) if t is not None]
+    if not candidates and rec.steps:
+        candidates = [rec.steps[0]["t0"]]
+    return min(candidates) if candidates else 0.0
+
+
+def _headline(report: dict, title: str) -> str:
+    top = report["findings"][0] if report["findings"] else None
+    step = report["step_time_s"]
+    line = f"{title}: {report['steps']} steps, median {step['median'] * 1e3:.1f} ms"
+    if top:
+        found = top["cause"] != "none"
+        line += f"  |  {top['cause']} {top['share']:.0%} of step time" if found else "  |  nothing stands out"
+    return line
+
+
+def _plot_steps(ax, steps: list[dict], origin: float) -> None:
+    """Each step as a bar from its start, split into its phases in a fixed order."""
+    bars: dict[str, list[tuple[float, float]]] = {c: [] for c in COLORS}
+    for s in steps:
+        x = s["t0"] - origin
+        for category in COLORS:
+            width = s["excl"].get(category, 0.0)
+            if width > 0:
+                bars[category].append((x, width))
+                x += width
+    for category, xranges in bars.items():
+        if xranges:
+            ax.broken_barh(xranges, (0, 1), facecolors=COLORS[category], linewidth=0, label=LABELS[category])
+    ax.set_yticks([])
+    ax.set_ylabel("steps", fontsize=8)
+    ax.set_ylim(0, 1)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, 1.55), ncol=5, fontsize=7, frameon=False)
+
+
+def _plot_gpu_activity(ax, samples: list[dict], gpus: list[dict], origin: float) -> None:
+    for position, info in enumerate(gpus):
+        t = [s["t"] - origin for s in samples if len(s["gpus"]) > position]
+        rows = [s["gpus"][position] for s in samples if len(s["gpus"]) > position]
+        name = f"GPU{info['index']}"
+        _line(ax, t, [r.get("kernel_active_pct") for r in rows], f"{name} kernel active % (NVML util)", "-")
+        _line(ax, t, [r.get("sm_active_pct") for r in rows], f"{name} SM active % (GPM)", "--")
+        _line(ax, t, [r.get("tensor_active_pct") for r in rows], f"{name} tensor pipes active % (GPM)", ":")
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("GPU %", fontsize=8)
+
+
+def _plot_cpu_compute(ax, steps: list[dict], origin: float) -> None:
+    """No GPU: the CPU is the device, so show how much of each step was torch compute."""
+    t = [s["t1"] - origin for s in steps]
+    share = [100 * s["excl"].get("compute", 0.0) / max(s["t1"] - s["t0"], 1e-12) for s in steps]
+    if t:
+        ax.step(t, share, where="pre", color=COLORS["compute"], label="compute % of each step (CPU run, no GPU)")
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("compute %", fontsize=8)
+
+
+def _plot_memory(ax, samples: list[dict], gpus: list[dict], origin: float) -> None:
+    for position, info in enumerate(gpus):
+        t = [s["t"] - origin for s in samples if len(s["gpus"]) > position]
+        used = [s["gpus"][position].get("memory_used_mib") for s in samples if len(s["gpus"]) > position]
+        _line(ax, t, [u / 1024 if u is not None else None for u in used], f"GPU{info['index']} memory used", "-")
+    t = [s["t"] - origin for s in samples if s.get("proc")]
+    procs = [s["proc"] for s in samples if s.get("proc")]
+    _line(ax, t, [p["rss_mib"] / 1024 for p in procs], "process RSS", "-.")
+    if any(p["workers"] for p in procs):
+        _line(ax, t, [p["workers_rss_mib"] / 1024 for p in procs], "workers RSS", ":")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("GiB", fontsize=8)
+
+
+def _plot_cpu(ax, samples: list[dict], cores: int | None, origin: float) -> None:
+    t = [s["t"] - origin for s in samples if s.get("proc")]
+    procs = [s["proc"] for s in samples if s.get("proc")]
+    _line(ax, t, [p["cpu_pct"] for p in procs], "training process", "-")
+    if any(p["workers"] for p in procs):
+        _line(ax, t, [p["workers_cpu_pct"] for p in procs], "DataLoader workers", "--")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel(f"CPU %\n(100 = 1 of {cores} cores)" if cores else "CPU %\n(100 = 1 core)", fontsize=8)
+
+
+def _line(ax, t: list[float], values: list, label: str, style: str) -> None:
+    points = [(x, v) for x, v in zip(t, values) if v is not None]
+    if points:
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, style, linewidth=1.1, label=label)

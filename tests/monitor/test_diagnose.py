@@ -1,0 +1,162 @@
+"""The diagnosis rules on hand-made recordings: the arithmetic of diagnose.py, no timing involved.
+
+GPU *behaviour* (that syncs are detected, kernels counted) is tested in test_gpu.py on a GPU; here
+recordings that describe a CUDA run check only that the rules rank and bound the causes right.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpulab.monitor.diagnose import MIN_SHARE, diagnose, select_steady
+from gpulab.monitor.recorder import CATEGORIES, Recording
+
+GPU = {"index": 0, "name": "Test GPU", "uuid": "GPU-1234", "memory_total_mib": 80000.0, "gpm": False}
+
+
+def steps(n: int, **ms) -> list[dict]:
+    """n identical steps; keyword arguments are milliseconds per category (and counts)."""
+    counts = {k: v for k, v in ms.items() if k not in CATEGORIES}
+    excl = {c: ms.get(c, 0.0) / 1e3 for c in CATEGORIES}
+    length = sum(excl.values())
+    out, t = [], 100.0
+    for i in range(n):
+        out.append({"type": "step", "i": i, "t0": t, "t1": t + length, "excl": dict(excl), "counts": dict(counts),
+                    "profiled": False, "data": []})
+        t += length
+    return out
+
+
+def recording(step_records, cuda: bool = False, extra: list[dict] | None = None, hot: dict | None = None) -> Recording:
+    records = [{"type": "start", "t": 99.0, "torch": "2.x", "torch_cuda_build": "12.6" if cuda else None, "cpu_count": 8}]
+    records += step_records
+    records += extra or []
+    records.append({"type": "hot", "interval_s": 0.02, "lines": hot or {}})
+    devices = [{"index": 0, "name": "Test GPU", "uuid": "1234"}] if cuda else []
+    records.append({"type": "end", "t": 1e9, "exit_code": 0, "error": None,
+                    "cuda": {"available": cuda, "initialized": cuda, "devices": devices}})
+    return Recording(records)
+
+
+def causes(report: dict) -> list[str]:
+    return [f["cause"] for f in report["findings"]]
+
+
+def test_cpu_input_bound_is_input_pipeline_with_its_share():
+    rec = recording(steps(20, data_wait=30, compute=8, other=2),
+                    extra=[{"type": "loader", "where": "train.py:40", "dataset": "Slow", "batch_size": 16,
+                            "num_workers": 0, "pin_memory": False, "persistent_workers": False}],
+                    hot={"data_wait": {"data.py:12": 30, "train.py:40": 3}})
+    report = diagnose(rec, [], [], warmup_steps=2)
+    top = report["findings"][0]
+    assert top["cause"] == "input_pipeline"
+    assert top["share"] == pytest.approx(0.75, abs=1e-3)
+    assert top["where"] == "data.py:12"  # the hottest line while waiting, not the loop line
+    assert "num_workers" in top["fix"]
+    assert report["phases"]["data_wait"] == pytest.approx(0.75, abs=1e-3)
+    assert sum(report["phases"].values()) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_cpu_compute_bound_with_a_fast_pipeline_reports_nothing():
+    report = diagnose(recording(steps(20, data_wait=0.8, compute=40, other=1)), [], [], warmup_steps=2)
+    assert causes(report) == ["none"]
+    assert report["findings"][0]["where"] is None
+
+
+def test_workers_that_restart_every_epoch_get_persistent_workers_advice():
+    loader = {"type": "loader", "where": "train.py:40", "dataset": "Images", "batch_size": 64,
+              "num_workers": 4, "pin_memory": True, "persistent_workers": False}
+    spans = {"type": "spans", "seconds": {"DataLoader.__iter__": 3.0, "next(DataLoader)": 1.0}}
+    report = diagnose(recording(steps(20, data_wait=20, compute=10), extra=[loader, spans]), [], [], 2)
+    assert report["findings"][0]["cause"] == "input_pipeline"
+    assert "persistent_workers=True" in report["findings"][0]["fix"]
+
+
+def test_python_between_steps_on_cpu_is_low_device_utilization_at_the_hot_line():
+    rec = recording(steps(20, compute=5, other=15), hot={"other": {"train.py:77": 40}})
+    report = diagnose(rec, [], [], warmup_steps=2)
+    assert causes(report) == ["low_device_utilization"]
+    assert report["findings"][0]["where"] == "train.py:77"
+    assert report["findings"][0]["share"] == pytest.approx(0.75, abs=1e-3)
+
+
+def test_cuda_sync_that_exposes_host_work_is_ranked_first():
+    # Per step: 4 ms of Python (other), 1 ms launching, 5 ms blocked in .item(); the kernels take
+    # 5 ms, so the device idles 5 of 10 ms. Without the sync the host's 5 ms would hide under the
+    # device's 5 ms: the sync is the cause, the Python is not (it would be free).
+    kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 30, "kernel_median_us": 150.0,
+               "kernel_p90_us": 400.0, "device_busy_s_per_step": 0.005, "memcpy_pageable_per_step": 0,
+               "runtime_sync_s_per_step": 0.005}
+    sites = {"type": "sites", "sites": [{"kind": "sync", "where": "train.py:50", "ops": ["Tensor.item"],
+                                         "count": 20, "seconds": 0.1, "untimed": 0, "bytes": 0}]}
+    rec = recording(steps(20, compute=1, sync=5, other=4, sync_count=1), cuda=True, extra=[kernels, sites])
+    report = diagnose(rec, [], [GPU], warmup_steps=2)
+    assert causes(report) == ["host_sync"]
+    assert report["findings"][0]["share"] == pytest.approx(0.5, abs=1e-3)
+    assert report["findings"][0]["where"] == "train.py:50"
+
+
+def test_cuda_sync_on_a_saturated_device_is_not_a_finding():
+    # The same .item() every step, but the device is busy 9.8 of 10 ms: the sync costs nothing.
+    kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 30, "kernel_median_us": 300.0,
+               "kernel_p90_us": 900.0, "device_busy_s_per_step": 0.0098, "memcpy_pageable_per_step": 0,
+               "runtime_sync_s_per_step": 0.008}
+    rec = recording(steps(20, compute=1.5, sync=8, other=0.5, sync_count=1), cuda=True, extra=[kernels])
+    report = diagnose(rec, [], [GPU], warmup_steps=2)
+    assert causes(report) == ["none"]
+
+
+def test_cuda_many_tiny_kernels_is_launch_overhead():
+    kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 900, "kernel_median_us": 3.0,
+               "kernel_p90_us": 6.0, "device_busy_s_per_step": 0.003, "memcpy_pageable_per_step": 0,
+               "runtime_sync_s_per_step": 0.0}
+    rec = recording(steps(20, compute=9, other=1), cuda=True, extra=[kernels], hot={"compute": {"model.py:20": 9}})
+    report = diagnose(rec, [], [GPU], warmup_steps=2)
+    assert report["findings"][0]["cause"] == "launch_overhead"
+    assert report["findings"][0]["where"] == "model.py:20"
+    assert report["findings"][0]["share"] == pytest.approx(0.7, abs=1e-3)  # host 10 ms vs device 3 ms: 7 ms exposed
+
+
+def test_cuda_pageable_copies_are_h2d_copy():
+    sites = {"type": "sites", "sites": [{"kind": "h2d_pageable", "where": "train.py:33", "ops": ["Tensor.to"],
+                                         "count": 40, "seconds": 0.24, "untimed": 0, "bytes": 40 * 2**26}]}
+    kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 30, "kernel_median_us": 100.0,
+               "kernel_p90_us": 200.0, "device_busy_s_per_step": 0.004, "memcpy_pageable_per_step": 2,
+               "runtime_sync_s_per_step": 0.006}
+    rec = recording(steps(20, h2d=6, compute=2, other=0.5, h2d_pageable=2, h2d_pageable_bytes=2**27),
+                    cuda=True, extra=[sites, kernels])
+    report = diagnose(rec, [], [GPU], warmup_steps=2)
+    assert report["findings"][0]["cause"] == "h2d_copy"
+    assert report["findings"][0]["where"] == "train.py:33"
+    assert "pin_memory=True" in report["findings"][0]["fix"]
+
+
+def test_gpu_present_but_unused_is_cpu_only_torch():
+    report = diagnose(recording(steps(20, compute=40, other=1)), [], [GPU], warmup_steps=2)
+    assert causes(report)[0] == "cpu_only_torch"
+    assert "CPU-only build" in report["findings"][0]["evidence"]
+
+
+def test_findings_are_ranked_and_above_the_threshold():
+    rec = recording(steps(20, data_wait=12, compute=10, other=6), hot={"other": {"t.py:1": 5}})
+    report = diagnose(rec, [], [], warmup_steps=2)
+    shares = [f["share"] for f in report["findings"]]
+    assert causes(report) == ["input_pipeline", "low_device_utilization"]
+    assert shares == sorted(shares, reverse=True) and min(shares) >= MIN_SHARE
+
+
+def test_no_steps_gives_a_report_that_says_so():
+    report = diagnose(recording([]), [], [], warmup_steps=2)
+    assert report["steps"] == 0
+    assert causes(report) == ["none"]
+    assert "no training step" in report["findings"][0]["evidence"]
+
+
+def test_steady_steps_leave_out_warmup_profiled_and_epoch_boundaries():
+    records = steps(30, compute=10)
+    for s in records[5:8]:
+        s["profiled"] = True
+    records[20]["t1"] = records[20]["t0"] + 5.0  # evaluation at an epoch boundary
+    steady, excluded = select_steady(records, warmup_steps=2)
+    assert excluded == {"warmup": 2, "profiler_window": 3, "outliers": 1}
+    assert len(steady) == 30 - 2 - 3 - 1

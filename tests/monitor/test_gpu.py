@@ -1,0 +1,156 @@
+"""GPU-only checks: NVML/GPM sampling, sync detection, pageable copies, launch-bound steps.
+
+Skipped without a CUDA GPU; on one they run for real (nothing here is simulated). The scripts
+in scripts/ plant one cause each at a line marked `# planted:`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gpulab.monitor
+from gpulab.cli import main
+from gpulab.monitor.sampler import GPM_METRICS, Sampler
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def planted_site(script: str) -> str:
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return f"{script}:{next(i for i, line in enumerate(lines, 1) if '# planted:' in line)}"
+
+
+def profile(tmp_path: Path, script: str) -> dict:
+    out = tmp_path / "prof"
+    assert main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script)]) == 0
+    return json.loads((out / "report.json").read_text())
+
+
+def finding(report: dict, cause: str) -> dict:
+    found = [f for f in report["findings"] if f["cause"] == cause]
+    assert found, f"no {cause} finding in {[(f['cause'], f['share']) for f in report['findings']]}"
+    return found[0]
+
+
+def busy_gpu(stop: threading.Event) -> None:
+    x = torch.randn(4096, 4096, device="cuda")
+    while not stop.is_set():
+        x = (x @ x).tanh_()
+        torch.cuda.synchronize()
+
+
+def test_nvml_samples_every_visible_gpu():
+    s = Sampler(interval_s=0.05).start()
+    stop = threading.Event()
+    worker = threading.Thread(target=busy_gpu, args=(stop,))
+    worker.start()
+    try:
+        while len(s.samples) < 10:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        worker.join()
+        s.stop()
+    assert s.gpu.status == "ok" and s.gpu.gpus
+    rows = [row["gpus"][0] for row in s.samples]
+    assert all(r.get("kernel_active_pct") is not None and r.get("memory_used_mib", 0) > 0 for r in rows)
+    assert max(r["kernel_active_pct"] for r in rows) > 0  # the matmuls ran while we sampled
+
+
+def test_gpm_metrics_on_hopper_and_newer():
+    major, _ = torch.cuda.get_device_capability(0)
+    if major < 9:
+        pytest.skip("GPM needs Hopper or newer")
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        supported = pynvml.nvmlGpmQueryDeviceSupport(pynvml.nvmlDeviceGetHandleByIndex(0)).isSupportedDevice
+    finally:
+        pynvml.nvmlShutdown()
+    if not supported:
+        pytest.skip("this driver does not expose GPM on this GPU")
+    s = Sampler(interval_s=0.1).start()
+    stop = threading.Event()
+    worker = threading.Thread(target=busy_gpu, args=(stop,))
+    worker.start()
+    try:
+        while len(s.samples) < 8:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        worker.join()
+        s.stop()
+    assert s.gpu.gpus[0]["gpm"] is True
+    rows = [row["gpus"][0] for row in s.samples[1:]]  # GPM needs two samples for the first value
+    for name in GPM_METRICS.values():
+        assert any(r.get(name) is not None for r in rows), name
+    assert max(r["sm_active_pct"] for r in rows if r.get("sm_active_pct") is not None) > 0
+
+
+def test_per_step_item_is_a_host_sync_at_its_line(tmp_path):
+    report = profile(tmp_path, "item_every_step.py")
+    site = planted_site("item_every_step.py")
+    syncs = [s for s in report["syncs"] if s["kind"] == "sync" and s["where"].endswith(site)]
+    assert syncs and "Tensor.item" in syncs[0]["ops"] and syncs[0]["count"] >= 60
+    f = finding(report, "host_sync")
+    assert f["where"].endswith(site) and f["share"] >= 0.2
+    assert report["findings"][0]["cause"] == "host_sync"
+    assert report["cuda"]["sync_debug_mode"] is True
+    assert "error" not in report["kernel_window"]
+
+
+def test_pageable_copy_is_h2d_copy_at_its_line(tmp_path):
+    report = profile(tmp_path, "pageable_copy.py")
+    site = planted_site("pageable_copy.py")
+    copies = [s for s in report["syncs"] if s["kind"] == "h2d_pageable"]
+    assert copies and copies[0]["where"].endswith(site) and copies[0]["count"] >= 30
+    f = finding(report, "h2d_copy")
+    assert f["where"].endswith(site)
+
+
+def test_many_tiny_kernels_are_launch_overhead(tmp_path):
+    report = profile(tmp_path, "tiny_kernels.py")
+    window = report["kernel_window"]
+    assert "error" not in window and window["kernels_per_step"] >= 500 and window["kernel_median_us"] < 20
+    finding(report, "launch_overhead")
+
+
+def test_sync_inside_an_unwrapped_call_is_located(tmp_path):
+    report = profile(tmp_path, "masked_index.py")
+    site = planted_site("masked_index.py")
+    untimed = [s for s in report["syncs"] if s["kind"] == "sync" and s["untimed"] and s["where"].endswith(site)]
+    assert untimed and untimed[0]["untimed"] >= 20
+
+
+def test_cpu_only_script_on_a_gpu_machine_is_cpu_only_torch(tmp_path):
+    report = profile(tmp_path, "fast_dataset.py")
+    assert report["cuda"]["initialized"] is False  # the profiler itself did not touch the GPU
+    finding(report, "cpu_only_torch")
+
+
+def test_api_on_cuda_times_item_and_restores_sync_debug_mode(tmp_path):
+    model = nn.Linear(256, 10).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    X, y = torch.randn(512, 256, device="cuda"), torch.randint(0, 10, (512,), device="cuda")
+    with gpulab.monitor.profile(out=tmp_path, quiet=True) as p:
+        for _ in range(12):
+            loss = nn.functional.cross_entropy(model(X), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            loss.item()
+    items = [s for s in p.report["syncs"] if "Tensor.item" in s["ops"]]
+    assert items and items[0]["count"] == 12 and items[0]["seconds"] > 0
+    assert torch.cuda.get_sync_debug_mode() == 0
+    assert "item" not in vars(torch.Tensor)

@@ -1,0 +1,166 @@
+"""`gpulab profile -- python script.py` end to end, on small CPU scripts with planted causes.
+
+Each test runs a real child Python process under the profiler (a few seconds: importing torch
+dominates), then checks the diagnosis, the outputs, and that the script kept its exit code and
+its own stdout/stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpulab.cli import main
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPORT_KEYS = {"steps", "step_time_s", "phases", "devices", "findings"}
+CAUSES = {"input_pipeline", "host_sync", "launch_overhead", "h2d_copy", "cpu_only_torch", "low_device_utilization", "none"}
+
+
+def planted_line(script: str) -> int:
+    """The line number of the `# planted:` comment in a test script."""
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if "# planted:" in line)
+
+
+def profile(tmp_path: Path, script: str, *args: str) -> tuple[int, dict, Path]:
+    out = tmp_path / "prof"
+    code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script), *args])
+    return code, json.loads((out / "report.json").read_text()), out
+
+
+def check_report_shape(report: dict) -> None:
+    assert REPORT_KEYS <= set(report)
+    assert isinstance(report["steps"], int)
+    assert set(report["step_time_s"]) == {"median", "p90"}
+    assert set(report["phases"]) == {"data_wait", "compute", "sync", "h2d", "other"}
+    assert all(0 <= v <= 1 for v in report["phases"].values())
+    assert report["findings"]
+    for f in report["findings"]:
+        assert set(f) == {"cause", "share", "evidence", "where", "fix"}
+        assert f["cause"] in CAUSES and 0 <= f["share"] <= 1 and f["evidence"] and f["fix"]
+    shares = [f["share"] for f in report["findings"]]
+    assert shares == sorted(shares, reverse=True)
+
+
+def test_slow_getitem_is_diagnosed_input_pipeline(tmp_path, capfd):
+    code, report, out = profile(tmp_path, "slow_dataset.py")
+    captured = capfd.readouterr()
+    assert code == 0
+    assert "slow_dataset: done" in captured.out  # the script's stdout is its own
+    check_report_shape(report)
+    top = report["findings"][0]
+    assert top["cause"] == "input_pipeline"
+    assert top["share"] >= 0.5
+    assert top["where"].endswith(f"slow_dataset.py:{planted_line('slow_dataset.py')}")
+    assert report["steps"] == 20  # 320 samples / batch 16
+    assert "input_pipeline" in captured.err  # the short report on the terminal (stderr)
+    for name in ("report.json", "timeline.png", "trace.json"):
+        assert (out / name).is_file()
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((out / "trace.json").read_text())
+    phases = {e["ph"] for e in trace["traceEvents"]}
+    assert {"X", "C", "M"} <= phases  # spans, sampled counters, track names
+    names = {e["name"] for e in trace["traceEvents"]}
+    assert {"step 5", "next(DataLoader)", "Sequential", "SGD.step"} <= names
+    assert not list(out.glob(".events-*"))  # the child's raw record is cleaned up
+
+
+def test_fast_in_memory_pipeline_is_not_input_bound(tmp_path, capfd):
+    code, report, _ = profile(tmp_path, "fast_dataset.py")
+    assert code == 0
+    assert "fast_dataset: mean loss" in capfd.readouterr().out
+    check_report_shape(report)
+    assert "input_pipeline" not in [f["cause"] for f in report["findings"]]
+    assert report["phases"]["compute"] > report["phases"]["data_wait"]
+
+
+def test_python_loop_between_steps_is_found_at_its_line(tmp_path):
+    code, report, _ = profile(tmp_path, "python_overhead.py")
+    assert code == 0
+    top = report["findings"][0]
+    assert top["cause"] == "low_device_utilization"
+    loop = planted_line("python_overhead.py")  # the `for` line; its body is the next line
+    assert top["where"] in {f"{SCRIPTS / 'python_overhead.py'}:{n}" for n in (loop, loop + 1)} | {
+        f"tests/monitor/scripts/python_overhead.py:{n}" for n in (loop, loop + 1)}
+
+
+def test_failing_script_keeps_exit_code_and_output_and_leaves_a_partial_report(tmp_path, capfd):
+    code, report, _ = profile(tmp_path, "failing.py")
+    captured = capfd.readouterr()
+    assert code == 1
+    assert "failing: step 5" in captured.out
+    assert "failing: about to stop" in captured.err
+    assert "RuntimeError: planted failure" in captured.err
+    assert "failing.py" in captured.err and "bootstrap.py" not in captured.err  # the user's traceback only
+    check_report_shape(report)
+    assert report["steps"] == 6
+    assert report["exit_code"] == 1 and report["complete"] is False
+    assert report["error"] == "RuntimeError: planted failure"
+
+
+def test_sys_exit_code_is_preserved(tmp_path, capfd):
+    code, report, _ = profile(tmp_path, "failing.py", "--exit", "3")
+    assert code == 3
+    assert report["exit_code"] == 3 and report["steps"] == 6
+
+
+def test_runs_as_python_dash_m_gpulab_from_pythonpath(tmp_path):
+    """`PYTHONPATH=src python -m gpulab profile` works, and the child finds gpulab the same way
+    (this venv also has gpulab installed; test_the_child_finds_gpulab_through_pythonpath checks the
+    PYTHONPATH the child gets)."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    out = tmp_path / "prof"
+    result = subprocess.run(
+        [sys.executable, "-m", "gpulab", "profile", "--out", str(out), "--", sys.executable, "-c",
+         "import torch; m = torch.nn.Linear(4, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+         "for _ in range(5):\n  m(torch.randn(8, 4)).sum().backward(); o.step()\nprint('inline done')"],
+        env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "inline done" in result.stdout
+    assert json.loads((out / "report.json").read_text())["steps"] == 5
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "nothing to profile"),
+    (["--"], "nothing to profile"),
+    (["--", "bash", "train.sh"], "not a Python interpreter"),
+    (["--", "train.py"], "gpulab profile -- python train.py"),
+    (["--", sys.executable], "no script given"),
+    (["--", sys.executable, "no_such_script.py"], "script no_such_script.py not found"),
+    (["--", sys.executable, "-m"], "needs a module"),
+    (["--", sys.executable, "-"], "stdin"),
+    (["--interval", "0", "--", sys.executable, "x.py"], "--interval 0"),
+    (["--", "/no/such/python3", "x.py"], "'/no/such/python3' not found"),
+])
+def test_bad_command_lines_are_one_line_errors(argv, message, capsys):
+    assert main(["profile", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.count("\n") == 0 and err.startswith("gpulab: error:")
+
+
+def test_output_path_that_is_a_file_is_refused(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["profile", "--out", str(blocker), "--", sys.executable, str(SCRIPTS / "failing.py")]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_the_child_finds_gpulab_through_pythonpath(monkeypatch):
+    from gpulab.monitor.runner import child_env
+
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    assert child_env()["PYTHONPATH"].split(":") == [src, "/somewhere/else"]
+
+
+def test_the_script_imports_torch_itself(tmp_path, capfd):
+    code, report, _ = profile(tmp_path, "sets_threads.py")
+    assert code == 0
+    assert "torch threads: 1" in capfd.readouterr().out
+    assert report["steps"] == 4 and report["environment"]["torch_threads"] == 1

@@ -1,0 +1,83 @@
+"""The background sampler on whatever this machine has: CPU-only series without a GPU or NVML."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpulab.monitor import sampler as sampler_module
+from gpulab.monitor.sampler import Sampler
+
+PROCESS_KEYS = {"cpu_pct", "rss_mib", "threads", "workers", "workers_cpu_pct", "workers_rss_mib"}
+
+
+def wait_for_samples(s: Sampler, n: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(s.samples) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_samples_this_process_and_says_why_there_is_no_gpu_data():
+    s = Sampler(interval_s=0.02).start()
+    try:
+        wait_for_samples(s, 3)
+    finally:
+        s.stop()
+    assert len(s.samples) >= 3
+    for row in s.samples:
+        assert set(row) == {"t", "gpus", "proc"}
+        assert PROCESS_KEYS <= set(row["proc"])
+        assert row["proc"]["rss_mib"] > 0 and row["proc"]["threads"] >= 1
+        assert len(row["gpus"]) == len(s.gpu.gpus)
+    times = [row["t"] for row in s.samples]
+    assert times == sorted(times)
+    summary = s.summary()
+    assert summary["samples"] == len(s.samples) and summary["mean_cpu_cost_ms"] >= 0
+    if not s.gpu.gpus:  # no GPU here: the report must say why
+        assert summary["nvml"] != "ok"
+
+
+def test_without_nvidia_ml_py_the_sampler_still_records_the_process(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` now raises ImportError
+    s = Sampler(interval_s=0.02).start()
+    try:
+        wait_for_samples(s, 2)
+    finally:
+        s.stop()
+    assert s.gpu.status == "nvidia-ml-py not installed"
+    assert s.samples and all(row["gpus"] == [] and row["proc"] for row in s.samples)
+
+
+def test_dataloader_workers_are_counted_as_children(monkeypatch):
+    monkeypatch.setattr(sampler_module, "_SLOW_REFRESH_S", 0.0)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        s = Sampler(interval_s=0.02).start()
+        try:
+            wait_for_samples(s, 3)
+        finally:
+            s.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert max(row["proc"]["workers"] for row in s.samples) >= 1
+    assert max(row["proc"]["workers_rss_mib"] for row in s.samples) > 0
+
+
+def test_a_process_that_is_gone_gives_empty_process_rows():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    s = Sampler(interval_s=0.02, pid=child.pid).start()
+    try:
+        wait_for_samples(s, 2)
+    finally:
+        s.stop()
+    assert all(row["proc"] is None for row in s.samples)
+
+
+def test_interval_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        Sampler(interval_s=0)

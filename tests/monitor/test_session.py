@@ -1,0 +1,163 @@
+"""The Python API (`gpulab.monitor.profile`) and the recorder behind it, in this process."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.optim import optimizer as optim_module
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+import gpulab.monitor
+from gpulab.errors import UserError
+from gpulab.monitor import phases
+from gpulab.monitor.phases import PhaseTimer
+
+
+def train_steps(model, optimizer, batches, on_step=None):
+    for X, y in batches:
+        loss = nn.functional.cross_entropy(model(X), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if on_step:
+            on_step()
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_steps_come_from_optimizer_steps(tmp_path):
+    model, optimizer = tiny()
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,)))] * 9
+    with gpulab.monitor.profile(out=tmp_path, quiet=True) as p:
+        train_steps(model, optimizer, batches)
+    assert p.report["steps"] == 9
+    assert p.report["phases"]["compute"] > 0
+    assert (tmp_path / "report.json").is_file() and (tmp_path / "timeline.png").is_file()
+
+
+def test_explicit_step_marks_replace_optimizer_steps(tmp_path):
+    model, optimizer = tiny()
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,)))] * 2
+    with gpulab.monitor.profile(out=tmp_path, quiet=True) as p:
+        for _ in range(5):  # one "step" = two optimizer steps (say, gradient accumulation done by hand)
+            train_steps(model, optimizer, batches)
+            p.step()
+    assert p.report["steps"] == 5
+
+
+def test_everything_is_restored_after_the_session(tmp_path):
+    originals = (nn.Module.__call__, DataLoader.__iter__, _BaseDataLoaderIter.__next__, torch.autograd.backward,
+                 torch.optim.Optimizer.zero_grad)
+    hooks = (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks))
+    model, optimizer = tiny()
+    with gpulab.monitor.profile(out=tmp_path, quiet=True):
+        train_steps(model, optimizer, [(torch.randn(4, 8), torch.randint(0, 3, (4,)))])
+    assert (nn.Module.__call__, DataLoader.__iter__, _BaseDataLoaderIter.__next__, torch.autograd.backward,
+            torch.optim.Optimizer.zero_grad) == originals
+    assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks
+    assert phases.span_hook is None
+    assert "item" not in vars(torch.Tensor)  # CUDA wrappers (if any were installed) are gone too
+
+
+def test_an_exception_still_writes_a_partial_report_and_propagates(tmp_path):
+    model, optimizer = tiny()
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,)))] * 4
+    with pytest.raises(RuntimeError, match="boom"):
+        with gpulab.monitor.profile(out=tmp_path, quiet=True):
+            train_steps(model, optimizer, batches)
+            raise RuntimeError("boom")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["steps"] == 4
+    assert report["error"] == "RuntimeError: boom" and report["complete"] is False
+    assert nn.Module.__call__.__name__ == "_wrapped_call_impl"  # unpatched despite the exception
+
+
+def test_one_session_at_a_time(tmp_path):
+    with gpulab.monitor.profile(out=tmp_path / "a", quiet=True):
+        with pytest.raises(UserError, match="already running"):
+            with gpulab.monitor.profile(out=tmp_path / "b", quiet=True):
+                pass
+
+
+def test_bad_settings_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="--interval -1"):
+        gpulab.monitor.profile(out=tmp_path, interval_s=-1)
+
+
+class SleepyDataset(Dataset):
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        time.sleep(0.001)
+        return torch.randn(8), i % 3
+
+
+def test_dataloader_wait_with_forked_workers_is_data_wait_and_workers_record_nothing(tmp_path):
+    model, optimizer = tiny()
+    loader = DataLoader(SleepyDataset(), batch_size=16, num_workers=2, multiprocessing_context="fork")
+    with gpulab.monitor.profile(out=tmp_path, quiet=True, warmup_steps=0) as p:
+        train_steps(model, optimizer, loader)
+    report = p.report
+    assert report["steps"] == 6
+    assert report["data_loaders"][0]["num_workers"] == 2
+    assert report["phases"]["data_wait"] > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert "DataLoader.__iter__" in names and names.count("next(DataLoader)") >= 6
+
+
+def test_trainer_phases_arrive_as_spans(tmp_path):
+    timer = PhaseTimer([torch.device("cpu")])
+    model, optimizer = tiny()
+    X, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with gpulab.monitor.profile(out=tmp_path, quiet=True, warmup_steps=0) as p:
+        for _ in range(3):
+            with timer.phase("data"):
+                time.sleep(0.005)
+            with timer.phase("forward_backward"):
+                nn.functional.cross_entropy(model(X), y).backward()
+            with timer.phase("optimizer"):
+                optimizer.step()
+    assert p.report["phases"]["data_wait"] > 0  # the trainer's "data" phase counts as waiting for data
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"data", "forward_backward", "optimizer", "Linear", "SGD.step"} <= names
+    assert set(timer.summary()) == {"data", "forward_backward", "optimizer"}  # PhaseTimer unchanged
+
+
+def test_in_memory_loader_with_tensor_dataset(tmp_path):
+    model, optimizer = tiny()
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    with gpulab.monitor.profile(out=tmp_path, quiet=True) as p:
+        train_steps(model, optimizer, DataLoader(data, batch_size=8))
+    assert p.report["steps"] == 8
+    assert p.report["data_loaders"][0]["where"].endswith("test_session.py:" + str(_line_of("for X, y in batches:")))
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if text in line)
+
+
+def test_torch_compile_traces_through_the_patched_calls_without_graph_breaks(tmp_path):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    compiled = torch.compile(model, backend="aot_eager")  # no C++ toolchain needed
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,)))] * 4
+    with gpulab.monitor.profile(out=tmp_path, quiet=True) as p:
+        train_steps(compiled, optimizer, batches)
+    assert p.report["steps"] == 4
+    assert not torch._dynamo.utils.counters["graph_break"]

@@ -1,0 +1,32 @@
+"""`gpulab train --profile`: gpulab's own trainer under the same machinery, outputs in the run dir."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from gpulab.cli import main
+from gpulab.train import TrainConfig, train
+
+
+def test_train_profile_writes_the_profile_into_the_run_directory(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    console = Console(file=open(tmp_path / "console.txt", "w"), width=200)
+    train(TrainConfig(epochs=1, batch_size=64, devices="cpu", out=str(run), profile=True), console=console)
+    console.file.close()
+    report = json.loads((run / "profile" / "report.json").read_text())
+    assert report["steps"] == 8  # 512 training samples / batch 64
+    assert report["findings"] and report["phases"]["compute"] > 0
+    trace = json.loads((run / "profile" / "trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"data", "scatter", "forward_backward", "optimizer"} <= names  # the trainer's PhaseTimer phases
+    assert (run / "profile" / "timeline.png").is_file()
+    assert "gpulab profile: 8 steps" in (tmp_path / "console.txt").read_text()
+    assert (run / "metrics.json").is_file()  # the run itself is unchanged
+
+
+def test_train_without_profile_writes_no_profile(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--epochs", "1", "--batch-size", "256", "--devices", "cpu", "--out", str(run)]) == 0
+    assert not (run / "profile").exists()
