@@ -50,8 +50,8 @@ TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
 @pytest.mark.parametrize(
     "args, fragments",
     [
-        (["--model", "vgg"], ["--model", "invalid choice: 'vgg'", "lenet"]),
-        (["--data", "cifar10"], ["unknown dataset 'cifar10'", "fashion-mnist"]),
+        (["--model", "vgg"], ["--model vgg", "unknown model", "lenet"]),
+        (["--data", "cifar10"], ["--data cifar10", "unknown dataset", "fashion-mnist"]),
         (["--devices", "tpu"], ["unknown device 'tpu'", "available: cpu"]),
         (["--devices", "cpu*0"], ["cpu*K with K >= 1"]),
         (["--devices", "cpu,cpu"], ["lists a device twice"]),
@@ -65,7 +65,7 @@ TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
         (["--epochs", "two"], ["--epochs", "invalid int value"]),
         (["--eval-batch-size", "0"], ["--eval-batch-size 0"]),
         (["--recipe", "textbook", "--model", "resnet18"], ["use --model lenet"]),
-        (["--recipe", "fast"], ["--recipe", "invalid choice"]),
+        (["--recipe", "fast"], ["--recipe fast", "unknown recipe", "textbook"]),
         (["--frobnicate"], ["unrecognized arguments: --frobnicate"]),
     ],
 )

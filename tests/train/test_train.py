@@ -253,9 +253,9 @@ def test_divergence_later_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
 
 def test_config_validation():
     for bad, match in (
-        (dict(model="vgg"), "unknown model 'vgg'"),
-        (dict(data="cifar10"), "unknown dataset 'cifar10'"),
-        (dict(recipe="fast"), "unknown recipe 'fast'"),
+        (dict(model="vgg"), "--model vgg: unknown model"),
+        (dict(data="cifar10"), "--data cifar10: unknown dataset"),
+        (dict(recipe="fast"), "--recipe fast: unknown recipe"),
         (dict(epochs=0), "at least 1 epoch"),
         (dict(batch_size=0), "batch size must be >= 1"),
         (dict(eval_batch_size=0), "must be >= 1"),

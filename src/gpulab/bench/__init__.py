@@ -1,0 +1,51 @@
+"""`gpulab bench`: the classic GPU lessons as measurements you can repeat on your own machine.
+
+One module per benchmark; each has the same four parts, top to bottom:
+
+    LESSON   one sentence: the claim the benchmark measures
+    Config   a dataclass of sizes, with presets 'full' (for reports), 'quick' (CI, smoke
+             tests: all eight in under 2 minutes on a 2-core CPU) and 'tiny' (the test suite)
+    run()    check that the compared ways compute the same result, then time them with the
+             shared harness (`harness.measure`), filling a `report.Result`
+    plot()   a matplotlib figure of the result
+
+`runner.run_benchmark` ties them together and writes DIR/<name>.json and DIR/<name>.png.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from gpulab.errors import UserError
+
+# name -> what it measures. Module names are the CLI names with '-' -> '_'; the order is the
+# order of `bench all`.
+BENCHMARKS = {
+    "matmul": "square matmul n=16..8192 on CPU and GPUs (fp32/tf32/bf16): time, GFLOP/s, crossover",
+    "sync-logging": "1000 small matmuls logging a norm: host read per step vs log on device",
+    "concurrency": "two matmul workloads at once on two devices (or streams) vs one after another",
+    "transfer": "host<->device bandwidth: pageable vs pinned, blocking vs non_blocking; copy vs place",
+    "allreduce": "naive / ring / bucketed / NCCL / gloo x message size x k: time, algbw, busbw",
+    "scaling": "data-parallel samples/s for k = 1..n devices, LeNet and ResNet-18: efficiency",
+    "input-pipeline": "DataLoader (workers, pin_memory) vs device-resident loader: samples/s, device wait",
+    "vectorize": "loops vs indexing: one-hot masks, padded masked loss, contiguous after permute",
+}
+PRESETS = ("full", "quick", "tiny")
+
+
+def load(name: str) -> ModuleType:
+    if name not in BENCHMARKS:
+        raise UserError(f"unknown benchmark '{name}': choose all or one of {', '.join(BENCHMARKS)}")
+    return importlib.import_module(f"gpulab.bench.{name.replace('-', '_')}")
+
+
+def expand(names: list[str]) -> list[str]:
+    """CLI names -> benchmark names in suite order, 'all' expanded, duplicates dropped."""
+    wanted: list[str] = []
+    for name in names:
+        for n in BENCHMARKS if name == "all" else [name]:
+            load(n)  # validates the name
+            if n not in wanted:
+                wanted.append(n)
+    return wanted

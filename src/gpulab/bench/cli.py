@@ -1,12 +1,104 @@
-"""`gpulab bench` (work in progress: being built for the benchmarks issue)."""
+"""`gpulab bench <name>... [--devices SPEC] [--quick] [--out DIR]`: run benchmarks, print tables,
+write DIR/<name>.json and DIR/<name>.png for each."""
 
-from gpulab.errors import UserError
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gpulab import bench
+
+BUSY_PCT = 25.0
+"""Warn when other processes use more than this share of the CPU before a run."""
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (in progress)")
-    p.set_defaults(func=_todo)
+    listing = "\n".join(f"  {name:<15} {what}" for name, what in bench.BENCHMARKS.items())
+    p = sub.add_parser(
+        "bench",
+        help="measure the GPU lessons: matmul, transfers, allreduce, scaling, input pipeline, ...",
+        description=f"benchmarks (each writes DIR/<name>.json and DIR/<name>.png):\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("names", nargs="+", metavar="NAME", help=f"all, or one or more of: {', '.join(bench.BENCHMARKS)}")
+    p.add_argument(
+        "--devices", default=None,
+        help="devices to measure: cpu | cpu*K | cuda:0,cuda:1 | gpu:N (default: the CPU and every GPU; "
+        "multi-device benchmarks use every GPU, or virtual CPU replicas cpu*K without GPUs)",
+    )
+    size = p.add_mutually_exclusive_group()
+    # Both write args.preset; the default lives on the parser so that neither option's own
+    # default can overwrite the other's.
+    size.add_argument(
+        "--quick", dest="preset", action="store_const", const="quick",
+        help="small sizes for CI and smoke tests (all eight in under 2 minutes on a 2-core CPU)",
+    )
+    size.add_argument(
+        "--preset", choices=bench.PRESETS,
+        help="full (default: for reports), quick (= --quick) or tiny (seconds; checks the code paths only)",
+    )
+    p.set_defaults(preset="full")
+    p.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
+    p.set_defaults(func=run_bench)
 
 
-def _todo(args) -> int:
-    raise UserError("gpulab bench is not built yet")
+def run_bench(args) -> int:
+    from gpulab.bench.environment import environment
+    from gpulab.bench.runner import Context, run_benchmark
+    from gpulab.devices import resolve
+    from gpulab.train.rundir import check_writable
+
+    names = bench.expand(args.names)
+    devices = None if args.devices in (None, "auto") else resolve(args.devices)
+    out_dir = Path(args.out)
+    check_writable(out_dir)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
+    ctx = Context(preset=args.preset, devices=devices, console=console)
+    command = shlex.join(
+        ["gpulab", "bench", *args.names]
+        + (["--devices", args.devices] if args.devices else [])
+        + (["--quick"] if args.preset == "quick" else ["--preset", args.preset] if args.preset != "full" else [])
+        + ["--out", args.out]
+    )
+
+    env = environment()
+    gpus = ", ".join(g["name"] for g in env["gpus"]) or "no GPU"
+    console.print(escape(
+        f"gpulab bench {' '.join(names)} ({args.preset}) on {env['cpu']['model']} "
+        f"({env['cpu']['logical_cores']} cores, {env['torch_threads']} torch threads) + {gpus}; "
+        f"torch {env['torch']}; {env['date']} -> {out_dir}"
+    ))
+    if env["cpu_busy_pct"] > BUSY_PCT:
+        console.print(escape(
+            f"warning: the CPU is {env['cpu_busy_pct']:.0f}% busy before we start (load average "
+            f"{env['load_avg_1m']}): other processes distort CPU timings (a thread pool waits for its slowest, "
+            "descheduled thread at every parallel region); rerun on a quiet machine for numbers to report"
+        ), style="bold yellow")
+    started = time.perf_counter()
+    results = [run_benchmark(name, ctx, out_dir, command=command, env=env) for name in names]
+    total = time.perf_counter() - started
+
+    if len(results) > 1:
+        table = Table(
+            "benchmark", "status", "time", "others' CPU", "headline", title=f"gpulab bench: {total:.0f} s", title_justify="left"
+        )
+        for r in results:
+            status = "[green]ok[/]" if r.status == "ok" else "[bold red]FAILED[/]"
+            table.add_row(
+                r.name, status, f"{r.wall_s:.0f} s", f"{r.other_load_pct:.0f}%", escape(r.summary.get("headline", r.error or ""))
+            )
+        console.rule()
+        console.print(table)
+    failed = [r.name for r in results if r.status != "ok"]
+    if failed:
+        console.print(f"[bold red]{len(failed)} benchmark(s) failed their equality checks:[/] {', '.join(failed)}")
+        return 1
+    return 0
+

@@ -81,11 +81,11 @@ class TrainConfig:
         from gpulab.models import MODELS
 
         if self.model not in MODELS:
-            raise UserError(f"unknown model '{self.model}': choose one of {', '.join(MODELS)}")
+            raise UserError(f"--model {self.model}: unknown model; choose one of {', '.join(MODELS)}")
         if self.data != "fashion-mnist":
-            raise UserError(f"unknown dataset '{self.data}': gpulab train supports fashion-mnist")
+            raise UserError(f"--data {self.data}: unknown dataset; gpulab train supports fashion-mnist")
         if self.recipe not in RECIPES:
-            raise UserError(f"unknown recipe '{self.recipe}': choose one of {', '.join(RECIPES)}")
+            raise UserError(f"--recipe {self.recipe}: unknown recipe; choose one of {', '.join(RECIPES)}")
         if self.epochs < 1:
             raise UserError(f"--epochs {self.epochs}: train for at least 1 epoch")
         if self.batch_size < 1:

@@ -1,0 +1,118 @@
+"""What a benchmark ran on: enough to tell whether two result files are comparable."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+import gpulab
+from gpulab import devices as gdevices
+
+
+def environment() -> dict:
+    """Device names, driver/CUDA, torch, threads, date: recorded in every benchmark JSON."""
+    report = gdevices.describe()
+    cpu = report["cpu"]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "gpulab": gpulab.__version__,
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda_build": report["torch_cuda_build"],
+        "cudnn": report["cudnn"],
+        "driver": report["driver"],
+        "gpus": [
+            {"index": g["index"], "name": g["name"], "memory_total_mib": round(g["memory_total_mib"])}
+            for g in report["gpus"]
+        ],
+        "torch_sees_gpus": report["torch_sees_gpus"],
+        "cpu": {
+            "model": cpu["model"],
+            "logical_cores": cpu["logical_cores"],
+            "physical_cores": cpu["physical_cores"],
+            "memory_total_gib": round(cpu["memory_total_gib"], 1),
+        },
+        # The thread pools decide CPU numbers as much as the cores do.
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        # Other processes on a shared machine distort CPU numbers (a busy core stalls every
+        # OpenMP barrier): the load average says whether the machine was quiet.
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "cpu_busy_pct": cpu_busy_pct(),
+    }
+
+
+def cpu_busy_pct(interval_s: float = 0.3) -> float:
+    """How busy the CPU is right now (before we start), in percent of all cores."""
+    import psutil
+
+    return psutil.cpu_percent(interval=interval_s)
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (read-only `git rev-parse`), with '+dirty' for uncommitted changes."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            # --no-optional-locks: never touch the index, even to refresh it
+            ["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a checkout (installed package) or no git
+    return commit + ("+dirty" if dirty else "")
+
+
+def machine_slug(env: dict) -> str:
+    """A folder name for results: 'cpu-amd-epyc-2core', or the first GPU's name ('nvidia-h100-80gb-hbm3')."""
+    if env["gpus"]:
+        name = env["gpus"][0]["name"]
+        count = len(env["gpus"])
+        return _slug(name) + (f"-x{count}" if count > 1 else "")
+    return f"cpu-{_slug(env['cpu']['model'])}-{env['cpu']['logical_cores']}core"
+
+
+def _slug(text: str) -> str:
+    out = "".join(c if c.isalnum() else "-" for c in text.lower())
+    return "-".join(part for part in out.split("-") if part)
+
+
+class OtherLoad:
+    """The share of the CPU that *other* processes used while a benchmark ran.
+
+    System-wide busy CPU time minus this process's own (and its reaped children's): what is
+    left is someone else's work competing for the same cores.
+    """
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        import time
+
+        import psutil
+
+        t = psutil.cpu_times()
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        me = psutil.Process().cpu_times()
+        mine = me.user + me.system + me.children_user + me.children_system
+        return time.perf_counter(), busy, mine
+
+    def pct(self) -> float:
+        import psutil
+
+        wall0, busy0, mine0 = self.start
+        wall1, busy1, mine1 = self._sample()
+        capacity = (wall1 - wall0) * (psutil.cpu_count() or 1)
+        return max(0.0, 100.0 * ((busy1 - busy0) - (mine1 - mine0)) / capacity) if capacity > 0 else 0.0

@@ -1,0 +1,144 @@
+"""The logic inside the benchmarks: which devices they pick, what they compare, how they summarize."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpulab.bench import allreduce, concurrency, input_pipeline, matmul, scaling, vectorize
+from gpulab.bench.runner import Context
+from gpulab.errors import UserError
+
+CPU, G0, G1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+
+
+def _row(device, dtype, n, seconds):
+    return {"device": device, "dtype": dtype, "n": n, "time": {"median_s": seconds}, "gflops": 2 * n**3 / seconds / 1e9}
+
+
+def test_matmul_crossover_is_where_the_gpu_wins_from_then_on():
+    rows = [_row("cpu", "fp32", n, t) for n, t in ((16, 1e-6), (64, 1e-5), (256, 1e-3), (1024, 1e-1))]
+    # the GPU wins at 64 by noise, loses at 256, wins for good from 1024
+    rows += [_row("cuda:0", "fp32", n, t) for n, t in ((16, 1e-5), (64, 5e-6), (256, 2e-3), (1024, 1e-3))]
+    rows += [_row("cuda:0", "bf16", 1024, 1e-4)]
+    summary = matmul.summarize(rows)
+    assert summary["gpu_fp32_faster_from_n"] == {"cuda:0": 1024}
+    assert summary["peak_gflops"]["cuda:0 bf16"]["n"] == 1024
+    assert "beats the CPU from n=1024" in summary["headline"]
+
+
+def test_matmul_cpu_only_has_no_crossover():
+    summary = matmul.summarize([_row("cpu", "fp32", 16, 1e-6)])
+    assert summary["gpu_fp32_faster_from_n"] == {}
+    assert summary["headline"].startswith("CPU fp32 peaks")
+
+
+def test_allreduce_ks():
+    assert allreduce.ks_for(1) == []
+    assert allreduce.ks_for(2) == [2]
+    assert allreduce.ks_for(3) == [2, 3]
+    assert allreduce.ks_for(6) == [2, 4, 6]
+    assert allreduce.ks_for(8) == [2, 4, 8]
+
+
+def test_allreduce_device_pools():
+    cfg = allreduce.Config.preset("tiny")
+    assert allreduce.device_sets(cfg, Context(devices=[CPU] * 3)) == [[CPU] * 3]
+    # a lone 'cpu' has nothing to reduce: it stands for the default virtual replicas
+    assert allreduce.device_sets(cfg, Context(devices=[CPU])) == [[CPU] * cfg.cpu_replicas]
+    assert allreduce.device_sets(cfg, Context(devices=[G0, G1])) == [[G0, G1]]
+    assert allreduce.device_sets(cfg, Context(devices=[G0])) == []  # one GPU: skipped, with a reason
+
+
+def test_concurrency_setups():
+    modes = lambda devices: [m for m, _, _ in concurrency.setups(Context(devices=devices))]  # noqa: E731
+    assert modes([G0, G1]) == ["two devices", "two streams"]
+    assert modes([G0]) == ["two streams"]
+    assert modes([CPU]) == ["two threads"]
+    assert modes([G0, CPU]) == ["two streams", "two threads"]
+
+
+def test_scaling_pool():
+    cfg = scaling.Config.preset("tiny")
+    assert scaling.pool(cfg, Context(devices=[CPU])) == [CPU] * cfg.cpu_replicas
+    assert scaling.pool(cfg, Context(devices=[G0, G1])) == [G0, G1]
+    assert scaling.pool(cfg, Context(devices=[CPU] * 3)) == [CPU] * 3
+
+
+def test_context_devices_and_reasons():
+    assert Context(devices=[CPU, CPU]).single_devices() == [CPU]
+    assert Context(devices=[G0, CPU, G0]).gpus() == [G0]
+    if not torch.cuda.is_available():
+        assert Context().gpus() == []
+        assert "GPU" in Context().no_gpu_reason() or "CPU-only" in Context().no_gpu_reason()
+
+
+def test_one_hot_ways_agree():
+    seg = torch.randint(0, 80, (2, 9, 7))
+    ways = vectorize.one_hot_ways(seg, 80)
+    masks = {name: fn() for name, fn in ways.items()}
+    reference = masks.pop("loop over classes")
+    assert reference.shape == (2, 80, 9, 7) and reference.sum() == 2 * 9 * 7  # exactly one class per pixel
+    for name, m in masks.items():
+        assert torch.equal(m, reference), name
+
+
+def test_padded_masked_loss_equals_the_per_image_loop():
+    cfg = vectorize.Config.preset("tiny")
+    logits, targets = vectorize.variable_batch(cfg, CPU)
+    assert len({tuple(t.shape) for t in targets}) > 1  # really different sizes
+    loop = vectorize.loss_loop(logits, targets)
+    padded = vectorize._padded_as_loop(vectorize.pad_batch(logits, targets), logits)
+    for a, b in zip(loop, padded):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_permute_ways_agree():
+    x = torch.randn(2, 4, 3, 5)
+    weights = [torch.randn(4, 4) for _ in range(2)]
+    for task, ways in vectorize.permute_ways(x, weights).items():
+        a, b = (fn() for fn in ways.values())
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v), task
+
+
+def test_input_pipeline_falls_back_to_synthetic_data(monkeypatch):
+    def missing(*args, **kwargs):
+        raise UserError("Fashion-MNIST not found")
+
+    monkeypatch.setattr(input_pipeline.data, "load", missing)
+    split, source = input_pipeline.dataset(40)
+    assert source.startswith("synthetic")
+    assert split.images.shape == (40, 1, 28, 28) and split.images.dtype == torch.uint8
+    assert split.labels.max() < 10
+
+
+def test_input_pipeline_uses_the_dataset_when_present(tiny_data):
+    split, source = input_pipeline.dataset(32)
+    assert source.startswith("fashion-mnist") and len(split) == 32
+
+
+@pytest.mark.parametrize("name", ["full", "quick", "tiny"])
+def test_every_benchmark_has_each_preset(name):
+    from gpulab import bench
+
+    for benchmark in bench.BENCHMARKS:
+        module = bench.load(benchmark)
+        cfg = module.Config.preset(name)
+        assert module.LESSON and callable(module.run) and callable(module.plot)
+        assert cfg is not None
+
+
+def test_gloo_ranks_in_threads_sum_exactly():
+    from gpulab.bench.report import Result
+
+    cfg = allreduce.Config.preset("tiny")
+    result = Result(name="t", lesson="", config={}, env={}, preset="tiny")
+    ranks = allreduce._gloo_ranks(3, result)
+    if ranks is None:
+        pytest.skip(f"gloo unavailable: {result.skipped}")
+    try:
+        t = ranks.time(cfg, result, 4096)
+    finally:
+        ranks.close()
+    assert result.checks[-1].passed and t.median_s > 0
