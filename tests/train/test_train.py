@@ -341,3 +341,38 @@ def test_out_dir_holding_a_run_is_not_overwritten(tiny_data, tmp_path):
     with pytest.raises(UserError, match="already holds a gpulab run"):
         train(config(out, epochs=1))
     assert (out / CHECKPOINT).read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- the user's own data
+
+
+def user_datasets(n_train=96, n_test=40):
+    g = torch.Generator().manual_seed(0)
+    prototypes = torch.randn(10, 1, 28, 28, generator=g)
+
+    def make(n):
+        y = torch.randint(0, 10, (n,), generator=g)
+        return torch.utils.data.TensorDataset(prototypes[y] + 0.3 * torch.randn(n, 1, 28, 28, generator=g), y)
+
+    return make(n_train), make(n_test)
+
+
+@pytest.mark.parametrize("as_loader", [False, True])
+def test_train_on_a_users_dataset_or_dataloader(tmp_path, as_loader, monkeypatch):
+    monkeypatch.setenv("GPULAB_DATA", str(tmp_path / "nowhere"))  # Fashion-MNIST must not be needed
+    train_set, test_set = user_datasets()
+    if as_loader:
+        train_set = torch.utils.data.DataLoader(train_set, batch_size=32, shuffle=True)
+        test_set = torch.utils.data.DataLoader(test_set, batch_size=64)
+    out = tmp_path / "run"
+    final = train(config(out, epochs=8, devices="cpu*2", batch_size=32), train_data=train_set, test_data=test_set)
+    assert final["test_acc"] > 0.5  # 10 well-separated classes: far above chance (0.1)
+    assert json.loads((out / "config.json").read_text())["data"] == "custom"
+    with pytest.raises(UserError, match="pass train_data and test_data"):
+        train(resume=str(out))
+
+
+def test_train_data_without_test_data_is_refused(tmp_path):
+    train_set, _ = user_datasets()
+    with pytest.raises(UserError, match="both train_data and test_data"):
+        train(config(tmp_path / "run"), train_data=train_set)

@@ -53,6 +53,7 @@ class TrainConfig:
     model: str = "lenet"
     """lenet | resnet18"""
     data: str = "fashion-mnist"
+    """fashion-mnist, or custom when train() is given the caller's own Dataset/DataLoader."""
     data_dir: str | None = None
     """Folder with the four IDX files; default: $GPULAB_DATA, the cache dir, then Debian's path."""
     devices: str = "auto"
@@ -82,7 +83,7 @@ class TrainConfig:
 
         if self.model not in MODELS:
             raise UserError(f"--model {self.model}: unknown model; choose one of {', '.join(MODELS)}")
-        if self.data != "fashion-mnist":
+        if self.data not in ("fashion-mnist", "custom"):  # custom: Dataset/DataLoader passed to train()
             raise UserError(f"--data {self.data}: unknown dataset; gpulab train supports fashion-mnist")
         if self.recipe not in RECIPES:
             raise UserError(f"--recipe {self.recipe}: unknown recipe; choose one of {', '.join(RECIPES)}")

@@ -5,6 +5,7 @@ device and one host read per epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -73,8 +74,8 @@ class Run:
     cfg: TrainConfig
     devices: list[torch.device]
     strategy: DataParallel
-    train_loader: data.DeviceLoader
-    test_loader: data.DeviceLoader
+    train_loader: data.DeviceLoader | data.HostLoader
+    test_loader: data.DeviceLoader | data.HostLoader
     loss_fn: torch.nn.Module
     timer: PhaseTimer
     batch_size: int
@@ -82,7 +83,17 @@ class Run:
     warmup_steps: int
 
 
-def build(cfg: TrainConfig) -> Run:
+def user_loader(source, batch_size: int, device: torch.device, shuffle: bool, channels_last: bool) -> data.HostLoader:
+    """A user's own Dataset (batched here) or DataLoader, copied batch by batch to `device`."""
+    if isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset):
+        # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
+        source = torch.utils.data.DataLoader(source, batch_size, shuffle=shuffle, pin_memory=device.type == "cuda")
+    return data.HostLoader(source, device, channels_last=channels_last)
+
+
+def build(cfg: TrainConfig, train_data=None, test_data=None) -> Run:
+    """Everything a run needs. `train_data`/`test_data`: a Dataset or DataLoader of (image, label)
+    to train on instead of Fashion-MNIST (the built-in data is loaded only when they are None)."""
     devices = resolve(cfg.devices)
     k = len(devices)
     recipe = cfg.recipe_spec
@@ -90,8 +101,21 @@ def build(cfg: TrainConfig) -> Run:
     peak_lr = (cfg.lr or recipe.lr) * (k if cfg.scale_batch else 1)
     if batch_size < k:
         raise UserError(f"--batch-size {cfg.batch_size} is smaller than the {k} devices: use at least {k}")
-    train_split, test_split = data.load(cfg.data_dir, download=True)
+    if (train_data is None) != (test_data is None):
+        raise UserError("pass both train_data and test_data, or neither (to use Fashion-MNIST)")
+    if cfg.data == "custom" and train_data is None:
+        raise UserError("this run trains on the caller's own data: pass train_data and test_data to train()")
     channels_last = use_channels_last(cfg, devices)
+    loader_args = dict(device=devices[0], channels_last=channels_last)
+    if train_data is None:
+        train_split, test_split = data.load(cfg.data_dir, download=True)
+        train_loader = data.DeviceLoader(
+            train_split, batch_size, shuffle=True, seed=cfg.seed, normalize=recipe.normalize, **loader_args
+        )
+        test_loader = data.DeviceLoader(test_split, cfg.eval_batch_size, normalize=recipe.normalize, **loader_args)
+    else:
+        train_loader = user_loader(train_data, batch_size, shuffle=True, **loader_args)
+        test_loader = user_loader(test_data, cfg.eval_batch_size, shuffle=False, **loader_args)
 
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model)
@@ -110,15 +134,13 @@ def build(cfg: TrainConfig) -> Run:
         model, devices, optimizer=make_optimizer(recipe, peak_lr), allreduce=cfg.allreduce, sync_bn=cfg.sync_bn, timer=timer
     )
     # Linear scaling needs a warm-up: a k-times larger lr from step 0 diverges (Goyal et al. 2017).
-    steps_per_epoch = -(-len(train_split) // batch_size)
-    warmup_steps = steps_per_epoch if cfg.scale_batch and k > 1 else 0
-    loader_args = dict(device=devices[0], normalize=recipe.normalize, channels_last=channels_last)
+    warmup_steps = len(train_loader) if cfg.scale_batch and k > 1 else 0
     return Run(
         cfg=cfg,
         devices=devices,
         strategy=strategy,
-        train_loader=data.DeviceLoader(train_split, batch_size, shuffle=True, seed=cfg.seed, **loader_args),
-        test_loader=data.DeviceLoader(test_split, cfg.eval_batch_size, **loader_args),
+        train_loader=train_loader,
+        test_loader=test_loader,
         loss_fn=torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing),
         timer=timer,
         batch_size=batch_size,
@@ -182,15 +204,37 @@ def epoch_line(row: dict, epochs: int, devices: list[torch.device]) -> str:
     return line
 
 
+def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, history: list[dict]) -> dict:
+    """Train and evaluate one epoch, then checkpoint and write the metrics (appends to `history`)."""
+    try:
+        row = {"epoch": epoch + 1, **train_epoch(run, epoch, progress), **evaluate(run)}
+    except NonFiniteLoss as e:
+        # A checkpoint exists only once an epoch has finished; if the first one diverged
+        # there is nothing to keep, and saying "epoch 0" would promise a file that isn't there.
+        if history:
+            kept = f"last good checkpoint (epoch {history[-1]['epoch']}) kept in {run_dir.path}"
+        else:
+            kept = f"no checkpoint saved in {run_dir.path} (no epoch finished with a finite loss)"
+        raise UserError(f"{e}; stopped, {kept}: lower --lr") from None
+    row["lr_peak"] = run.peak_lr
+    history.append(row)
+    run_dir.save_checkpoint({"strategy": run.strategy.state_dict(), "history": history, "epoch": epoch + 1})
+    run_dir.write_metrics(history)
+    return row
+
+
 def train(
     cfg: TrainConfig | None = None,
     resume: str | None = None,
     console: Console | None = None,
     on_epoch_end: Callable[[dict], None] | None = None,
+    train_data=None,
+    test_data=None,
 ) -> dict:
     """Train as configured, or continue the run in directory `resume` with its saved config.
 
-    Returns the final epoch's metrics row.
+    `train_data`/`test_data` (a Dataset or DataLoader each) replace Fashion-MNIST; a resumed run
+    needs them again. Returns the final epoch's metrics row.
     """
     console = console or Console(highlight=False, soft_wrap=True)
     if resume:
@@ -200,9 +244,11 @@ def train(
         checkpoint = run_dir.load_checkpoint()
     else:
         cfg = cfg or TrainConfig()
+        if train_data is not None:
+            cfg = dataclasses.replace(cfg, data="custom")  # config.json must not claim Fashion-MNIST
         run_dir = RunDir(Path(cfg.out) if cfg.out else default_run_dir(cfg.model))
         check_writable(run_dir.path)
-    run = build(cfg)  # validates devices and data before anything is written
+    run = build(cfg, train_data, test_data)  # validates devices and data before anything is written
 
     history: list[dict] = []
     start_epoch = 0
@@ -225,24 +271,16 @@ def train(
     # --profile: the same machinery as `gpulab profile`; report, timeline and trace go to <run>/profile.
     profiling = profile(out=run_dir.path / "profile", console=console) if cfg.profile else nullcontext()
     with profiling, progress:
-        for epoch in range(start_epoch, cfg.epochs):
-            try:
-                row = {"epoch": epoch + 1, **train_epoch(run, epoch, progress), **evaluate(run)}
-            except NonFiniteLoss as e:
-                # A checkpoint exists only once an epoch has finished; if the first one diverged
-                # there is nothing to keep, and saying "epoch 0" would promise a file that isn't there.
-                if history:
-                    kept = f"last good checkpoint (epoch {history[-1]['epoch']}) kept in {run_dir.path}"
-                else:
-                    kept = f"no checkpoint saved in {run_dir.path} (no epoch finished with a finite loss)"
-                raise UserError(f"{e}; stopped, {kept}: lower --lr") from None
-            row["lr_peak"] = run.peak_lr
-            history.append(row)
-            run_dir.save_checkpoint({"strategy": run.strategy.state_dict(), "history": history, "epoch": epoch + 1})
-            run_dir.write_metrics(history)
-            console.print(escape(epoch_line(row, cfg.epochs, run.devices)))
-            if on_epoch_end:
-                on_epoch_end(row)
+        try:
+            for epoch in range(start_epoch, cfg.epochs):
+                row = run_one_epoch(run, epoch, progress, run_dir, history)
+                console.print(escape(epoch_line(row, cfg.epochs, run.devices)))
+                if on_epoch_end:
+                    on_epoch_end(row)
+        except KeyboardInterrupt:
+            done = history[-1]["epoch"] if history else 0
+            console.print(escape(f"interrupted after epoch {done}: continue with gpulab train --resume {run_dir.path}"))
+            raise
 
     final = history[-1]
     sec_per_epoch = sum(r["train_seconds"] for r in history) / len(history)
