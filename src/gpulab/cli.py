@@ -108,6 +108,7 @@ def add_train_parser(sub) -> None:
     )
     p.add_argument("--eval-batch-size", type=int, default=None)
     p.add_argument("--channels-last", default=None, help="auto (default: on for CPU), on or off")
+    p.add_argument("--precision", default=None, help="auto (default: bf16 autocast on CPUs with native bf16), fp32 or bf16")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>-<model>)")
     p.add_argument("--profile", action="store_const", const=True, default=None, help="sample utilisation; write a timeline")
     p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its last checkpoint")
@@ -120,7 +121,7 @@ def add_train_parser(sub) -> None:
 
 _TRAIN_FIELDS = (
     "model", "data", "data_dir", "devices", "epochs", "batch_size", "lr", "recipe", "seed", "allreduce",
-    "sync_bn", "scale_batch", "eval_batch_size", "channels_last", "out", "profile",
+    "sync_bn", "scale_batch", "eval_batch_size", "channels_last", "precision", "out", "profile",
 )
 
 

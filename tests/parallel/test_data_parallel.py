@@ -105,3 +105,19 @@ def test_state_dict_round_trip_into_more_devices():
     for r in dst.replicas:
         for p, q in zip(r.parameters(), src.module.parameters()):
             assert torch.equal(p, q)
+
+
+def test_bf16_autocast_keeps_fp32_master_weights_and_close_loss():
+    torch.manual_seed(0)
+    model = LeNet()
+    X, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
+    fp32 = DataParallel(model, resolve("cpu*2"))
+    bf16 = DataParallel(model, resolve("cpu*2"), autocast=torch.bfloat16)
+    loss32 = fp32.train_step(X, y, nn.functional.cross_entropy)
+    loss16 = bf16.train_step(X, y, nn.functional.cross_entropy)
+    assert loss16.dtype == torch.float32  # autocast computes the loss in fp32
+    assert abs(loss16.item() - loss32.item()) < 0.05
+    assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
+    for p, q in zip(bf16.replicas[0].parameters(), bf16.replicas[1].parameters()):
+        assert torch.equal(p, q)  # replicas stay identical in mixed precision too
+    assert bf16.evaluate([(X, y)])["count"] == 16

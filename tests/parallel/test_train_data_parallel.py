@@ -12,7 +12,8 @@ def metrics(run_dir):
 
 
 def test_two_virtual_devices_match_one_device(tiny_data, tmp_path):
-    common = ["train", "--epochs", "2", "--batch-size", "64", "--seed", "3"]
+    # fp32: parity is a statement about the algorithm; bf16 rounding depends on the shard shapes.
+    common = ["train", "--epochs", "2", "--batch-size", "64", "--seed", "3", "--precision", "fp32"]
     assert main([*common, "--devices", "cpu", "--out", str(tmp_path / "one")]) == 0
     assert main([*common, "--devices", "cpu*2", "--out", str(tmp_path / "two")]) == 0
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")

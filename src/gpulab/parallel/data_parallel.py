@@ -91,10 +91,14 @@ class DataParallel:
         sync_bn: bool = False,
         bucket_bytes: int = 25 * 2**20,
         timer: PhaseTimer | None = None,
+        autocast: torch.dtype | None = None,
     ):
+        """`autocast`: run forward passes under torch.autocast with this dtype (e.g. bfloat16);
+        parameters, gradients and the optimizer stay float32 (mixed precision)."""
         if not devices:
             raise UserError("DataParallel needs at least one device")
         self.devices = list(devices)
+        self.autocast = autocast
         self.replicas = replicate(module, self.devices)
         self.sync_bn = sync_bn and len(self.devices) > 1
         if self.sync_bn:
@@ -149,15 +153,19 @@ class DataParallel:
 
     def _forward(self, X_shards, y_shards, loss_fn: LossFn, n: int):
         def run(i: int):
-            out = self.replicas[i](X_shards[i])
-            weight = len(y_shards[i]) / n  # shard mean -> its share of the batch mean
-            return out, loss_fn(out, y_shards[i]) * weight
+            with self._autocast(i):
+                out = self.replicas[i](X_shards[i])
+                weight = len(y_shards[i]) / n  # shard mean -> its share of the batch mean
+                return out, loss_fn(out, y_shards[i]) * weight
 
         if not self.sync_bn:
             results = [run(i) for i in range(len(self.devices))]
         else:
             results = self._run_in_threads(run)
         return [r[0] for r in results], [r[1] for r in results]
+
+    def _autocast(self, i: int):
+        return torch.autocast(self.devices[i].type, dtype=self.autocast, enabled=self.autocast is not None)
 
     def _run_in_threads(self, fn):
         """Run fn(i) for every replica concurrently; sync BN layers rendezvous inside."""
@@ -207,7 +215,10 @@ class DataParallel:
                 X_shards, y_shards = [place(X, self.devices[0])], [place(y, self.devices[0])]
             else:
                 X_shards, y_shards = split_batch(X, y, self.devices)
-            outs = [self.replicas[i](x) for i, x in enumerate(X_shards)]
+            outs = []
+            for i, x in enumerate(X_shards):
+                with self._autocast(i):
+                    outs.append(self.replicas[i](x))
             first = self.devices[0]
             correct = sum(place((o.argmax(1) == t).sum(), first) for o, t in zip(outs, y_shards))
             loss_sum = torch.zeros((), device=first)

@@ -45,6 +45,8 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.exchange is None:
             return super().forward(x)
+        # Statistics in the buffers' precision (float32 even under bf16 autocast), as BatchNorm2d does.
+        out_dtype, x = x.dtype, x.to(self.running_mean.dtype)
         dims = (0, 2, 3)
         c = x.shape[1]
         # Two rounds (mean, then centred squares) rather than one round of sum and sum of
@@ -65,7 +67,7 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
         y = centred * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y
+        return y.to(out_dtype)
 
 
 def convert_to_sync(replicas: list[nn.Module]) -> list[nn.Module]:

@@ -72,6 +72,8 @@ class TrainConfig:
     eval_batch_size: int = 1024
     channels_last: str = "auto"
     """auto (on for CPU, where it is measured faster) | on | off"""
+    precision: str = "auto"
+    """auto (bf16 autocast on CPUs with native bf16, where it is measured faster; else fp32) | fp32 | bf16"""
     out: str | None = None
     """Run directory; default runs/<timestamp>-<model>."""
     profile: bool = False
@@ -95,6 +97,8 @@ class TrainConfig:
             raise UserError(f"--eval-batch-size {self.eval_batch_size}: must be >= 1")
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             raise UserError(f"--lr {self.lr}: the learning rate must be a positive number")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise UserError(f"--precision {self.precision}: use auto, fp32 or bf16")
         if self.channels_last not in ("auto", "on", "off"):
             raise UserError(f"--channels-last {self.channels_last}: use auto, on or off")
         from gpulab.parallel.allreduce import ALGORITHMS
