@@ -31,8 +31,8 @@ class Recipe:
 RECIPES = {
     # The multi-GPU chapter's setting: plain minibatch SGD, lr 0.2, batch 256, N(0, 0.01^2) init.
     "textbook": Recipe(name="textbook", lr=0.2, init="textbook"),
-    # Measured on Fashion-MNIST/LeNet on a 2-core CPU: >= 0.90 test accuracy in 10 epochs
-    # (the textbook recipe stays in the mid 0.8s). Every ingredient is standard: Nesterov
+    # Measured on Fashion-MNIST/LeNet, 10 epochs, 2-core CPU: test acc 0.906 (bf16) / 0.908
+    # (fp32), where the textbook recipe reaches 0.836. Every ingredient is standard: Nesterov
     # momentum, one-cycle schedule, label smoothing, standardised inputs, light weight decay.
     "modern": Recipe(
         name="modern",
