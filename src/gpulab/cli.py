@@ -58,9 +58,9 @@ def run_devices(args) -> int:
             )
         console.print(table)
     else:
-        console.print("no GPU found")
+        console.print("no GPU found: training runs on the CPU (use --devices cpu*K to exercise multi-device code)")
     c = report["cpu"]
-    table = Table("cpu", "cores (logical/physical)", "torch threads", "memory available / total")
+    table = Table("cpu", "cores", "torch threads", "memory free / total")
     table.add_row(
         c["model"],
         f"{c['logical_cores']}/{c['physical_cores']}",
