@@ -290,3 +290,7 @@ def _leaves(x) -> list:
     if isinstance(x, list | tuple):
         return [leaf for v in x for leaf in _leaves(v)]
     return [x]
+
+
+def test_resolve_accepts_torchs_name_for_the_cpu():
+    assert devices.resolve("cpu:0") == [torch.device("cpu")]

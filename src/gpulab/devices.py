@@ -57,7 +57,7 @@ _GPU = re.compile(r"^(?:cuda|gpu)(?::(\d+))?$")
 
 
 def _parse_one(token: str) -> torch.device:
-    if token == "cpu":
+    if token in ("cpu", "cpu:0"):
         return cpu()
     m = _GPU.match(token)
     if not m:
