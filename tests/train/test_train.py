@@ -389,3 +389,10 @@ def test_precision_choice(tiny_data, tmp_path, capsys):
         TrainConfig(precision="fp16")
     train(config(tmp_path / "run", epochs=1, precision="bf16"))
     assert "bf16 autocast" in capsys.readouterr().out
+
+
+def test_user_images_of_the_wrong_shape_are_a_clear_error(tmp_path):
+    rgb = torch.utils.data.TensorDataset(torch.zeros(8, 3, 32, 32), torch.zeros(8, dtype=torch.long))
+    with pytest.raises(UserError, match="images have shape 3x32x32; --model lenet takes 1x28x28"):
+        train(config(tmp_path / "run"), train_data=rgb, test_data=rgb)
+    assert not (tmp_path / "run").exists()

@@ -104,6 +104,18 @@ def user_loader(source, batch_size: int, device: torch.device, shuffle: bool, ch
     return data.HostLoader(source, device, channels_last=channels_last)
 
 
+def check_image_shape(source, model: str) -> None:
+    """Fail with one line, not a shape error deep inside forward, when images do not fit the model."""
+    dataset = source if isinstance(source, torch.utils.data.Dataset) else getattr(source, "dataset", None)
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or len(dataset) == 0:
+        return  # nothing to look at without consuming the user's iterator
+    shape = tuple(torch.as_tensor(dataset[0][0]).shape)
+    fits = len(shape) == 3 and shape[0] == 1 and (model != "lenet" or shape[1:] == (28, 28))
+    if not fits:
+        want = "1x28x28" if model == "lenet" else "1xHxW"
+        raise UserError(f"train_data images have shape {'x'.join(map(str, shape))}; --model {model} takes {want} images")
+
+
 def build(cfg: TrainConfig, train_data=None, test_data=None) -> Run:
     """Everything a run needs. `train_data`/`test_data`: a Dataset or DataLoader of (image, label)
     to train on instead of Fashion-MNIST (the built-in data is loaded only when they are None)."""
@@ -127,6 +139,7 @@ def build(cfg: TrainConfig, train_data=None, test_data=None) -> Run:
         )
         test_loader = data.DeviceLoader(test_split, cfg.eval_batch_size, normalize=recipe.normalize, **loader_args)
     else:
+        check_image_shape(train_data, cfg.model)
         train_loader = user_loader(train_data, batch_size, shuffle=True, **loader_args)
         test_loader = user_loader(test_data, cfg.eval_batch_size, shuffle=False, **loader_args)
 
