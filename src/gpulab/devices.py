@@ -93,6 +93,9 @@ def resolve(spec: str) -> list[torch.device]:
     if not tokens:
         raise UserError("empty device spec: use auto, cpu, cpu*K or cuda:0,cuda:1")
     devices = [_parse_one(t) for t in tokens]
+    if len({d.type for d in devices}) > 1:
+        # A CPU replica would be far slower than the GPUs and every step would wait for it.
+        raise UserError(f"device spec '{spec}' mixes the CPU and GPUs: list GPUs only, or use cpu*K")
     if len(set(devices)) != len(devices):
         raise UserError(
             f"device spec '{spec}' lists a device twice: list each GPU once "

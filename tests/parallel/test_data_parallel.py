@@ -121,3 +121,13 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_close_loss():
     for p, q in zip(bf16.replicas[0].parameters(), bf16.replicas[1].parameters()):
         assert torch.equal(p, q)  # replicas stay identical in mixed precision too
     assert bf16.evaluate([(X, y)])["count"] == 16
+
+
+def test_bf16_evaluation_loss_is_computed_in_fp32():
+    torch.manual_seed(0)
+    model = LeNet()
+    X, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = nn.functional.cross_entropy(model(X), y).item()  # autocast: loss in fp32
+    got = DataParallel(model, resolve("cpu*2"), autocast=torch.bfloat16).evaluate([(X, y)], nn.functional.cross_entropy)
+    assert got["loss"] == pytest.approx(expected, abs=1e-4)

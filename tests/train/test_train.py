@@ -396,3 +396,20 @@ def test_user_images_of_the_wrong_shape_are_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="images have shape 3x32x32; --model lenet takes 1x28x28"):
         train(config(tmp_path / "run"), train_data=rgb, test_data=rgb)
     assert not (tmp_path / "run").exists()
+
+
+def test_warmup_never_takes_the_whole_run():
+    recipe = RECIPES["modern"]
+    lrs = [lr_at(s, 10, 1.0, recipe, warmup_steps=10) for s in range(10)]
+    assert max(lrs) == pytest.approx(1.0) and lrs[-1] < 0.2  # peaks, then decays
+
+
+def test_resume_of_a_damaged_checkpoint_is_a_one_line_error(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    train(config(out, epochs=1))
+    (out / CHECKPOINT).write_bytes((out / CHECKPOINT).read_bytes()[:100])
+    with pytest.raises(UserError, match="is unreadable"):
+        train(resume=str(out))
+    (out / "config.json").write_text('{"epochs": "ten"}')
+    with pytest.raises(UserError):
+        train(resume=str(out))

@@ -215,15 +215,14 @@ class DataParallel:
                 X_shards, y_shards = [place(X, self.devices[0])], [place(y, self.devices[0])]
             else:
                 X_shards, y_shards = split_batch(X, y, self.devices)
-            outs = []
-            for i, x in enumerate(X_shards):
-                with self._autocast(i):
-                    outs.append(self.replicas[i](x))
             first = self.devices[0]
-            correct = sum(place((o.argmax(1) == t).sum(), first) for o, t in zip(outs, y_shards))
-            loss_sum = torch.zeros((), device=first)
-            if loss_fn is not None:
-                loss_sum = sum(place(loss_fn(o, t) * len(t), first) for o, t in zip(outs, y_shards))
+            correct, loss_sum = 0, torch.zeros((), device=first)
+            for i, (x, t) in enumerate(zip(X_shards, y_shards)):
+                with self._autocast(i):  # the loss too: autocast computes it in fp32
+                    out = self.replicas[i](x)
+                    if loss_fn is not None:
+                        loss_sum = loss_sum + place(loss_fn(out, t) * len(t), first)
+                correct = correct + place((out.argmax(1) == t).sum(), first)
             meter.add(loss_sum, correct, len(y))
         self.train(True)
         return meter.read()

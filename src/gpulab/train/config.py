@@ -116,4 +116,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        try:
+            return cls(**{k: v for k, v in d.items() if k in known})
+        except TypeError as e:  # a hand-edited config.json with a value of the wrong type
+            raise UserError(f"config.json has a value of the wrong type ({e}); restore the original file") from None

@@ -36,6 +36,8 @@ def lr_at(step: int, total_steps: int, peak: float, recipe: Recipe, warmup_steps
     """Learning rate for `step` (0-based): linear warm-up, then constant or cosine decay."""
     if recipe.schedule == "onecycle":
         warmup_steps = max(warmup_steps, int(recipe.warmup_frac * total_steps))
+    # Never warm up for more than half the run: a 1-epoch --scale-batch run must still decay.
+    warmup_steps = min(warmup_steps, total_steps // 2)
     if step < warmup_steps:
         return peak * (step + 1) / warmup_steps
     if recipe.schedule == "constant":
@@ -76,7 +78,8 @@ def autocast_dtype(cfg: TrainConfig, devices: list[torch.device]) -> torch.dtype
     """
     if cfg.precision == "auto":
         on_cpu = all(d.type == "cpu" for d in devices)
-        return torch.bfloat16 if on_cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if on_cpu and native_bf16 else None
     return torch.bfloat16 if cfg.precision == "bf16" else None
 
 
@@ -98,6 +101,8 @@ class Run:
 
 def user_loader(source, batch_size: int, device: torch.device, shuffle: bool, channels_last: bool) -> data.HostLoader:
     """A user's own Dataset (batched here) or DataLoader, copied batch by batch to `device`."""
+    if not hasattr(source, "__len__"):
+        raise UserError("train_data/test_data must have a length (a map-style Dataset or a DataLoader over one)")
     if isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset):
         # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
         source = torch.utils.data.DataLoader(source, batch_size, shuffle=shuffle, pin_memory=device.type == "cuda")

@@ -75,9 +75,12 @@ class RunDir:
 
     def read_config(self) -> dict:
         try:
-            return json.loads((self.path / "config.json").read_text())
+            config = json.loads((self.path / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"--resume {self.path}: no readable config.json ({e}); is this a gpulab run directory?") from None
+        if not isinstance(config, dict):
+            raise UserError(f"--resume {self.path}: config.json is not a gpulab run config")
+        return config
 
     def write_metrics(self, history: list[dict]) -> None:
         atomic_write_json(self.path / "metrics.json", history)
@@ -119,4 +122,10 @@ class RunDir:
         path = self.path / CHECKPOINT
         if not path.is_file():
             raise UserError(f"--resume {self.path}: no {CHECKPOINT} there; the run stopped before its first epoch ended")
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # truncated or foreign file: torch raises several types
+            raise UserError(f"--resume {self.path}: {CHECKPOINT} is unreadable ({type(e).__name__}); it is damaged") from None
+        if not isinstance(checkpoint, dict) or not {"strategy", "history", "epoch"} <= checkpoint.keys():
+            raise UserError(f"--resume {self.path}: {CHECKPOINT} is not a gpulab checkpoint")
+        return checkpoint
