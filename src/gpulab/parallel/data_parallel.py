@@ -104,6 +104,7 @@ class DataParallel:
         if self.sync_bn:
             convert_to_sync(self.replicas)
         self.optimizers = [optimizer(r.parameters()) for r in self.replicas]
+        self.train(True)  # set once here (evaluate restores it), not walked every step
         self.buckets = Buckets([list(r.parameters()) for r in self.replicas], bucket_bytes)
         probes = [torch.empty(0, device=d) for d in self.devices]
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
@@ -130,7 +131,6 @@ class DataParallel:
 
         `loss_fn` must return the *mean* loss over its inputs (PyTorch's default reduction).
         """
-        self.train(True)
         n = len(y)
         with self.timer.phase("scatter"):
             X_shards, y_shards = split_batch(X, y, self.devices)

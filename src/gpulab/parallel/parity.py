@@ -53,25 +53,22 @@ def check_parity_cli(cfg, num_steps: int = 5) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from gpulab import data, models
-    from gpulab.devices import format_devices, resolve
-    from gpulab.train.loop import make_optimizer
+    from gpulab.devices import format_devices
+    from gpulab.train.loop import build, make_optimizer
 
     console = Console(highlight=False, soft_wrap=True)
-    devices = resolve(cfg.devices)
-    recipe = cfg.recipe_spec
-    train_split, _ = data.load(cfg.data_dir, download=True)
-    loader = data.DeviceLoader(train_split, cfg.batch_size, devices[0], shuffle=True, seed=cfg.seed, normalize=recipe.normalize)
-    batches = [b for _, b in zip(range(num_steps), loader)]
-    torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model)
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
-    optimizer = make_optimizer(recipe, cfg.lr or recipe.lr)
+    run = build(cfg)  # the run's own data, batches, initial model and loss: nothing rebuilt here
+    batches = [b for _, b in zip(range(num_steps), run.train_loader)]
+    optimizer = make_optimizer(cfg.recipe_spec, run.peak_lr)
 
-    console.print(escape(f"parity: {cfg.model}, {num_steps} steps of batch {cfg.batch_size}, 1 device vs {format_devices(devices)}"))
+    console.print(escape(
+        f"parity: {cfg.model}, {num_steps} steps of batch {run.batch_size}, 1 device vs {format_devices(run.devices)}"
+    ))
     results = {}
     for dtype in (torch.float32, torch.float64):
-        results[dtype] = max_parameter_difference(model, devices, batches, loss_fn, optimizer, dtype, cfg.allreduce)
+        results[dtype] = max_parameter_difference(
+            run.strategy.module, run.devices, batches, run.loss_fn, optimizer, dtype, cfg.allreduce
+        )
         console.print(f"  {str(dtype).removeprefix('torch.'):8} max |param difference| = {results[dtype]:.3e}")
     ok = results[torch.float64] <= FLOAT64_TOLERANCE
     console.print(
