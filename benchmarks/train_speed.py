@@ -8,10 +8,10 @@ gpulab: DeviceLoader (dataset resident on the device), nn.Module LeNet, DataPara
 metrics on the device, default (modern) recipe; on CPU by default channels_last and bf16
 autocast (where the CPU has native bf16). The two fp32 rows show what each setting adds.
 
-Both train `--steps` minibatches of 256 (default: one epoch) and are then evaluated on the test
+Both train one epoch (235 minibatches of 256) and are then evaluated on the test
 set. Prints samples/s, test accuracy and the ratio, and writes JSON next to the other results.
 
-    PYTHONPATH=src python benchmarks/train_speed.py [--devices cpu] [--steps 235] [--out FILE]
+    PYTHONPATH=src python benchmarks/train_speed.py [--devices cpu] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from gpulab import data
 from gpulab.devices import describe, resolve
 from gpulab.train import TrainConfig, build
-from gpulab.train.loop import synchronize
+from gpulab.train.loop import evaluate, synchronize, train_epoch
 
 BATCH = 256
 
@@ -103,50 +103,30 @@ def run_textbook(train_split, test_split, device, steps: int) -> dict:
 # ----------------------------------------------------------------------------- gpulab's way
 
 
-def run_gpulab(devices: str, steps: int, channels_last: str = "auto", precision: str = "auto") -> dict:
+def run_gpulab(devices: str, channels_last: str = "auto", precision: str = "auto") -> dict:
+    """One epoch of gpulab's own trainer loop (train_epoch), then its evaluation."""
     run = build(TrainConfig(devices=devices, epochs=1, channels_last=channels_last, precision=precision))
-    loader = run.train_loader
-    total_steps = len(loader)
-    from gpulab.parallel import Meter
-    from gpulab.train.loop import lr_at
-
-    meter = Meter(run.devices[0])
-    done, epoch = 0, 0
-    synchronize(run.devices)
-    t0 = time.perf_counter()
-    while done < steps:
-        loader.set_epoch(epoch)
-        for X, y in loader:
-            # one-cycle schedule over exactly `steps`, as a 1-epoch run would use
-            run.strategy.set_lr(lr_at(done, max(steps, total_steps), run.peak_lr, run.cfg.recipe_spec))
-            run.strategy.train_step(X, y, run.loss_fn, meter)
-            done += 1
-            if done == steps:
-                break
-        epoch += 1
-    synchronize(run.devices)
-    seconds = time.perf_counter() - t0
-    test = run.strategy.evaluate(run.test_loader)
-    return {"samples_per_s": meter.read()["count"] / seconds, "seconds": seconds, "test_acc": test["accuracy"]}
+    epoch = train_epoch(run, 0)
+    return {"samples_per_s": epoch["samples_per_s"], "seconds": epoch["train_seconds"], "test_acc": evaluate(run)["test_acc"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", default="cpu")
-    parser.add_argument("--steps", type=int, default=235, help="minibatches per contender (235 = one epoch)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
 
     device = resolve(args.devices)[0]
     train_split, test_split = data.load()
+    steps = -(-len(train_split) // BATCH)  # one epoch, as gpulab's trainer runs it
     rows = {
-        "textbook (DataLoader x4 workers, functional LeNet, manual SGD)": run_textbook(train_split, test_split, device, args.steps),
-        "gpulab, fp32, channels_last off": run_gpulab(args.devices, args.steps, "off", "fp32"),
-        "gpulab, fp32, channels_last auto": run_gpulab(args.devices, args.steps, "auto", "fp32"),
-        "gpulab (default: channels_last auto, precision auto)": run_gpulab(args.devices, args.steps),
+        "textbook (DataLoader x4 workers, functional LeNet, manual SGD)": run_textbook(train_split, test_split, device, steps),
+        "gpulab, fp32, channels_last off": run_gpulab(args.devices, "off", "fp32"),
+        "gpulab, fp32, channels_last auto": run_gpulab(args.devices, "auto", "fp32"),
+        "gpulab (default: channels_last auto, precision auto)": run_gpulab(args.devices),
     }
     base = next(iter(rows.values()))["samples_per_s"]
-    print(f"{args.steps} steps of batch {BATCH} on {args.devices}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{steps} steps of batch {BATCH} on {args.devices}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'contender':66} {'samples/s':>10} {'test acc':>9} {'vs textbook':>12}")
     for name, r in rows.items():
         r["ratio_vs_textbook"] = r["samples_per_s"] / base
@@ -157,7 +137,7 @@ def main() -> None:
             "benchmark": "train_speed",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "devices": args.devices,
-            "steps": args.steps,
+            "steps": steps,
             "batch_size": BATCH,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),

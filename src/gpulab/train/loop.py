@@ -62,8 +62,8 @@ def synchronize(devices: list[torch.device]) -> None:
 
 
 def use_channels_last(cfg: TrainConfig, devices: list[torch.device]) -> bool:
-    # On CPU, oneDNN's convolutions run about 2x faster on NHWC for LeNet (measured by
-    # benchmarks/train_speed.py); on CUDA with fp32 the gain is not established, so auto = off.
+    # On CPU, oneDNN's LeNet convolutions ran 1.5x and 2.2x faster on NHWC than NCHW in two runs
+    # of benchmarks/train_speed.py; on CUDA with fp32 the gain is not established, so auto = off.
     if cfg.channels_last == "auto":
         return all(d.type == "cpu" for d in devices)
     return cfg.channels_last == "on"
@@ -72,9 +72,9 @@ def use_channels_last(cfg: TrainConfig, devices: list[torch.device]) -> bool:
 def autocast_dtype(cfg: TrainConfig, devices: list[torch.device]) -> torch.dtype | None:
     """bf16 mixed precision, or None for plain fp32.
 
-    auto: bf16 on CPUs whose oneDNN has native bf16 (AVX512-BF16/AMX): there LeNet trains 1.3x
-    faster than fp32 (10.8k vs 8.3k samples/s, benchmarks/train_speed.py) at the same accuracy
-    (10 epochs: 0.906 vs 0.908). On CUDA auto stays fp32 until a GPU measurement says otherwise.
+    auto: bf16 on CPUs whose oneDNN has native bf16 (AVX512-BF16/AMX): there LeNet trained 1.3x
+    and 1.9x faster than fp32 channels_last in two runs of benchmarks/train_speed.py, at the
+    same accuracy (10 epochs: 0.906 vs 0.908). On CUDA auto stays fp32 until a GPU measurement says otherwise.
     """
     if cfg.precision == "auto":
         on_cpu = all(d.type == "cpu" for d in devices)
