@@ -53,7 +53,7 @@ def run_bench(args) -> int:
     from gpulab.bench.environment import environment
     from gpulab.bench.runner import Context, run_benchmark
     from gpulab.devices import resolve
-    from gpulab.train.rundir import check_writable
+    from gpulab.io import check_writable
 
     names = bench.expand(args.names)
     devices = None if args.devices in (None, "auto") else resolve(args.devices)

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 
 from gpulab.bench.harness import Check, ResultMismatch, Timing, check_close
-from gpulab.train.rundir import atomic_write_bytes, atomic_write_json
+from gpulab.io import atomic_write_bytes, atomic_write_json
 
 # ----------------------------------------------------------------------------- formatting
 

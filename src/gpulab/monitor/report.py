@@ -12,7 +12,7 @@ from gpulab.monitor import timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.diagnose import PHASE_NAMES, diagnose
 from gpulab.monitor.recorder import Recording
-from gpulab.train.rundir import atomic_write_bytes, atomic_write_json
+from gpulab.io import atomic_write_bytes, atomic_write_json
 
 OUTPUTS = ("report.json", "timeline.png", "trace.json")
 ENVIRONMENT_KEYS = ("python", "torch", "torch_cuda_build", "cpu_count", "torch_threads")

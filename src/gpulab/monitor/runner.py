@@ -22,7 +22,7 @@ from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.recorder import Recording, read_events
 from gpulab.monitor.report import build_report, print_report, write_outputs
 from gpulab.monitor.sampler import Sampler
-from gpulab.train.rundir import check_writable
+from gpulab.io import check_writable
 
 _PYTHON = re.compile(r"^python(\d+(\.\d+)*)?(\.exe)?$")
 _OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")

@@ -24,7 +24,7 @@ from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.recorder import Recorder, Recording
 from gpulab.monitor.report import build_report, print_report, write_outputs
 from gpulab.monitor.sampler import Sampler
-from gpulab.train.rundir import check_writable
+from gpulab.io import check_writable
 
 
 class Profile:

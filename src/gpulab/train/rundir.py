@@ -1,7 +1,7 @@
 """The run directory: config.json, metrics.json/csv, curves.png, checkpoint.pt.
 
-Every file is written to a temporary name in the same folder and renamed into place, so a
-crash or Ctrl-C never leaves a half-written file: a reader sees the old version or the new.
+Every file is written atomically (gpulab.io), so a crash or Ctrl-C never leaves a half-written
+file. Under torchrun only rank 0 writes here.
 """
 
 from __future__ import annotations
@@ -9,36 +9,15 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from gpulab.errors import UserError
+from gpulab.io import atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable
 
 CHECKPOINT = "checkpoint.pt"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp creates 0600; give the file the mode a plain open() would (0666 minus umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def default_run_dir(model: str) -> Path:
@@ -46,21 +25,10 @@ def default_run_dir(model: str) -> Path:
 
 
 def check_writable(run_dir: Path) -> None:
-    """Fail before training if the run directory cannot be created, without creating anything."""
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--out {run_dir} is a file: choose a directory path")
-    if (run_dir / "config.json").exists():
+    """Fail before training if the run directory cannot be created or already holds a run."""
+    check_folder_writable(run_dir)
+    if (Path(run_dir) / "config.json").exists():
         raise UserError(f"--out {run_dir} already holds a gpulab run: continue it with --resume {run_dir} or choose another --out")
-    parent = run_dir
-    while not parent.exists():
-        parent = parent.parent
-    # A file part-way up (--out some.file/run): os.access alone would pass it for root when the
-    # file has an x bit, and mkdir would then fail with a traceback.
-    if not parent.is_dir():
-        raise UserError(f"--out {run_dir}: {parent} is a file, not a folder; choose another directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"--out {run_dir}: {parent} is not writable; choose another directory")
 
 
 class RunDir:
