@@ -79,10 +79,10 @@ def test_order_changes_between_epochs_and_repeats_for_the_same_seed_and_epoch():
 def test_order_does_not_depend_on_the_global_rng():
     loader = DeviceLoader(split(50), 8, CPU, shuffle=True, seed=0)
     torch.manual_seed(123)
-    first = loader.order().tolist()
+    first = loader.batches.order().tolist()
     torch.manual_seed(456)
     torch.rand(10)
-    assert loader.order().tolist() == first
+    assert loader.batches.order().tolist() == first
 
 
 def test_normalization_values():

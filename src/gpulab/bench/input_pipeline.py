@@ -111,7 +111,7 @@ def run(cfg: Config, ctx, result: Result) -> None:
         channels_last = device.type == "cpu"  # as the trainer does: oneDNN convolutions prefer NHWC
         step = Step(device, channels_last)
         resident = data.DeviceLoader(split, cfg.batch, device, shuffle=True, normalize=False, channels_last=channels_last)
-        order = resident.order().tolist()  # the classic pipeline visits the samples in this same order
+        order = resident.batches.order().tolist()  # the classic pipeline visits the samples in this same order
         reference = list(resident)
 
         ctx.progress(f"input-pipeline {device}: the step alone")

@@ -1,6 +1,8 @@
-"""Datasets and loaders: Fashion-MNIST from IDX files, and batches resident on the device."""
+"""Datasets and loaders: Fashion-MNIST from IDX files, batches resident on the device, and the
+one rule (GlobalBatches) for which samples each step and each rank uses."""
 
 from gpulab.data.fashion_mnist import CLASSES, Split, load
 from gpulab.data.loader import DeviceLoader, HostLoader, ImageDataset
+from gpulab.data.sampling import GlobalBatches
 
-__all__ = ["CLASSES", "DeviceLoader", "HostLoader", "ImageDataset", "Split", "load"]
+__all__ = ["CLASSES", "DeviceLoader", "GlobalBatches", "HostLoader", "ImageDataset", "Split", "load"]

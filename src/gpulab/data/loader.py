@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from gpulab.data.fashion_mnist import Split
+from gpulab.data.sampling import GlobalBatches
 
 # Fashion-MNIST training-set statistics of pixel/255, measured once on the full train split.
 FASHION_MEAN = 0.2860
@@ -27,8 +28,9 @@ FASHION_STD = 0.3530
 class DeviceLoader:
     """Minibatches of a `Split` that lives entirely on `device`.
 
-    Shuffling uses a CPU generator seeded by (seed, epoch), so the order is the same on every
-    device type and a resumed run sees exactly the batches an uninterrupted one would.
+    Which samples form each batch (and, under torchrun, which part of it this rank takes) is
+    decided by `GlobalBatches`: shuffled from (seed, epoch), the same on every device and rank,
+    so a resumed run sees exactly the batches an uninterrupted one would.
     """
 
     def __init__(
@@ -42,41 +44,34 @@ class DeviceLoader:
         normalize: bool = True,
         channels_last: bool = False,
         drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         self.images = split.images.to(device)  # uint8: 4x less memory than float32
         self.labels = split.labels.to(device)
+        self.batches = GlobalBatches(
+            len(split), batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last
+        )
         self.batch_size = batch_size
         self.device = device
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
         self.channels_last = channels_last
         mean, std = (FASHION_MEAN, FASHION_STD) if normalize else (0.0, 1.0)
         # x_norm = (x/255 - mean)/std = x * scale + shift, one fused multiply-add per batch
         self.scale = 1.0 / (255.0 * std)
         self.shift = -mean / std
-        self.epoch = 0
 
     def __len__(self) -> int:
-        n = len(self.labels)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return len(self.batches)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def order(self) -> torch.Tensor:
-        """The sample order of the current epoch (a permutation of 0..N-1), on the device."""
-        n = len(self.labels)
-        if not self.shuffle:
-            return torch.arange(n, device=self.device)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(n, generator=g).to(self.device)
+        self.batches.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = self.order()
-        for i in range(len(self)):
-            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
-            yield self._batch(self.images[idx], self.labels[idx])
+        order = self.batches.order().to(self.device)  # one copy per epoch, then slices on the device
+        for lo, hi in self.batches.spans():
+            if hi > lo:
+                idx = order[lo:hi]
+                yield self._batch(self.images[idx], self.labels[idx])
 
     def _batch(self, images_u8: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         X = images_u8.float().mul_(self.scale).add_(self.shift)
@@ -97,9 +92,9 @@ class HostLoader:
         return len(self.batches)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
-        sampler = getattr(self.batches, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        for sampler in (getattr(self.batches, "batch_sampler", None), getattr(self.batches, "sampler", None)):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         memory_format = torch.channels_last if self.channels_last else torch.preserve_format
