@@ -1,13 +1,18 @@
-"""`gpulab devices | train | profile | bench`: the command line, a thin layer over the modules.
+"""`gpulab devices | train | launch | profile | bench`: the command line, a thin layer over the modules.
 
-User errors (`UserError`) become one line on stderr and exit code 2; Ctrl-C exits with 130.
+User errors (`UserError`) become one line on stderr and exit code 2; a rank that stops because
+another rank failed exits with 1; Ctrl-C exits with 130. Under torchrun a line is printed once
+(by the rank it concerns, prefixed "[rank r]") and also written where torchrun's failure
+summary looks for it (TORCHELASTIC_ERROR_FILE).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from gpulab.errors import UserError
 
@@ -100,7 +105,20 @@ def add_train_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
     p.add_argument("--recipe", default=None, help="modern (default) or textbook (SGD, lr 0.2)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--allreduce", default=None, help="gradient allreduce: auto (default), naive, ring or nccl")
+    p.add_argument("--allreduce", default=None, help="gradient allreduce in one process: auto (default), naive, ring or nccl")
+    p.add_argument(
+        "--sync", default=None,
+        help="under torchrun: gpulab (default: bucketed all-reduce overlapped with backward) or ddp (PyTorch's DDP)",
+    )
+    p.add_argument("--backend", default=None, help="under torchrun: auto (default: nccl on GPUs, else gloo), gloo or nccl")
+    p.add_argument(
+        "--timeout", type=float, default=None,
+        help="under torchrun: seconds a training collective waits for the other ranks before the job stops (default 60)",
+    )
+    p.add_argument(
+        "--accumulate", type=int, default=None,
+        help="compute each batch as N micro-batches in turn, exchanging gradients once per step (default 1)",
+    )
     p.add_argument("--sync-bn", action="store_const", const=True, default=None, help="BatchNorm statistics over the whole minibatch")
     p.add_argument(
         "--scale-batch", action="store_const", const=True, default=None,
@@ -120,12 +138,14 @@ def add_train_parser(sub) -> None:
 
 
 _TRAIN_FIELDS = (
-    "model", "data", "data_dir", "devices", "epochs", "batch_size", "lr", "recipe", "seed", "allreduce",
-    "sync_bn", "scale_batch", "eval_batch_size", "channels_last", "precision", "out", "profile",
+    "model", "data", "data_dir", "devices", "epochs", "batch_size", "lr", "recipe", "seed", "allreduce", "sync",
+    "backend", "timeout", "accumulate", "sync_bn", "scale_batch", "eval_batch_size", "channels_last", "precision",
+    "out", "profile",
 )
 
 
 def run_train(args) -> int:
+    from gpulab.parallel.world import SharedError
     from gpulab.train import TrainConfig, train
 
     given = {f: getattr(args, f) for f in _TRAIN_FIELDS if getattr(args, f) is not None}
@@ -136,13 +156,43 @@ def run_train(args) -> int:
             )
         train(resume=args.resume)
         return 0
-    cfg = TrainConfig(**given)
+    try:
+        cfg = TrainConfig(**given)
+    except UserError as e:  # every rank of a torchrun job reads the same options: rank 0 says it
+        raise SharedError(str(e), printed_by=0) from None
     if args.check_parity:
-        from gpulab.parallel.parity import check_parity_cli
+        from gpulab.train.parity_check import check_parity
 
-        return check_parity_cli(cfg)
+        return check_parity(cfg)
     train(cfg)
     return 0
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def add_launch_parser(sub) -> None:
+    p = sub.add_parser(
+        "launch", help="run gpulab train under torchrun: one process per device, on one machine or several",
+        description="Runs `torchrun ... -m gpulab train TRAIN_ARGS`. Example: gpulab launch -n 2 -- --epochs 5",
+    )
+    p.add_argument("-n", "--nproc-per-node", type=int, required=True, help="processes on this machine (one per GPU)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's number, 0..nnodes-1 (default 0)")
+    p.add_argument("--master", default=None, help="ADDR:PORT of node 0's rendezvous (needed with --nnodes > 1)")
+    p.add_argument(
+        "--startup-timeout", type=float, default=600,
+        help="seconds to wait for every machine to join (default 600)",
+    )
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the options of gpulab train")
+    p.set_defaults(func=run_launch)
+
+
+def run_launch(args) -> int:
+    from gpulab.parallel.launch import launch
+
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    return launch(args.nproc_per_node, args.nnodes, args.node_rank, args.master, args.startup_timeout, train_args)
 
 
 # ----------------------------------------------------------------------------- main
@@ -154,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_devices_parser(sub)
     add_train_parser(sub)
+    add_launch_parser(sub)
     from gpulab.bench.cli import add_bench_parser
     from gpulab.monitor.cli import add_profile_parser
 
@@ -163,13 +214,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # Under torchrun: an unexpected exception's traceback goes where torchrun's summary reads it.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_main)(argv)
+    return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except UserError as e:
-        print(f"gpulab: error: {e}", file=sys.stderr)
-        return 2
+        rank = _rank()  # an error every rank raises together is printed by one (printed_by)
+        return _fail(e, 2, printed_here=rank is None or getattr(e, "printed_by", rank) == rank)
+    except Exception as e:
+        from gpulab.parallel.world import JobFailed
+
+        if not isinstance(e, JobFailed):
+            raise
+        return _fail(e, 1, printed_here=not e.quiet)
     except KeyboardInterrupt:
         print("gpulab: interrupted", file=sys.stderr)
         return 130
+
+
+def _rank() -> int | None:
+    """This process's rank in a torchrun job, or None in a plain process."""
+    return int(os.environ["RANK"]) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else None
+
+
+def _fail(error: Exception, code: int, printed_here: bool) -> int:
+    rank = _rank()
+    message = f"[rank {rank}] {error}" if rank is not None else str(error)
+    if printed_here:
+        print(f"gpulab: error: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun's failure summary shows this line instead of "To enable traceback see ..."
+        record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        with open(error_file, "w") as f:
+            json.dump(record, f)
+    return code

@@ -104,6 +104,38 @@ def resolve(spec: str) -> list[torch.device]:
     return devices
 
 
+def for_rank(spec: str, local_rank: int, local_world_size: int) -> torch.device:
+    """The one device a torchrun rank drives: `cuda:LOCAL_RANK` for auto/cuda with GPUs, else the CPU.
+
+    Under torchrun each process drives exactly one device; more devices means more processes
+    (`--nproc-per-node`), so a spec naming several devices is an error here.
+    """
+    spec = spec.strip().lower().replace(" ", "")
+    if spec in ("auto", "all"):
+        spec = "cuda" if num_gpus() else "cpu"
+    if spec in ("cpu", "cpu:0", "cpu*1"):
+        return cpu()
+    if spec in ("cuda", "gpu"):
+        if local_rank >= num_gpus():
+            raise UserError(
+                f"local rank {local_rank} needs GPU cuda:{local_rank}, but this machine has {num_gpus()}: "
+                f"launch at most {num_gpus()} processes per machine (--nproc-per-node), or use --devices cpu"
+            )
+        return gpu(local_rank)
+    devices = resolve(spec)
+    if len(devices) > 1:
+        raise UserError(
+            f"--devices {spec} names {len(devices)} devices, but under torchrun each process drives one: "
+            "use --devices auto (cuda:LOCAL_RANK, else the CPU), cuda or cpu, and launch one process per device"
+        )
+    if local_world_size > 1:
+        raise UserError(
+            f"--devices {spec} puts all {local_world_size} processes of this machine on one device: "
+            "use --devices auto or cuda (each rank takes cuda:LOCAL_RANK), or cpu"
+        )
+    return devices[0]
+
+
 def format_devices(devices: list[torch.device]) -> str:
     """`[cpu*2]` for virtual replicas, `[cuda:0, cuda:1]` otherwise."""
     if len(devices) > 1 and len(set(devices)) == 1:

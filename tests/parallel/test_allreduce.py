@@ -3,7 +3,7 @@ import torch
 
 from gpulab.errors import UserError
 from gpulab.parallel import Buckets, allreduce
-from gpulab.parallel.allreduce import choose
+from gpulab.parallel.allreduce import bucket_layout, choose
 
 CPU = torch.device("cpu")
 
@@ -56,11 +56,22 @@ def test_nccl_refused_off_gpu_and_auto_picks_naive_for_virtual_replicas():
     assert choose([torch.zeros(3), torch.zeros(3)], "auto") == "naive"
 
 
+def test_bucket_layout_is_reverse_order_with_a_small_first_bucket():
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(4, 3), (5,), (2, 2, 2), (6,)]]  # 48, 20, 32, 24 B
+    # Backward reaches the last parameter first. First bucket capped at 40 B: 24 B, then 32 would
+    # exceed it. Later buckets at 64 B: 32 + 20 = 52, then 48 more would exceed it.
+    assert bucket_layout(params, bucket_bytes=64, first_bucket_bytes=40) == [[3], [2, 1], [0]]
+    # A parameter larger than the cap gets a bucket of its own rather than being refused.
+    assert bucket_layout(params, bucket_bytes=16, first_bucket_bytes=16) == [[3], [2], [1], [0]]
+    # One dtype per bucket.
+    mixed = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    assert bucket_layout(mixed, bucket_bytes=2**20, first_bucket_bytes=2**20) == [[1], [0]]
+
+
 def test_buckets_make_grads_views_and_reduce_them():
     replicas = [[torch.nn.Parameter(torch.zeros(s)) for s in [(4, 3), (5,), (2, 2, 2)]] for _ in range(3)]
-    # A 64-byte cap: 48 B fills the first bucket (48 + 20 > 64), then 20 + 32 B share the second.
-    buckets = Buckets(replicas, bucket_bytes=64)
-    assert buckets.num_buckets == 2
+    buckets = Buckets(replicas, bucket_bytes=64, first_bucket_bytes=32)
+    assert buckets.layout == [[2], [1], [0]]
     for r, params in enumerate(replicas):
         for p in params:
             p.grad.fill_(r + 1)  # writes through the view into the flat buffer
@@ -70,6 +81,36 @@ def test_buckets_make_grads_views_and_reduce_them():
             assert torch.equal(p.grad, torch.full_like(p, 6.0))
     buckets.zero_()
     assert all(p.grad.abs().sum() == 0 for params in replicas for p in params)
+
+
+def test_parameters_used_by_no_replica_are_found_and_hidden_from_the_optimizer():
+    replicas = [[torch.nn.Parameter(torch.zeros(3)) for _ in range(3)] for _ in range(2)]
+    buckets = Buckets(replicas, bucket_bytes=8, first_bucket_bytes=8)  # one parameter per bucket
+    buckets.mark_ready(0, 0)  # parameter 0 used on replica 0 only, parameter 1 on replica 1 only
+    buckets.mark_ready(1, 1)
+    buckets.allreduce("naive")
+    assert buckets.unused_everywhere() == [2]
+    views = [p.grad for p in replicas[0]]
+    with buckets.hidden_grads([2]):
+        assert replicas[0][2].grad is None and replicas[1][2].grad is None
+        assert replicas[0][0].grad is views[0]
+    assert replicas[0][2].grad is views[2]  # the bucket view is back after the step
+    buckets.zero_()
+    for i in range(3):
+        for r in range(2):
+            buckets.mark_ready(r, i)
+    assert buckets.unused_everywhere() == []  # all used locally: known without reading the device
+
+
+def test_a_bucket_is_complete_when_its_last_gradient_arrives():
+    params = [[torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]]
+    buckets = Buckets(params, bucket_bytes=16, first_bucket_bytes=8)
+    assert buckets.layout == [[2], [1, 0]]
+    assert buckets.mark_ready(0, 2) == 0
+    assert buckets.mark_ready(0, 1) is None
+    assert buckets.mark_ready(0, 0) == 1
+    buckets.expect_gradients()  # the next backward waits for every gradient again
+    assert buckets.mark_ready(0, 0) is None
 
 
 def test_bucket_grads_keep_the_parameter_layout():

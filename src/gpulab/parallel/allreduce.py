@@ -11,10 +11,13 @@ ring   split each tensor into k chunks; in k-1 reduce-scatter steps every device
 nccl   NVIDIA's collective library (torch.cuda.nccl), when every tensor is on its own GPU.
 
 Many small gradients are flattened into a few large buckets first (`Buckets`): one large
-transfer is far cheaper than many small ones.
+transfer is far cheaper than many small ones. Across processes (torchrun), gpulab does not
+move bytes itself: `torch.distributed.all_reduce` (gloo, NCCL) sums the same buckets.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -112,21 +115,58 @@ def _ring(tensors: list[torch.Tensor]) -> None:
             chunks[dst][c].copy_(chunks[i][c], non_blocking=True)
 
 
-class Buckets:
-    """Gradients of k replicas, laid out as views into a few flat buffers per replica.
+FIRST_BUCKET_BYTES = 2**20  # DDP's defaults: a small first bucket so communication starts early,
+BUCKET_BYTES = 25 * 2**20   # then buckets large enough that per-message latency is amortized
 
-    Each replica's `.grad` tensors become views into flat buffers of at most `bucket_bytes`,
-    so autograd accumulates straight into the buffers and the allreduce runs on a handful of
-    large tensors with no flatten/unflatten copies (the same trick DDP uses).
+
+def bucket_layout(params: list[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int) -> list[list[int]]:
+    """Parameter indices per bucket, in reverse registration order: backward produces the last
+    layer's gradients first, so bucket 0 fills first and can be sent while backward continues.
+    A bucket holds one dtype; the first is capped at `first_bucket_bytes`, the rest at `bucket_bytes`."""
+    groups: list[list[int]] = []
+    size, dtype = 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        cap = first_bucket_bytes if len(groups) == 1 else bucket_bytes
+        if not groups or p.dtype != dtype or (groups[-1] and size + nbytes > cap):
+            groups.append([])
+            size, dtype = 0, p.dtype
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+class Buckets:
+    """Gradients of one or more replicas, laid out as views into a few flat buffers per replica.
+
+    Each replica's `.grad` tensors are views into flat buffers, so autograd accumulates straight
+    into them and a collective runs on a handful of large tensors with no flatten/unflatten
+    copies (the trick DDP uses). One layout serves every strategy: the k replicas of one process
+    (`allreduce` below) and the one replica of each torchrun rank (`GradSync`).
+
+    Each buffer ends with one *used flag* per parameter of the bucket, reduced together with
+    the gradients. A parameter that got no gradient anywhere in a step (a layer not used on any
+    replica or rank) then has its `.grad` hidden from the optimizer, which skips it exactly as
+    plain PyTorch skips a parameter whose `.grad` is None; used on some rank only, it gets the
+    sum of the others' gradients like any parameter.
     """
 
-    def __init__(self, replicas_params: list[list[torch.nn.Parameter]], bucket_bytes: int = 25 * 2**20):
-        self.buffers: list[list[torch.Tensor]] = [[] for _ in replicas_params]  # [replica][bucket]
-        for group in self._group(replicas_params[0], bucket_bytes):
-            numel = sum(replicas_params[0][i].numel() for i in group)
-            for r, params in enumerate(replicas_params):
+    def __init__(
+        self,
+        replicas_params: list[list[torch.nn.Parameter]],
+        bucket_bytes: int = BUCKET_BYTES,
+        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+    ):
+        self.params = [list(ps) for ps in replicas_params]  # [replica][parameter]
+        self.layout = bucket_layout(self.params[0], bucket_bytes, first_bucket_bytes)
+        self.bucket_of = {i: b for b, group in enumerate(self.layout) for i in group}
+        self.num_grads = [sum(self.params[0][i].numel() for i in group) for group in self.layout]
+        self.buffers: list[list[torch.Tensor]] = [[] for _ in self.params]  # [replica][bucket]
+        for r, params in enumerate(self.params):
+            for b, group in enumerate(self.layout):
                 first = params[group[0]]
-                flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
+                flat = torch.zeros(self.num_grads[b] + len(group), dtype=first.dtype, device=first.device)
                 offset = 0
                 for i in group:
                     p = params[i]
@@ -135,29 +175,70 @@ class Buckets:
                     p.grad = flat.as_strided(p.shape, p.stride(), offset)
                     offset += p.numel()
                 self.buffers[r].append(flat)
-
-    @staticmethod
-    def _group(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[int]]:
-        groups: list[list[int]] = []
-        size, dtype = 0, None
-        for i, p in enumerate(params):
-            nbytes = p.numel() * p.element_size()
-            if not groups or p.dtype != dtype or size + nbytes > bucket_bytes:
-                groups.append([])
-                size, dtype = 0, p.dtype
-            groups[-1].append(i)
-            size += nbytes
-        return groups
+        self.used = [[False] * len(ps) for ps in self.params]  # [replica][parameter], on the host
+        self.expect_gradients()
 
     @property
     def num_buckets(self) -> int:
-        return len(self.buffers[0])
+        return len(self.layout)
 
     def zero_(self) -> None:
+        """Start of an optimizer step: gradients and used flags back to zero."""
         for replica in self.buffers:
             for flat in replica:
                 flat.zero_()
+        self.used = [[False] * len(ps) for ps in self.params]
+
+    def expect_gradients(self) -> None:
+        """Start of a backward pass: every bucket waits for all its parameters again."""
+        self.pending = [[len(group) for group in self.layout] for _ in self.params]
+
+    def mark_ready(self, replica: int, index: int) -> int | None:
+        """Parameter `index` of `replica` has its gradient; returns its bucket if now complete."""
+        self.used[replica][index] = True
+        b = self.bucket_of[index]
+        self.pending[replica][b] -= 1
+        return b if self.pending[replica][b] == 0 else None
+
+    def seal(self, replica: int, b: int) -> torch.Tensor:
+        """Write the used flags into bucket `b`'s tail; returns the buffer, ready to be reduced."""
+        flags = self.buffers[replica][b][self.num_grads[b]:]
+        used = [self.used[replica][i] for i in self.layout[b]]
+        if all(used):
+            flags.fill_(1)  # the usual case: a fill on the device, no host-to-device copy
+        else:
+            flags.copy_(torch.tensor(used, dtype=flags.dtype))
+        return self.buffers[replica][b]
+
+    def unused_everywhere(self) -> list[int]:
+        """After the reduce: parameters that no replica or rank produced a gradient for.
+
+        When every local replica used every parameter the answer is known on the host; only
+        otherwise are the reduced flags read back (one small device-to-host copy)."""
+        if all(all(u) for u in self.used):
+            return []
+        unused = []
+        for b, group in enumerate(self.layout):
+            counts = self.buffers[0][b][self.num_grads[b]:].tolist()
+            unused += [i for i, c in zip(group, counts) if c == 0]
+        return unused
+
+    @contextmanager
+    def hidden_grads(self, indices: list[int]):
+        """Set `.grad = None` on these parameters of every replica for the block (the optimizer
+        step), then restore the bucket views."""
+        saved = [[(params[i], params[i].grad) for i in indices] for params in self.params]
+        for pairs in saved:
+            for p, _ in pairs:
+                p.grad = None
+        try:
+            yield
+        finally:
+            for pairs in saved:
+                for p, view in pairs:
+                    p.grad = view
 
     def allreduce(self, algorithm: str = "auto") -> None:
+        """Sum every bucket across the replicas of this process."""
         for b in range(self.num_buckets):
-            allreduce([replica[b] for replica in self.buffers], algorithm)
+            allreduce([self.seal(r, b) for r in range(len(self.buffers))], algorithm)

@@ -18,19 +18,21 @@ are launched back to back and run concurrently, and the running loss/accuracy st
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from gpulab.devices import device_of, place
 from gpulab.errors import UserError
-from gpulab.monitor.phases import PhaseTimer
-from gpulab.parallel.allreduce import Buckets, choose
+from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose
+from gpulab.parallel.meter import Meter
+from gpulab.parallel.strategy import LossFn
 from gpulab.parallel.sync_bn import convert_to_sync, exchanges
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from gpulab.parallel.world import World
 
 
 def replicate(module_or_params, devices: list[torch.device]):
@@ -63,25 +65,19 @@ def split_batch(X: torch.Tensor, y: torch.Tensor, devices: list[torch.device]):
     return X_shards, y_shards
 
 
-class Meter:
-    """Running loss sum and correct count, kept on the device; the sample count is known on the host."""
+def micro_batches(X: torch.Tensor, y: torch.Tensor, accumulate: int):
+    """`accumulate` micro-batches of (X, y), computed one after another to save memory."""
+    parts = min(accumulate, len(y))
+    return list(zip(torch.tensor_split(X, parts), torch.tensor_split(y, parts)))
 
-    def __init__(self, device: torch.device):
-        self.totals = torch.zeros(2, dtype=torch.float64, device=device)
-        self.count = 0
 
-    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, count: int) -> None:
-        self.totals += torch.stack([loss_sum.double(), correct.double()])
-        self.count += count
-
-    def read(self) -> dict[str, float]:
-        """One host read for the whole epoch."""
-        loss_sum, correct = self.totals.tolist()
-        count = self.count
-        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "count": int(count)}
+def no_phase(name: str):
+    return nullcontext()
 
 
 class DataParallel:
+    """One process, k devices: the textbook's data parallelism (see the module docstring)."""
+
     def __init__(
         self,
         module: nn.Module,
@@ -89,16 +85,22 @@ class DataParallel:
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.1),
         allreduce: str = "auto",
         sync_bn: bool = False,
-        bucket_bytes: int = 25 * 2**20,
-        timer: PhaseTimer | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+        timer=None,
         autocast: torch.dtype | None = None,
+        accumulate: int = 1,
     ):
         """`autocast`: run forward passes under torch.autocast with this dtype (e.g. bfloat16);
-        parameters, gradients and the optimizer stay float32 (mixed precision)."""
+        parameters, gradients and the optimizer stay float32 (mixed precision).
+        `timer`: a PhaseTimer (gpulab.monitor.phases) to time the step's phases, or None.
+        `accumulate`: compute each batch as this many micro-batches, one after another."""
         if not devices:
             raise UserError("DataParallel needs at least one device")
+        self.world = World()
         self.devices = list(devices)
+        self.num_replicas = len(self.devices)
         self.autocast = autocast
+        self.accumulate = accumulate
         self.replicas = replicate(module, self.devices)
         self.sync_bn = sync_bn and len(self.devices) > 1
         if self.sync_bn:
@@ -106,14 +108,21 @@ class DataParallel:
         self.optimizers = [optimizer(r.parameters()) for r in self.replicas]
         self.train(True)  # set once here (evaluate restores it), not walked every step
         self.buckets = Buckets([list(r.parameters()) for r in self.replicas], bucket_bytes)
+        for r, replica in enumerate(self.replicas):
+            for i, p in enumerate(replica.parameters()):
+                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, r, i))
         probes = [torch.empty(0, device=d) for d in self.devices]
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
-        self.timer = timer or PhaseTimer(self.devices, enabled=False)
+        self.description = f"allreduce {self.allreduce_algorithm}"
+        self.phase = timer.phase if timer is not None else no_phase
 
     @property
     def module(self) -> nn.Module:
         """The replica on the first device (all replicas hold the same parameters)."""
         return self.replicas[0]
+
+    def _grad_ready(self, replica: int, index: int, param: nn.Parameter) -> None:
+        self.buckets.mark_ready(replica, index)  # tracks which parameters got a gradient
 
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers:
@@ -132,24 +141,30 @@ class DataParallel:
         `loss_fn` must return the *mean* loss over its inputs (PyTorch's default reduction).
         """
         n = len(y)
-        with self.timer.phase("scatter"):
-            X_shards, y_shards = split_batch(X, y, self.devices)
+        first = self.devices[0]
         self.buckets.zero_()
-        with self.timer.phase("forward_backward"):
-            outputs, losses = self._forward(X_shards, y_shards, loss_fn, n)
-            torch.autograd.backward(losses)
-        with self.timer.phase("allreduce"):
+        total = torch.zeros((), device=first)
+        for X_micro, y_micro in micro_batches(X, y, self.accumulate):
+            with self.phase("scatter"):
+                X_shards, y_shards = split_batch(X_micro, y_micro, self.devices)
+            with self.phase("forward_backward"):
+                self.buckets.expect_gradients()
+                outputs, losses = self._forward(X_shards, y_shards, loss_fn, n)
+                torch.autograd.backward(losses)
+            loss = sum(place(l.detach(), first) for l in losses)
+            total = total + loss
+            if meter is not None:
+                correct = sum(place((o.argmax(1) == t).sum(), first) for o, t in zip(outputs, y_shards))
+                meter.add(loss * n, correct, len(y_micro))
+        with self.phase("allreduce"):
             if len(self.devices) > 1:
                 self.buckets.allreduce(self.allreduce_algorithm)
-        with self.timer.phase("optimizer"):
-            for opt in self.optimizers:
-                opt.step()
-        first = self.devices[0]
-        loss = sum(place(l.detach(), first) for l in losses)
-        if meter is not None:
-            correct = sum(place((o.argmax(1) == t).sum(), first) for o, t in zip(outputs, y_shards))
-            meter.add(loss * n, correct, n)
-        return loss
+        with self.phase("optimizer"):
+            # A parameter no replica used gets no update, as plain PyTorch skips a None .grad.
+            with self.buckets.hidden_grads(self.buckets.unused_everywhere()):
+                for opt in self.optimizers:
+                    opt.step()
+        return total
 
     def _forward(self, X_shards, y_shards, loss_fn: LossFn, n: int):
         def run(i: int):
@@ -190,6 +205,9 @@ class DataParallel:
             real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
             raise (real or errors)[0]
         return results
+
+    def reduce(self, meter: Meter) -> dict[str, float]:
+        return meter.read()  # every replica's totals are already on device 0
 
     # ------------------------------------------------------------------ evaluation and state
 

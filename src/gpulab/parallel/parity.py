@@ -1,12 +1,13 @@
-"""Parity: k-device data-parallel training computes the same model as 1-device training.
+"""Parity: data-parallel training computes what plain PyTorch computes on one model.
 
-`max_parameter_difference` trains two copies of one model on the same batches, one on a single
-device and one data-parallel over `devices`, and returns the largest absolute difference
-between any parameter of any replica and the single-device model.
+The reference (`reference_training`) is plain PyTorch with nothing of gpulab in it: one model
+and, for each global batch, `opt.zero_grad(); loss_fn(model(X), y).backward(); opt.step()`.
+A gpulab strategy that splits the same batches over k devices or K ranks must end with the
+same parameters.
 
 In float64 the difference is rounding noise (~1e-15): it measures the algorithm. In float32 it
-also measures rounding, which differs because the k-device run sums the gradient in a different
-order; with BatchNorm, per-shard gradients partly cancel and that noise grows to ~1e-4.
+also measures rounding, which differs because the data-parallel run sums the gradient in a
+different order; with BatchNorm, per-shard gradients partly cancel and that noise grows to ~1e-4.
 """
 
 from __future__ import annotations
@@ -22,6 +23,32 @@ from gpulab.parallel.data_parallel import DataParallel
 FLOAT64_TOLERANCE = 1e-9
 
 
+def reference_training(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable,
+    optimizer: Callable,
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """A copy of `model` trained on `batches` by plain PyTorch, one optimizer step per batch."""
+    model = copy.deepcopy(model).to(device=device, dtype=dtype)
+    model.train()
+    opt = optimizer(model.parameters())
+    for X, y in batches:
+        opt.zero_grad()
+        loss_fn(model(X.to(device=device, dtype=dtype)), y.to(device)).backward()
+        opt.step()
+    return model
+
+
+@torch.no_grad()
+def max_difference(a: nn.Module, b: nn.Module) -> float:
+    """The largest |difference| between corresponding parameters of two models."""
+    diffs = [(p.double().cpu() - q.double().cpu()).abs().max() for p, q in zip(a.parameters(), b.parameters())]
+    return torch.stack(diffs).max().item() if diffs else 0.0
+
+
 def max_parameter_difference(
     model: nn.Module,
     devices: list[torch.device],
@@ -31,48 +58,13 @@ def max_parameter_difference(
     dtype: torch.dtype = torch.float64,
     allreduce: str = "auto",
 ) -> float:
-    model = copy.deepcopy(model).to(dtype)
+    """Plain PyTorch vs DataParallel over `devices` on the same batches: the largest parameter
+    difference of any replica."""
+    batches = list(batches)
+    reference = reference_training(model, batches, loss_fn, optimizer, dtype, devices[0])
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    single = DataParallel(model, devices[:1], optimizer=optimizer)
     # Per-device BatchNorm is a different computation by design; parity holds with sync BN.
-    multi = DataParallel(model, devices, optimizer=optimizer, allreduce=allreduce, sync_bn=has_bn)
+    multi = DataParallel(copy.deepcopy(model).to(dtype), devices, optimizer=optimizer, allreduce=allreduce, sync_bn=has_bn)
     for X, y in batches:
-        X = X.to(dtype)
-        single.train_step(X, y, loss_fn)
-        multi.train_step(X, y, loss_fn)
-    reference = [p.detach().to(devices[0]) for p in single.module.parameters()]
-    diff = torch.zeros((), dtype=torch.float64)
-    for replica in multi.replicas:
-        for p, ref in zip(replica.parameters(), reference):
-            diff = torch.maximum(diff, (p.detach().to(devices[0]) - ref).abs().max().double().cpu())
-    return diff.item()
-
-
-def check_parity_cli(cfg, num_steps: int = 5) -> int:
-    """`gpulab train --check-parity`: a few steps both ways on the chosen devices, reported."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    from gpulab.devices import format_devices
-    from gpulab.train.loop import build, make_optimizer
-
-    console = Console(highlight=False, soft_wrap=True)
-    run = build(cfg)  # the run's own data, batches, initial model and loss: nothing rebuilt here
-    batches = [b for _, b in zip(range(num_steps), run.train_loader)]
-    optimizer = make_optimizer(cfg.recipe_spec, run.peak_lr)
-
-    console.print(escape(
-        f"parity: {cfg.model}, {num_steps} steps of batch {run.batch_size}, 1 device vs {format_devices(run.devices)}"
-    ))
-    results = {}
-    for dtype in (torch.float32, torch.float64):
-        results[dtype] = max_parameter_difference(
-            run.strategy.module, run.devices, batches, run.loss_fn, optimizer, dtype, cfg.allreduce
-        )
-        console.print(f"  {str(dtype).removeprefix('torch.'):8} max |param difference| = {results[dtype]:.3e}")
-    ok = results[torch.float64] <= FLOAT64_TOLERANCE
-    console.print(
-        f"parity {'PASS' if ok else 'FAIL'}: float64 difference {'<=' if ok else '>'} {FLOAT64_TOLERANCE:g} "
-        "(float32 differences are summation-order rounding)"
-    )
-    return 0 if ok else 1
+        multi.train_step(X.to(dtype), y, loss_fn)
+    return max(max_difference(reference, replica) for replica in multi.replicas)

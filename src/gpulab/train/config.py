@@ -66,6 +66,15 @@ class TrainConfig:
     recipe: str = "modern"
     seed: int = 0
     allreduce: str = "auto"
+    """In one process over k devices: auto | naive | ring | nccl."""
+    sync: str = "gpulab"
+    """Under torchrun: gpulab (bucketed all-reduce overlapped with backward) | ddp (PyTorch's DistributedDataParallel)."""
+    backend: str = "auto"
+    """Under torchrun: auto (nccl when each rank has a GPU, else gloo) | gloo | nccl."""
+    timeout: float = 60.0
+    """Under torchrun: seconds a training collective may wait for another rank before the job stops."""
+    accumulate: int = 1
+    """Compute each batch as this many micro-batches in turn; gradients are exchanged once, after the last."""
     sync_bn: bool = False
     scale_batch: bool = False
     """Multiply the batch by k and the learning rate by k (linear scaling, with warm-up)."""
@@ -105,6 +114,14 @@ class TrainConfig:
 
         if self.allreduce not in ALGORITHMS:
             raise UserError(f"--allreduce {self.allreduce}: choose one of {', '.join(ALGORITHMS)}")
+        if self.sync not in ("gpulab", "ddp"):
+            raise UserError(f"--sync {self.sync}: choose gpulab or ddp")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise UserError(f"--backend {self.backend}: choose auto, gloo or nccl")
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise UserError(f"--timeout {self.timeout}: give the collective timeout in seconds, > 0")
+        if self.accumulate < 1:
+            raise UserError(f"--accumulate {self.accumulate}: use 1 (no accumulation) or more micro-batches per step")
 
     @property
     def recipe_spec(self) -> Recipe:

@@ -1,6 +1,10 @@
-"""The training loop: build everything from a TrainConfig, then epoch after epoch,
-batch -> shards -> forward/backward -> allreduce -> update, with the running metrics on the
-device and one host read per epoch.
+"""The training loop: build everything from a TrainConfig, then epoch after epoch, batch ->
+strategy step (forward, backward, gradient exchange, update), with the running metrics on the
+device and one collective read per epoch.
+
+The same loop runs in one process over k devices (`DataParallel`) and as every rank of a
+torchrun job (`Distributed`); the `World` decides who prints and writes (rank 0) and stops every
+rank together when one fails.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from gpulab import data, models
-from gpulab.devices import format_devices, resolve
+from gpulab.devices import for_rank, format_devices, resolve
 from gpulab.errors import UserError
 from gpulab.monitor import profile
 from gpulab.monitor.phases import PhaseTimer
-from gpulab.parallel import DataParallel, Meter
+from gpulab.parallel import DataParallel, Meter, World
+from gpulab.parallel.distributed import Distributed
+from gpulab.parallel.strategy import Strategy
+from gpulab.parallel.world import PeerLost, SharedError, Terminated, choose_backend, from_environment
 from gpulab.train.config import Recipe, TrainConfig
 from gpulab.train.rundir import RunDir, check_writable, default_run_dir
 
@@ -88,8 +95,8 @@ class Run:
     """Everything built from a config, ready to train."""
 
     cfg: TrainConfig
-    devices: list[torch.device]
-    strategy: DataParallel
+    world: World
+    strategy: Strategy
     train_loader: data.DeviceLoader | data.HostLoader
     test_loader: data.DeviceLoader | data.HostLoader
     loss_fn: torch.nn.Module
@@ -97,16 +104,60 @@ class Run:
     batch_size: int
     peak_lr: float
     warmup_steps: int
+    position: str = "set-up"
+    """Where the loop is ("epoch 2, step 37"), for the message when another rank fails."""
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return self.strategy.devices
 
 
-def user_loader(source, batch_size: int, device: torch.device, shuffle: bool, channels_last: bool) -> data.HostLoader:
-    """A user's own Dataset (batched here) or DataLoader, copied batch by batch to `device`."""
+# ----------------------------------------------------------------------------- building
+
+
+def user_loader(source, batch_size: int, device: torch.device, train: bool, cfg: TrainConfig, world: World,
+                channels_last: bool) -> data.HostLoader:
+    """A user's own Dataset or DataLoader, batched by gpulab's rule and copied batch by batch to `device`.
+
+    A Dataset is batched with GlobalBatches (the same batches as the built-in data would get).
+    A DataLoader is used as it is in one process; under torchrun its dataset is re-batched with
+    GlobalBatches (global batch = its batch_size), keeping its collate_fn, workers and pinning,
+    so that every rank takes its own part of the same batches."""
     if not hasattr(source, "__len__"):
         raise UserError("train_data/test_data must have a length (a map-style Dataset or a DataLoader over one)")
-    if isinstance(source, torch.utils.data.Dataset) and not isinstance(source, torch.utils.data.IterableDataset):
-        # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
-        source = torch.utils.data.DataLoader(source, batch_size, shuffle=shuffle, pin_memory=device.type == "cuda")
-    return data.HostLoader(source, device, channels_last=channels_last)
+    DataLoader = torch.utils.data.DataLoader
+    if isinstance(source, DataLoader) and world.world_size == 1:
+        return data.HostLoader(source, device, channels_last=channels_last)
+    dataset, options = source, dict(pin_memory=device.type == "cuda")
+    if isinstance(source, DataLoader):
+        if source.batch_size is None:
+            raise UserError("under torchrun gpulab batches your data itself: pass a DataLoader with a batch_size, or the Dataset")
+        dataset, batch_size = source.dataset, source.batch_size
+        options = dict(collate_fn=source.collate_fn, num_workers=source.num_workers, pin_memory=source.pin_memory)
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise UserError("gpulab cannot split an IterableDataset between ranks or batches: pass a map-style Dataset")
+    batches = data.GlobalBatches(
+        len(dataset), batch_size, shuffle=train, seed=cfg.seed, rank=world.rank, world_size=world.world_size,
+        drop_last=train,
+    )
+    return data.HostLoader(DataLoader(dataset, batch_sampler=batches, **options), device, channels_last=channels_last)
+
+
+def make_loaders(cfg: TrainConfig, world: World, device: torch.device, batch_size: int, channels_last: bool,
+                 train_data, test_data) -> tuple[data.DeviceLoader | data.HostLoader, data.DeviceLoader | data.HostLoader]:
+    """Fashion-MNIST's splits go to the device whole (DeviceLoader); a user's data is batched on the host."""
+    if isinstance(train_data, data.Split):
+        args = dict(device=device, channels_last=channels_last, normalize=cfg.recipe_spec.normalize,
+                    rank=world.rank, world_size=world.world_size)
+        return (
+            data.DeviceLoader(train_data, batch_size, shuffle=True, seed=cfg.seed, drop_last=True, **args),
+            data.DeviceLoader(test_data, cfg.eval_batch_size, **args),
+        )
+    args = dict(device=device, cfg=cfg, world=world, channels_last=channels_last)
+    return (
+        user_loader(train_data, batch_size, train=True, **args),
+        user_loader(test_data, cfg.eval_batch_size, train=False, **args),
+    )
 
 
 def check_image_shape(source, model: str) -> None:
@@ -121,55 +172,84 @@ def check_image_shape(source, model: str) -> None:
         raise UserError(f"train_data images have shape {'x'.join(map(str, shape))}; --model {model} takes {want} images")
 
 
-def build(cfg: TrainConfig, train_data=None, test_data=None) -> Run:
-    """Everything a run needs. `train_data`/`test_data`: a Dataset or DataLoader of (image, label)
-    to train on instead of Fashion-MNIST (the built-in data is loaded only when they are None)."""
-    devices = resolve(cfg.devices)
-    k = len(devices)
-    recipe = cfg.recipe_spec
-    batch_size = cfg.batch_size * (k if cfg.scale_batch else 1)
-    peak_lr = (cfg.lr or recipe.lr) * (k if cfg.scale_batch else 1)
-    if batch_size < k:
-        raise UserError(f"--batch-size {cfg.batch_size} is smaller than the {k} devices: use at least {k}")
+def choose_devices(cfg: TrainConfig, world: World) -> list[torch.device]:
+    """This process's devices: the --devices list in one process, one device per torchrun rank."""
+    if world.world_size == 1:
+        return resolve(cfg.devices)
+    device = for_rank(cfg.devices, world.local_rank, world.local_world_size)
+    choose_backend(cfg.backend, device)  # refuse nccl without GPUs before any rank connects
+    return [device]
+
+
+def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int, train_data, test_data) -> None:
+    if batch_size < replicas * cfg.accumulate:
+        what = f"the {replicas} {'ranks' if world.world_size > 1 else 'devices'}"
+        if cfg.accumulate > 1:
+            what += f" x {cfg.accumulate} micro-batches (--accumulate)"
+        raise UserError(f"--batch-size {batch_size} is smaller than {what}: use at least {replicas * cfg.accumulate}")
     if (train_data is None) != (test_data is None):
         raise UserError("pass both train_data and test_data, or neither (to use Fashion-MNIST)")
     if cfg.data == "custom" and train_data is None:
         raise UserError("this run trains on the caller's own data: pass train_data and test_data to train()")
-    channels_last = use_channels_last(cfg, devices)
-    loader_args = dict(device=devices[0], channels_last=channels_last)
-    if train_data is None:
-        train_split, test_split = data.load(cfg.data_dir, download=True)
-        train_loader = data.DeviceLoader(
-            train_split, batch_size, shuffle=True, seed=cfg.seed, normalize=recipe.normalize, **loader_args
-        )
-        test_loader = data.DeviceLoader(test_split, cfg.eval_batch_size, normalize=recipe.normalize, **loader_args)
-    else:
+    if train_data is not None:
         check_image_shape(train_data, cfg.model)
-        train_loader = user_loader(train_data, batch_size, shuffle=True, **loader_args)
-        test_loader = user_loader(test_data, cfg.eval_batch_size, shuffle=False, **loader_args)
+    if cfg.sync_bn and world.world_size > 1:
+        raise UserError("--sync-bn is not supported under torchrun yet (BatchNorm statistics stay per rank): drop --sync-bn")
+    if cfg.recipe_spec.init == "textbook" and cfg.model != "lenet":
+        raise UserError("--recipe textbook initialises the textbook's LeNet only: use --model lenet")
+
+
+def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, devices: list[torch.device],
+                  batch_size: int, lr: float, timer: PhaseTimer | None = None) -> Strategy:
+    optimizer = make_optimizer(cfg.recipe_spec, lr)
+    autocast = autocast_dtype(cfg, devices)
+    if world.world_size > 1:
+        return Distributed(
+            model, world, devices[0], batch_size, optimizer, sync=cfg.sync, accumulate=cfg.accumulate, timer=timer,
+            autocast=autocast,
+        )
+    return DataParallel(
+        model, devices, optimizer=optimizer, allreduce=cfg.allreduce, sync_bn=cfg.sync_bn, timer=timer,
+        autocast=autocast, accumulate=cfg.accumulate,
+    )
+
+
+def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_data=None) -> Run:
+    """Everything a run needs. `train_data`/`test_data`: a Dataset or DataLoader of (image, label)
+    to train on instead of Fashion-MNIST (the built-in data is loaded only when they are None)."""
+    world = world or World()
+    # Every check that needs no data runs before the first collective, on every rank together.
+    devices = world.all_or_none(lambda: choose_devices(cfg, world))
+    replicas = len(devices) * world.world_size
+    recipe = cfg.recipe_spec
+    batch_size = cfg.batch_size * (replicas if cfg.scale_batch else 1)
+    peak_lr = (cfg.lr or recipe.lr) * (replicas if cfg.scale_batch else 1)
+    world.all_or_none(lambda: check_inputs(cfg, world, batch_size, replicas, train_data, test_data))
+    world.connect(devices[0], cfg.backend, cfg.timeout)
+    channels_last = use_channels_last(cfg, devices)
+    if train_data is None:
+        # One rank per machine finds (or downloads) the files first; the others then read them.
+        train_data, test_data = world.local_main_first(lambda: data.load(cfg.data_dir, download=True))
+    train_loader, test_loader = world.all_or_none(
+        lambda: make_loaders(cfg, world, devices[0], batch_size, channels_last, train_data, test_data)
+    )
 
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model)
     if recipe.init == "textbook":
-        if not isinstance(model, models.LeNet):
-            raise UserError("--recipe textbook initialises the textbook's LeNet only: use --model lenet")
         model.init_textbook()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    for d in devices:
-        if d.type == "cuda":
-            torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
+    if any(d.type == "cuda" for d in devices):
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
 
     timer = PhaseTimer(devices)
-    strategy = DataParallel(
-        model, devices, optimizer=make_optimizer(recipe, peak_lr), allreduce=cfg.allreduce, sync_bn=cfg.sync_bn,
-        timer=timer, autocast=autocast_dtype(cfg, devices),
-    )
+    strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, timer)
     # Linear scaling needs a warm-up: a k-times larger lr from step 0 diverges (Goyal et al. 2017).
-    warmup_steps = len(train_loader) if cfg.scale_batch and k > 1 else 0
+    warmup_steps = len(train_loader) if cfg.scale_batch and replicas > 1 else 0
     return Run(
         cfg=cfg,
-        devices=devices,
+        world=world,
         strategy=strategy,
         train_loader=train_loader,
         test_loader=test_loader,
@@ -181,8 +261,11 @@ def build(cfg: TrainConfig, train_data=None, test_data=None) -> Run:
     )
 
 
+# ----------------------------------------------------------------------------- one epoch
+
+
 def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
-    """One pass over the training set. Reads the device once, at the end."""
+    """One pass over the training set. Reads the device once, at the end (with every rank's totals)."""
     cfg, loader = run.cfg, run.train_loader
     loader.set_epoch(epoch)
     total_steps = cfg.epochs * len(loader)
@@ -193,20 +276,19 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
     t0 = time.perf_counter()
     batches = iter(loader)
     for step in range(len(loader)):
+        run.position = f"epoch {epoch + 1}, step {step + 1}/{len(loader)}"
         with run.timer.phase("data"):
             X, y = next(batches)
-        if len(y) < len(run.devices):
-            continue  # a last batch smaller than k cannot be split; its samples come back next epoch
         run.strategy.set_lr(lr_at(epoch * len(loader) + step, total_steps, run.peak_lr, cfg.recipe_spec, run.warmup_steps))
         run.strategy.train_step(X, y, run.loss_fn, meter)
         if progress:
             progress.advance(task)
+    stats = run.strategy.reduce(meter)  # also waits for the device: the epoch's time is complete
     synchronize(run.devices)
     seconds = time.perf_counter() - t0
     if progress:
         progress.remove_task(task)
-    stats = meter.read()
-    if not math.isfinite(stats["loss"]):
+    if not math.isfinite(stats["loss"]):  # every rank sees the same sum: all stop together
         raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {stats['loss']}")
     phases = {name: [round(s, 4) for s in per_device] for name, per_device in run.timer.summary().items()}
     return {
@@ -225,21 +307,23 @@ def evaluate(run: Run) -> dict:
     return {"test_loss": result["loss"], "test_acc": result["accuracy"], "eval_seconds": time.perf_counter() - t0}
 
 
-def epoch_line(row: dict, epochs: int, devices: list[torch.device]) -> str:
+def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:
     line = (
         f"epoch {row['epoch']:>2}/{epochs}  loss {row['train_loss']:.4f}  train acc {row['train_acc']:.3f}  "
         f"test acc {row['test_acc']:.3f}  {row['train_seconds']:.1f} s  {row['samples_per_s']:,.0f} samples/s"
     )
-    if len(devices) > 1:
+    if strategy.num_replicas > 1:
         shares = "/".join(f"{s:.0%}" for s in row["allreduce_share"])
-        line += f"  {format_devices(devices)} allreduce {shares}"
+        line += f"  waiting for gradients {shares}"
     return line
 
 
 def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, history: list[dict]) -> dict:
     """Train and evaluate one epoch, then checkpoint and write the metrics (appends to `history`)."""
     try:
-        row = {"epoch": epoch + 1, **train_epoch(run, epoch, progress), **evaluate(run)}
+        row = {"epoch": epoch + 1, **train_epoch(run, epoch, progress)}
+        run.position = f"end of epoch {epoch + 1} (evaluation and checkpoint)"
+        row.update(evaluate(run))
     except NonFiniteLoss as e:
         # A checkpoint exists only once an epoch has finished; if the first one diverged
         # there is nothing to keep, and saying "epoch 0" would promise a file that isn't there.
@@ -247,12 +331,46 @@ def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, his
             kept = f"last good checkpoint (epoch {history[-1]['epoch']}) kept in {run_dir.path}"
         else:
             kept = f"no checkpoint saved in {run_dir.path} (no epoch finished with a finite loss)"
-        raise UserError(f"{e}; stopped, {kept}: lower --lr") from None
+        raise SharedError(f"{e}; stopped, {kept}: lower --lr", printed_by=0) from None
     row["lr_peak"] = run.peak_lr
+    row["replicas"] = run.strategy.num_replicas
     history.append(row)
-    run_dir.save_checkpoint({"strategy": run.strategy.state_dict(), "history": history, "epoch": epoch + 1})
-    run_dir.write_metrics(history)
+    state = run.strategy.state_dict()  # collective: every rank takes part, rank 0 writes
+    if run.world.is_main:
+        run_dir.save_checkpoint({"strategy": state, "history": history, "epoch": epoch + 1})
+        run_dir.write_metrics(history)
+    run.world.barrier()  # nobody starts the next epoch's short-timeout collectives while rank 0 writes
     return row
+
+
+# ----------------------------------------------------------------------------- the whole run
+
+
+def banner(run: Run, run_dir: RunDir) -> str:
+    cfg, world, strategy = run.cfg, run.world, run.strategy
+    where = format_devices(run.devices)
+    per = "device"
+    if world.world_size > 1:
+        where = f"{world.world_size} ranks x {where}"
+        per = "rank"
+    return (
+        f"training {cfg.model} on {where}: {cfg.epochs} epochs, batch {run.batch_size} "
+        f"(~{run.batch_size // strategy.num_replicas} per {per}), recipe {cfg.recipe}, lr {run.peak_lr:g}, "
+        f"{'bf16 autocast' if strategy.autocast else 'fp32'}, {strategy.description} -> {run_dir.path}"
+    )
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    """The main process picks the directory (a timestamp by default) and checks it is usable."""
+    path = Path(cfg.out) if cfg.out else default_run_dir(cfg.model)
+    check_writable(path)
+    return path
+
+
+def resume_hint(run_dir: RunDir, history: list[dict], world: World) -> str:
+    launcher = "the same torchrun command with " if world.world_size > 1 else ""
+    done = f"epoch {history[-1]['epoch']}" if history else "none yet"
+    return f"Last checkpoint: {done}, in {run_dir.path}; continue with {launcher}gpulab train --resume {run_dir.path}"
 
 
 def train(
@@ -265,54 +383,71 @@ def train(
 ) -> dict:
     """Train as configured, or continue the run in directory `resume` with its saved config.
 
+    Under torchrun (WORLD_SIZE > 1) this is one rank of the job: only rank 0 prints and writes.
     `train_data`/`test_data` (a Dataset or DataLoader each) replace Fashion-MNIST; a resumed run
     needs them again. Returns the final epoch's metrics row.
     """
+    world = from_environment()
+    try:
+        return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data)
+    finally:
+        world.close()
+
+
+def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_data) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
+    if not world.is_main:
+        console = Console(quiet=True)
+    checkpoint = None
     if resume:
         run_dir = RunDir(Path(resume))
-        cfg = TrainConfig.from_dict(run_dir.read_config())
-        # Before build: a run with nothing to resume should say so, not load (or download) data first.
-        checkpoint = run_dir.load_checkpoint()
+
+        def read_saved_run() -> dict:
+            nonlocal checkpoint  # read before build: a run with nothing to resume says so before loading data
+            config = run_dir.read_config()
+            checkpoint = run_dir.load_checkpoint()
+            return config
+
+        cfg = TrainConfig.from_dict(world.share("config", read_saved_run))
     else:
         cfg = cfg or TrainConfig()
         if train_data is not None:
             cfg = dataclasses.replace(cfg, data="custom")  # config.json must not claim Fashion-MNIST
-        run_dir = RunDir(Path(cfg.out) if cfg.out else default_run_dir(cfg.model))
-        check_writable(run_dir.path)
-    run = build(cfg, train_data, test_data)  # validates devices and data before anything is written
+        run_dir = RunDir(world.share("run-dir", lambda: new_run_dir(cfg)))
+    run = build(cfg, world, train_data, test_data)  # validates devices and data before anything is written
 
     history: list[dict] = []
     start_epoch = 0
     if resume:
+        checkpoint = world.broadcast(checkpoint)  # only rank 0's machine needs to hold the run directory
         run.strategy.load_state_dict(checkpoint["strategy"])
         history, start_epoch = checkpoint["history"], checkpoint["epoch"]
-    else:
+    elif world.is_main:
         run_dir.create()
         run_dir.write_config(cfg.to_dict())
 
-    console.print(escape(
-        f"training {cfg.model} on {format_devices(run.devices)}: {cfg.epochs} epochs, batch {run.batch_size} "
-        f"(~{run.batch_size // len(run.devices)} per device), recipe {cfg.recipe}, lr {run.peak_lr:g}, "
-        f"{'bf16 autocast' if run.strategy.autocast else 'fp32'}, "
-        f"allreduce {run.strategy.allreduce_algorithm} -> {run_dir.path}"
-    ))
+    console.print(escape(banner(run, run_dir)))
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        console=console, transient=True,
+        console=console, transient=True, disable=not world.is_main,
     )
     # --profile: the same machinery as `gpulab profile`; report, timeline and trace go to <run>/profile.
-    profiling = profile(out=run_dir.path / "profile", console=console) if cfg.profile else nullcontext()
+    profiling = profile(out=run_dir.path / "profile", console=console) if cfg.profile and world.is_main else nullcontext()
     with profiling, progress:
         try:
             for epoch in range(start_epoch, cfg.epochs):
                 row = run_one_epoch(run, epoch, progress, run_dir, history)
-                console.print(escape(epoch_line(row, cfg.epochs, run.devices)))
+                console.print(escape(epoch_line(row, cfg.epochs, run.strategy)))
                 if on_epoch_end:
                     on_epoch_end(row)
         except KeyboardInterrupt:
             done = history[-1]["epoch"] if history else 0
             console.print(escape(f"interrupted after epoch {done}: continue with gpulab train --resume {run_dir.path}"))
+            raise
+        except (PeerLost, Terminated) as e:  # another rank failed: say which, where, and how to go on
+            raise world.failure(e, f"{run.position}", resume_hint(run_dir, history, world)) from None
+        except BaseException as e:
+            world.report_failure(e)  # so the surviving ranks can name this rank and its reason
             raise
 
     final = history[-1]

@@ -1,0 +1,245 @@
+"""One replica per torchrun rank: data parallelism across processes and machines.
+
+Every rank holds a full model on its one device, starts from rank 0's parameters, and takes its
+own part of every global batch (`gpulab.data.GlobalBatches`). After backward every rank must
+hold the gradient of the whole global batch; two ways to get there:
+
+--sync gpulab (`GradSync`)
+    Gradients are views into flat buckets (`Buckets`: reverse registration order, a small first
+    bucket, then ~25 MiB). A hook on each parameter marks its gradient ready the moment autograd
+    has accumulated it; when a bucket is complete, its `torch.distributed.all_reduce(...,
+    async_op=True)` starts at once, in bucket order on every rank, while backward goes on
+    computing earlier layers. The step waits for the outstanding handles only before the
+    optimizer, so communication hides behind backward. Buckets whose parameters got no gradient
+    this step are sent after backward, so they can neither hang nor crash the exchange.
+--sync ddp
+    PyTorch's DistributedDataParallel on the same loop: the reference gpulab's sync must match,
+    in results (tests) and in speed (benchmarks/distributed.py).
+
+Both sum the gradients: each rank weights its micro-batch's mean loss by micro_size / global
+batch (DDP averages over ranks, so its loss is also multiplied by the world size). The sum over
+ranks and micro-batches is then exactly the gradient of the global batch's mean loss, also when
+the parts differ in size by one sample.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from gpulab.errors import UserError
+from gpulab.parallel.allreduce import BUCKET_BYTES, FIRST_BUCKET_BYTES, Buckets
+from gpulab.parallel.data_parallel import micro_batches, no_phase
+from gpulab.parallel.meter import Meter, summarize
+from gpulab.parallel.strategy import LossFn
+from gpulab.parallel.world import World
+
+SYNCS = ("gpulab", "ddp")
+
+
+class GradSync:
+    """gpulab's gradient exchange between ranks, launched bucket by bucket during backward."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group,
+        bucket_bytes: int = BUCKET_BYTES,
+        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+        overlap: bool = True,
+    ):
+        self.buckets = Buckets([params], bucket_bytes, first_bucket_bytes)
+        self.group = group
+        self.overlap = overlap  # False: every bucket after backward (to measure what overlap hides)
+        self.communicate = True
+        self.ready = [False] * self.buckets.num_buckets
+        self.next_bucket = 0
+        self.handles: list = []
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+
+    def zero_grad(self) -> None:
+        self.buckets.zero_()
+
+    def begin_backward(self, communicate: bool) -> None:
+        """Before each backward; `communicate=False` accumulates locally (a micro-batch that is
+        not the last of its step: what DDP's no_sync does)."""
+        self.buckets.expect_gradients()
+        self.communicate = communicate
+        self.ready = [False] * self.buckets.num_buckets
+        self.next_bucket = 0
+
+    def _grad_ready(self, index: int, param: nn.Parameter) -> None:
+        b = self.buckets.mark_ready(0, index)
+        if b is not None and self.communicate:
+            self.ready[b] = True
+            if self.overlap:
+                self._launch(until_ready=True)
+
+    def _launch(self, until_ready: bool) -> None:
+        """Start all-reduces in bucket order: every rank must issue the same collectives in the
+        same order, whatever order its buckets happened to fill in."""
+        import torch.distributed as dist
+
+        while self.next_bucket < self.buckets.num_buckets and (self.ready[self.next_bucket] or not until_ready):
+            flat = self.buckets.seal(0, self.next_bucket)
+            self.handles.append(dist.all_reduce(flat, group=self.group, async_op=True))
+            self.next_bucket += 1
+
+    def finish(self) -> list[int]:
+        """After the last backward of a step: send what is left, wait for every bucket.
+        Returns the parameters no rank produced a gradient for."""
+        self._launch(until_ready=False)
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
+        return self.buckets.unused_everywhere()
+
+
+class Distributed:
+    """The training strategy of one torchrun rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        world: World,
+        device: torch.device,
+        batch_size: int,
+        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.1),
+        sync: str = "gpulab",
+        accumulate: int = 1,
+        timer=None,
+        autocast: torch.dtype | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+        overlap: bool = True,
+    ):
+        """`batch_size`: the global batch (all ranks together) of every training step."""
+        if sync not in SYNCS:
+            raise UserError(f"--sync {sync}: choose gpulab or ddp")
+        self.world = world
+        self.devices = [device]
+        self.num_replicas = world.world_size
+        self.batch_size = batch_size
+        self.accumulate = accumulate
+        self.autocast = autocast
+        self.sync = sync
+        self.phase = timer.phase if timer is not None else no_phase
+        self.module = module.to(device)
+        self.replicas = [self.module]  # this process's copies of the model (DataParallel has k)
+        self._broadcast_from_main(self.module)
+        self.optimizer = optimizer(self.module.parameters())
+        self.description = f"sync {sync} over {world.backend}"
+        if sync == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(
+                self.module, device_ids=[device] if device.type == "cuda" else None, process_group=world.group,
+                bucket_cap_mb=bucket_bytes / 2**20,
+            )
+            self.grad_sync = None
+        else:
+            self.model = self.module
+            self.grad_sync = GradSync(list(self.module.parameters()), world.group, bucket_bytes, first_bucket_bytes, overlap)
+        self.module.train(True)
+
+    def _broadcast_from_main(self, module: nn.Module) -> None:
+        """Every rank starts from rank 0's parameters and buffers."""
+        import torch.distributed as dist
+
+        with torch.no_grad(), self.world.collectives():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0, group=self.world.group)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, meter: Meter | None = None) -> torch.Tensor:
+        """One synchronized step on this rank's part (X, y) of a global batch of `batch_size`."""
+        total = torch.zeros((), device=self.devices[0])
+        parts = micro_batches(X, y, self.accumulate)
+        # DDP averages gradients over ranks; gpulab sums them. Scale so both give the global mean.
+        scale = self.world.world_size if self.sync == "ddp" else 1
+        self._zero_grad()
+        with self.world.collectives():
+            for j, (X_micro, y_micro) in enumerate(parts):
+                last = j == len(parts) - 1
+                with self.phase("forward_backward"), self._communication(last):
+                    with torch.autocast(self.devices[0].type, dtype=self.autocast, enabled=self.autocast is not None):
+                        out = self.model(X_micro)
+                        loss = loss_fn(out, y_micro) * (len(y_micro) / self.batch_size)
+                    (loss * scale).backward()
+                total = total + loss.detach()
+                if meter is not None:
+                    meter.add(loss.detach() * self.batch_size, (out.argmax(1) == y_micro).sum(), len(y_micro))
+            with self.phase("allreduce"):  # the exchange not hidden behind backward
+                unused = self.grad_sync.finish() if self.grad_sync else []
+        with self.phase("optimizer"):
+            if unused:  # no rank used them: skipped, as plain PyTorch skips a None .grad
+                with self.grad_sync.buckets.hidden_grads(unused):
+                    self.optimizer.step()
+            else:
+                self.optimizer.step()
+        return total
+
+    def _zero_grad(self) -> None:
+        if self.grad_sync:
+            self.grad_sync.zero_grad()  # in place: the .grad views into the buckets stay
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _communication(self, last_micro_batch: bool):
+        if self.grad_sync:
+            self.grad_sync.begin_backward(communicate=last_micro_batch)
+            return no_phase("")
+        return no_phase("") if last_micro_batch else self.model.no_sync()
+
+    # ------------------------------------------------------------------ metrics, evaluation, state
+
+    def reduce(self, meter: Meter) -> dict[str, float]:
+        """Every rank's loss sum, correct count and sample count, summed in one collective."""
+        import torch.distributed as dist
+
+        totals = torch.cat([meter.totals, meter.totals.new_tensor([meter.count])])
+        with self.world.collectives():
+            dist.all_reduce(totals, group=self.world.group)
+        return summarize(*totals.tolist())
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Average BatchNorm running statistics over ranks (each rank's drift apart)."""
+        import torch.distributed as dist
+
+        with self.world.collectives():
+            for b in self.module.buffers():
+                if b.is_floating_point():
+                    dist.all_reduce(b, group=self.world.group)
+                    b.div_(self.world.world_size)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn | None = None) -> dict:
+        """This rank's part of the test set, then every rank's sums combined: each sample once."""
+        self.sync_buffers()
+        self.module.train(False)
+        meter = Meter(self.devices[0])
+        for X, y in batches:
+            with torch.autocast(self.devices[0].type, dtype=self.autocast, enabled=self.autocast is not None):
+                out = self.module(X)
+                loss_sum = loss_fn(out, y) * len(y) if loss_fn is not None else torch.zeros((), device=X.device)
+            meter.add(loss_sum, (out.argmax(1) == y).sum(), len(y))
+        self.module.train(True)
+        return self.reduce(meter)
+
+    def state_dict(self) -> dict:
+        self.sync_buffers()
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,100 @@
+"""`gpulab launch`: run `gpulab train` under torchrun without spelling out torchrun's options.
+
+    gpulab launch -n 2 -- --epochs 5                       2 processes on this machine
+    gpulab launch -n 4 --nnodes 2 --node-rank 0 --master 10.0.0.1:29500 -- --epochs 5
+                                                           (and --node-rank 1 on the other machine)
+
+It is torch.distributed.run (torchrun) itself, called in this process with the options below;
+gpulab adds the checks torchrun answers with a stack trace (the rendezvous port already taken, a
+node that never arrives) and a one-line summary of which rank failed and how.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+from gpulab.errors import UserError
+
+DEFAULT_PORT = 29500
+
+
+def parse_master(master: str) -> tuple[str, int]:
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"--master {master}: give the first machine's address and a free port, e.g. 10.0.0.1:{DEFAULT_PORT}")
+    return host, int(port)
+
+
+def check_port_free(port: int) -> None:
+    """Node 0 hosts the rendezvous on this port; torchrun's own error for a taken port is a traceback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            raise UserError(
+                f"port {port} is already in use on this machine (another job's rendezvous?): "
+                f"choose another with --master ADDR:PORT"
+            ) from None
+
+
+def torchrun_args(nproc: int, nnodes: int, node_rank: int, master: str | None, startup_timeout_s: float,
+                  train_args: list[str]) -> list[str]:
+    if nproc < 1:
+        raise UserError(f"-n {nproc}: launch at least 1 process per machine")
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank {node_rank} with --nnodes {nnodes}: node ranks go from 0 to {nnodes - 1}")
+    args = ["--nproc-per-node", str(nproc)]
+    if nnodes == 1 and master is None:
+        args.append("--standalone")  # one machine: torchrun picks a free port itself
+    else:
+        if master is None:
+            raise UserError(f"--nnodes {nnodes}: give every machine the first one's address with --master ADDR:PORT")
+        host, port = parse_master(master)
+        if node_rank == 0:
+            check_port_free(port)
+        args += [
+            "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", host, "--master-port", str(port),
+            "--rdzv-conf", f"timeout={int(startup_timeout_s)}",
+        ]
+    return [*args, "-m", "gpulab", "train", *train_args]
+
+
+def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None = None,
+           startup_timeout_s: float = 600, train_args: list[str] | None = None) -> int:
+    args = torchrun_args(nproc, nnodes, node_rank, master, startup_timeout_s, list(train_args or []))
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # Each rank gets an equal share of this machine's cores (torchrun would give each one thread).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    try:
+        run(get_args_parser().parse_args(args))
+    except ChildFailedError as e:
+        print(f"gpulab launch: {failure_summary(e)}", flush=True)
+        return 1
+    except DistError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "clients joined" in first or "Timed out" in first:
+            raise UserError(
+                f"not every machine joined within {startup_timeout_s:g} s ({first}): start `gpulab launch` with the "
+                f"same --nnodes on every machine, node ranks 0..{nnodes - 1}, and --master pointing at node 0"
+            ) from None
+        raise UserError(f"torchrun could not start: {first}") from None
+    return 0
+
+
+def failure_summary(error) -> str:
+    """One line from torchrun's ChildFailedError: the first rank that failed, how, and how many."""
+    rank, first = error.get_first_failure()
+    how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    message = first.message.get("message", "") if isinstance(first.message, dict) else ""
+    line = f"rank {rank} {how}" + (f" ({message})" if message else "")
+    if len(error.failures) > 1:
+        line += f"; {len(error.failures)} ranks stopped in all (the others' lines above say why)"
+    return line

@@ -1,0 +1,361 @@
+"""This process's place in a training job, and the rules that keep a multi-process job honest.
+
+`World` is one process: rank 0 of 1, every method trivial. `TorchrunWorld` is one rank of a job
+launched by torchrun (or anything that sets torchrun's environment: RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). It uses torch.distributed for every
+byte it moves; gpulab adds only the rules:
+
+- Rank 0 is the main process: it alone prints and writes. What it decides (the run directory,
+  a resumed run's config and checkpoint) is shared with the others (`share`, `broadcast`).
+- An error on one rank during set-up stops every rank at once (`all_or_none`), instead of
+  leaving the others waiting in a collective.
+- Start-up collectives may wait long (STARTUP_TIMEOUT: slow nodes, data being unpacked);
+  training collectives run on their own group with a short timeout (`--timeout`), so a dead or
+  hung rank turns into an error on the others within that time, never a hang.
+- When a collective fails, the survivor raises a flag in the rendezvous store and every live
+  rank checks in, answered by a small watchdog thread so that a rank blocked inside a collective
+  still counts as alive; whoever does not check in is the rank that failed, and the message
+  names it (`failure`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+
+from gpulab.errors import UserError
+
+T = TypeVar("T")
+STARTUP_TIMEOUT = timedelta(minutes=10)
+CHECK_IN_S = 2.0  # how long survivors of a failure wait for each other in the store
+WATCHDOG_POLL_S = 0.5  # how often each rank's watchdog looks for a failure flag
+
+
+class SharedError(UserError):
+    """An error every rank raises together; the rank that printed it is named in `printed_by`.
+    The CLI prints it on that rank only, so a job of K ranks says it once."""
+
+    def __init__(self, message: str, printed_by: int = 0):
+        super().__init__(message)
+        self.printed_by = printed_by
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because another rank died, hung past the timeout or crashed."""
+
+
+class Terminated(BaseException):
+    """SIGTERM (from torchrun after another rank failed, or from a scheduler): stop cleanly."""
+
+
+class JobFailed(Exception):
+    """This rank stopped because of another rank's failure; the message says which and where."""
+
+    def __init__(self, message: str, quiet: bool):
+        super().__init__(message)
+        self.quiet = quiet  # another surviving rank prints the same line
+
+
+class World:
+    """One process: rank 0 of 1."""
+
+    rank = 0
+    world_size = 1
+    local_rank = 0
+    local_world_size = 1
+    group = None  # the process group of training collectives (None: the default)
+    backend = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def connect(self, device: torch.device, backend: str = "auto", timeout_s: float = 60.0) -> None:
+        pass
+
+    def share(self, key: str, compute: Callable[[], T]) -> T:
+        """`compute()` on the main process; every process gets its result (or its UserError)."""
+        return compute()
+
+    def all_or_none(self, fn: Callable[[], T]) -> T:
+        """`fn()` on every process; if it raises a UserError on any, every process raises."""
+        return fn()
+
+    def local_main_first(self, fn: Callable[[], T]) -> T:
+        """`fn()` on local rank 0 of each machine first (it may download or unpack files), then on
+        the other ranks, which find them in place."""
+        return fn()
+
+    def broadcast(self, obj: T) -> T:
+        """The main process's `obj` on every process."""
+        return obj
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Every process's `obj`, in rank order, on the main process (None elsewhere)."""
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    @contextmanager
+    def collectives(self):
+        """Around training collectives: a failed one raises PeerLost."""
+        yield
+
+    def failure(self, error: BaseException, where: str, hint: str) -> JobFailed:
+        return JobFailed(f"{where}: {error}. {hint}", quiet=False)
+
+    def report_failure(self, error: BaseException) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def from_environment() -> World:
+    """A TorchrunWorld when torchrun's WORLD_SIZE > 1 is set, else the one-process World."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return TorchrunWorld() if world_size > 1 else World()
+
+
+class TorchrunWorld(World):
+    def __init__(self):
+        import torch.distributed as dist
+
+        env = os.environ
+        self.rank = int(env["RANK"])
+        self.world_size = int(env["WORLD_SIZE"])
+        # Set by torchrun; a hand-made single-machine launch may leave them out.
+        self.local_rank = int(env.get("LOCAL_RANK", self.rank))
+        self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.threads = threads_per_rank(self.local_world_size)
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        # The store is the job's shared key-value table (hosted by torchrun's agent on node 0);
+        # gpulab uses it before the process group exists and to name a failed rank afterwards.
+        self.store = next(dist.rendezvous("env://", timeout=STARTUP_TIMEOUT))[0]
+        self.prefix = f"gpulab/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.connected = False
+        self.agreements = 0  # all_or_none calls so far: the same count on every rank
+        self.reporting = False
+        self.terminated = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.stop_watchdog = threading.Event()
+        threading.Thread(target=self._watchdog, name="gpulab-watchdog", daemon=True).start()
+
+    # ------------------------------------------------------------------ set-up
+
+    def connect(self, device: torch.device, backend: str = "auto", timeout_s: float = 60.0) -> None:
+        import torch.distributed as dist
+
+        backend = choose_backend(backend, device)
+        self.backend, self.device, self.timeout_s = backend, device, timeout_s
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend, store=self.store, rank=self.rank, world_size=self.world_size, timeout=STARTUP_TIMEOUT,
+            device_id=device if backend == "nccl" else None,
+        )
+        self.connected = True
+        # Steps get their own group and a short timeout: a dead or hung rank then fails the
+        # others' next collective within timeout_s, while start-up keeps its long one.
+        self.group = dist.new_group(timeout=timedelta(seconds=timeout_s), backend=backend)
+
+    def share(self, key: str, compute: Callable[[], T]) -> T:
+        key = self.prefix + "share/" + key
+        if self.is_main:
+            try:
+                value = compute()
+            except BaseException as e:
+                message = str(e) if isinstance(e, UserError) else f"rank 0 failed: {type(e).__name__}: {e}"
+                self.store.set(key, pickle.dumps(("error", message)))
+                raise
+            self.store.set(key, pickle.dumps(("ok", value)))
+            return value
+        status, value = pickle.loads(self.store.get(key))
+        if status == "error":
+            raise SharedError(value, printed_by=0)
+        return value
+
+    def all_or_none(self, fn: Callable[[], T]) -> T:
+        # Through the store, not a collective: it works before the process group exists, and a
+        # rank that fails here is never waited for inside one.
+        error, result = None, None
+        try:
+            result = fn()
+        except UserError as e:
+            error = e
+        self.agreements += 1
+        keys = [self.prefix + f"agree/{self.agreements}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], pickle.dumps(str(error) if error else None))
+        self.store.wait(keys)
+        messages = [pickle.loads(self.store.get(k)) for k in keys]
+        failed = [r for r, m in enumerate(messages) if m]
+        if not failed:
+            return result
+        first = failed[0]  # the lowest failing rank prints; a rank with another message prints its own
+        if error is not None and (self.rank == first or messages[self.rank] != messages[first]):
+            raise error
+        raise SharedError(str(error) if error else f"rank {first}: {messages[first]}", printed_by=first)
+
+    def local_main_first(self, fn: Callable[[], T]) -> T:
+        result = None
+        for turn_of_local_main in (True, False):
+            mine = (self.local_rank == 0) == turn_of_local_main
+            value = self.all_or_none(fn if mine else (lambda: None))
+            if mine:
+                result = value
+        return result
+
+    def broadcast(self, obj: T) -> T:
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: T) -> list[T] | None:
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def barrier(self) -> None:
+        """On the training group: bounded by --timeout like every collective once training runs."""
+        import torch.distributed as dist
+
+        with self.collectives():
+            dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self.stop_watchdog.set()
+        if self.connected:
+            dist.destroy_process_group()
+            self.connected = False
+
+    # ------------------------------------------------------------------ failures
+
+    @contextmanager
+    def collectives(self):
+        try:
+            yield
+        except RuntimeError as e:
+            if is_communication_error(e):
+                raise PeerLost(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+            raise
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.terminated = True
+        if not self.reporting:  # while a failure is being reported, finish that first
+            raise Terminated()
+
+    def report_failure(self, error: BaseException) -> None:
+        """This rank is failing on its own: leave the reason where the survivors will look."""
+        try:
+            self.store.set_timeout(timedelta(seconds=5))
+            self.store.set(self.prefix + f"failed/{self.rank}", one_line(error))
+        except Exception:
+            pass  # the store may be gone with rank 0; the launcher's summary still has it
+
+    def failure(self, error: BaseException, where: str, hint: str) -> JobFailed:
+        """The one-line message for a rank that stops because another failed."""
+        self.reporting = True
+        alive, reasons = self._check_in()
+        missing = [r for r in range(self.world_size) if r not in alive] if alive else []
+        if missing:
+            named = "; ".join(
+                f"rank {r} failed: {reasons[r]}" if r in reasons else f"rank {r} stopped answering"
+                for r in missing
+            )
+            cause = f"{named} (torchrun's summary shows how it exited)"
+        elif isinstance(error, Terminated):
+            cause = "stopped by SIGTERM (from the launcher, after another rank failed, or from a job scheduler)"
+        else:
+            cause = f"a collective failed: {error}"
+        if isinstance(error, PeerLost) and "Timed out" in str(error):
+            cause += f"; the step timeout is --timeout {self.timeout_s:g} s"
+        quiet = bool(alive) and self.rank != min(alive)  # the lowest surviving rank speaks for all
+        return JobFailed(f"{where}: {cause}. {hint}", quiet=quiet)
+
+    def _watchdog(self) -> None:
+        """Check this rank in when another raises the failure flag, even while the main thread
+        is blocked in a collective. A dead or stopped process cannot: that is how it is found."""
+        flag = self.prefix + "failure"
+        while not self.stop_watchdog.wait(WATCHDOG_POLL_S):
+            try:
+                if self.store.check([flag]):
+                    self.store.set(self.prefix + f"alive/{self.rank}", b"1")
+                    return
+            except Exception:
+                return  # the store is gone: nobody is left to ask
+
+    def _check_in(self) -> tuple[list[int], dict[int, str]]:
+        """Raise the failure flag, then see which ranks answer within CHECK_IN_S."""
+        try:
+            self.store.set_timeout(timedelta(seconds=5))
+            self.store.set(self.prefix + "failure", b"1")
+            self.store.set(self.prefix + f"alive/{self.rank}", b"1")
+            keys = [self.prefix + f"alive/{r}" for r in range(self.world_size)]
+            deadline = time.monotonic() + CHECK_IN_S
+            while True:
+                alive = [r for r in range(self.world_size) if self.store.check([keys[r]])]
+                if len(alive) == self.world_size or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            reasons = {}
+            for r in set(range(self.world_size)) - set(alive):
+                if self.store.check([self.prefix + f"failed/{r}"]):
+                    reasons[r] = self.store.get(self.prefix + f"failed/{r}").decode()
+            return alive, reasons
+        except Exception:
+            return [], {}  # the store went down with the rank that hosted it
+
+
+def choose_backend(backend: str, device: torch.device) -> str:
+    """nccl when the rank drives a GPU, else gloo; an explicit choice must fit the device."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError(f"--backend nccl needs a GPU per rank, but the ranks run on {device}: use --backend gloo")
+    return backend
+
+
+def is_communication_error(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(s in text for s in ("gloo", "NCCL", "Connection", "Timed out"))
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".strip()
+
+
+def threads_per_rank(local_world_size: int) -> int | None:
+    """This machine's cores split between its ranks, or None where the user chose OMP_NUM_THREADS.
+
+    torchrun sets OMP_NUM_THREADS=1 for every worker when the user did not set it; the
+    launcher's own environment at start-up (our parent process's) tells the two apart."""
+    if "OMP_NUM_THREADS" in os.environ:
+        try:
+            import psutil
+
+            if "OMP_NUM_THREADS" in psutil.Process(os.getppid()).environ():
+                return None  # the user's choice, passed through the launcher
+        except Exception:
+            return None  # cannot tell: respect the variable
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world_size)

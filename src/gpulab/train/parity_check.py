@@ -1,0 +1,62 @@
+"""`gpulab train --check-parity`: a few steps of the run as configured, against plain PyTorch.
+
+The run's own data, initial model, loss and learning rate (`build`) are trained two ways on the
+same global batches: by gpulab's strategy (DataParallel over --devices in one process, or
+Distributed on every torchrun rank) and by `reference_training`, plain PyTorch on one model. In
+fp32 autocast off: parity is a statement about the algorithm. Under torchrun, rank 0 gathers
+every rank's part of each batch to rebuild the global batches, and every rank's parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+
+from gpulab.devices import format_devices
+from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training
+from gpulab.parallel.world import from_environment
+from gpulab.train.config import TrainConfig
+from gpulab.train.loop import build, make_optimizer, make_strategy
+
+
+def check_parity(cfg: TrainConfig, num_steps: int = 5) -> int:
+    world = from_environment()
+    try:
+        return _check(world, dataclasses.replace(cfg, precision="fp32"), num_steps)
+    finally:
+        world.close()
+
+
+def _check(world, cfg: TrainConfig, num_steps: int) -> int:
+    console = Console(highlight=False, soft_wrap=True, quiet=not world.is_main)
+    run = build(cfg, world)
+    initial = copy.deepcopy(run.strategy.replicas[0])
+    local = [(X.cpu(), y.cpu()) for _, (X, y) in zip(range(num_steps), run.train_loader)]
+    parts = world.gather(local)  # rank 0: every rank's part of each step, in rank order
+    where = format_devices(run.devices) if world.world_size == 1 else f"{world.world_size} ranks ({run.strategy.description})"
+    console.print(escape(f"parity: {cfg.model}, {len(local)} steps of batch {run.batch_size}, plain PyTorch on one model vs {where}"))
+
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        model = copy.deepcopy(initial).to(dtype)
+        strategy = make_strategy(cfg, world, model, run.devices, run.batch_size, run.peak_lr)
+        for X, y in local:
+            strategy.train_step(X.to(run.devices[0], dtype), y.to(run.devices[0]), run.loss_fn)
+        trained = world.gather([r.cpu() for r in strategy.replicas])
+        if world.is_main:
+            batches = [(torch.cat([p[step][0] for p in parts]), torch.cat([p[step][1] for p in parts])) for step in range(len(local))]
+            reference = reference_training(
+                initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, run.peak_lr), dtype, run.devices[0]
+            ).cpu()
+            results[dtype] = max(max_difference(reference, r) for replicas in trained for r in replicas)
+            console.print(f"  {str(dtype).removeprefix('torch.'):8} max |param difference| = {results[dtype]:.3e}")
+    ok = world.broadcast(results.get(torch.float64, 0.0) <= FLOAT64_TOLERANCE)
+    console.print(
+        f"parity {'PASS' if ok else 'FAIL'}: float64 difference {'<=' if ok else '>'} {FLOAT64_TOLERANCE:g} "
+        "(float32 differences are summation-order rounding)"
+    )
+    return 0 if ok else 1

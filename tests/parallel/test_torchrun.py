@@ -1,0 +1,283 @@
+"""`gpulab train` under torchrun, as a user runs it: gloo on loopback, 2-3 processes, tiny data.
+
+Covers: rank 0 alone prints and writes; K ranks train like one process; two "machines" (two
+torchrun agents, --nnodes 2) compute exactly what one machine does; a rank killed mid-epoch
+stops the others in bounded time with a message naming it, and --resume (the run directory on
+the first machine only) ends with the weights of an uninterrupted run; NaN on one rank stops all;
+a run resumed with another world size; `gpulab launch` and its start-up errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from gpulab.cli import main
+from gpulab.train import TrainConfig, train
+from gpulab.train.rundir import CHECKPOINT
+
+FAST = ["--precision", "fp32", "--batch-size", "32"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, train_args: list[str], nnodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if port is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
+                "--master-port", str(port)]
+    return [*cmd, "-m", "gpulab", "train", *train_args]
+
+
+def env_for(data: Path) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "GPULAB_DATA": str(data)}
+
+
+def torchrun(nproc: int, train_args: list[str], data: Path, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_cmd(nproc, train_args), cwd=cwd, env=env_for(data), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("gpulab: error:")]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False)["strategy"]["model"]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_two_ranks_train_like_one_process_and_only_rank_0_speaks(tiny_data, tmp_path):
+    args = ["--epochs", "2", "--seed", "3", *FAST]
+    assert main(["train", *args, "--devices", "cpu", "--out", str(tmp_path / "one")]) == 0
+    result = torchrun(2, args, tiny_data, cwd=tmp_path)  # no --out: rank 0 picks runs/<time>-lenet
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert out.count("training lenet on 2 ranks x [cpu]") == 1
+    assert len(re.findall(r"^epoch +\d/2 ", out, re.M)) == 2
+    assert out.count("test acc:") == 1
+    (two,) = list((tmp_path / "runs").iterdir())  # one directory, named once for both ranks
+    assert sorted(p.name for p in two.iterdir()) == ["checkpoint.pt", "config.json", "curves.png", "metrics.csv", "metrics.json"]
+    one = tmp_path / "one"
+    for a, b in zip(metrics(one), metrics(two)):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4)
+        assert a["test_acc"] == pytest.approx(b["test_acc"], abs=0.01)
+    w1, w2 = weights(one), weights(two)
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4  # fp32 summation order only
+
+
+def test_check_parity_under_torchrun(tiny_data, tmp_path):
+    result = torchrun(3, ["--check-parity", "--batch-size", "31"], tiny_data, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("parity PASS") == 1
+    float64 = float(re.search(r"float64 +max \|param difference\| = (\S+)", result.stdout).group(1))
+    assert float64 <= 1e-9
+
+
+def test_several_devices_per_rank_is_one_clear_error(tiny_data, tmp_path):
+    result = torchrun(2, ["--devices", "cpu*2", "--out", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
+    assert result.returncode != 0
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "each process drives one" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_option_is_said_once(tiny_data, tmp_path):
+    result = torchrun(2, ["--epochs", "0"], tiny_data, cwd=tmp_path)
+    assert result.returncode != 0
+    assert error_lines(result.stderr) == ["gpulab: error: [rank 0] --epochs 0: train for at least 1 epoch"]
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+# Where the survivor was when it noticed: in a step, or at an epoch's end (evaluation, checkpoint).
+WHERE = r"(epoch \d, step \d+/\d+|end of epoch \d \(evaluation and checkpoint\))"
+
+
+def wait_for(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def worker_with_rank(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "gpulab" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no worker with RANK={rank}")
+
+
+@pytest.fixture
+def long_epochs(make_dataset, tmp_path):
+    """Epochs of ~1-2 s (4096 samples, batch 16): long enough to kill a rank in the middle of one."""
+    return make_dataset(tmp_path / "long", num_train=4096, num_test=256)
+
+
+def test_killed_rank_on_another_machine_then_resume_from_the_first_machine(long_epochs, tmp_path):
+    """Two torchrun agents (--nnodes 2) stand in for two servers; each has its own working
+    directory, and the relative --out exists only on the first."""
+    args = ["--epochs", "3", "--precision", "fp32", "--batch-size", "16", "--out", "runs/job"]
+    node0, node1, reference = tmp_path / "node0", tmp_path / "node1", tmp_path / "one-machine"
+    for d in (node0, node1, reference):
+        d.mkdir()
+
+    def start(node_rank: int, cwd: Path, port: int, extra: list[str] = ()) -> subprocess.Popen:
+        cmd = torchrun_cmd(1, [*args, *extra] if not extra else list(extra), nnodes=2, node_rank=node_rank, port=port)
+        return subprocess.Popen(cmd, cwd=cwd, env=env_for(long_epochs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    port = free_port()
+    first, second = start(0, node0, port), start(1, node1, port)
+    wait_for(node0 / "runs/job" / "curves.png")  # epoch 1's files are all written
+    time.sleep(0.5)
+    worker_with_rank(second, 1).kill()  # SIGKILL, in the middle of epoch 2
+    killed_at = time.monotonic()
+    out0, err0 = first.communicate(timeout=90)
+    stopped_after = time.monotonic() - killed_at
+    second.communicate(timeout=30)
+    assert first.returncode != 0 and second.returncode != 0
+    assert stopped_after < 30, f"rank 0 needed {stopped_after:.0f} s to stop"
+    (line,) = error_lines(err0)
+    assert re.search(rf"\[rank 0\] {WHERE}: rank 1 stopped answering", line), line
+    assert "--resume runs/job" in line
+    assert not (node1 / "runs").exists()  # rank 1 never wrote anything
+
+    port = free_port()
+    resumed = [start(0, node0, port, ["--resume", "runs/job"]), start(1, node1, port, ["--resume", "runs/job"])]
+    for p in resumed:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+    uninterrupted = torchrun(2, args, long_epochs, cwd=reference)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    w_resumed, w_reference = weights(node0 / "runs/job"), weights(reference / "runs/job")
+    for name in w_reference:  # two machines and one compute the same thing, bit for bit
+        assert torch.equal(w_resumed[name], w_reference[name]), name
+
+
+def test_killed_rank_on_the_same_machine_stops_the_others(long_epochs, tmp_path):
+    """Here torchrun's agent also sends SIGTERM to the survivors; they still say who failed."""
+    cmd = torchrun_cmd(3, ["--epochs", "3", "--batch-size", "16", "--out", str(tmp_path / "run")])
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(long_epochs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path / "run" / "curves.png")
+    time.sleep(0.5)
+    worker_with_rank(job, 2).kill()
+    killed_at = time.monotonic()
+    _, err = job.communicate(timeout=90)
+    assert job.returncode != 0 and time.monotonic() - killed_at < 30
+    lines = error_lines(err)
+    assert len(lines) == 1 and re.search(rf"{WHERE}: rank 2 stopped answering", lines[0]), err[-2000:]
+    assert torch.load(tmp_path / "run" / CHECKPOINT, weights_only=False)["epoch"] >= 1  # intact
+
+
+def test_nan_on_one_rank_stops_every_rank_together(tmp_path):
+    script = tmp_path / "nan_job.py"
+    script.write_text(NAN_JOB)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    reports = sorted(re.findall(r"rank (\d) stopped: (\w+) printed_by=(\d) (.*)", result.stdout))
+    assert [r[0] for r in reports] == ["0", "1"], result.stdout + result.stderr[-2000:]
+    for _, kind, printed_by, message in reports:
+        assert kind == "SharedError" and printed_by == "0" and "training loss became nan" in message
+
+
+NAN_JOB = '''
+import sys, torch
+from gpulab.errors import UserError
+from gpulab.train import TrainConfig, train
+
+g = torch.Generator().manual_seed(0)
+X, y = torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)
+X[5] = float("nan")  # one sample: it lands in one rank's part of one batch
+data = torch.utils.data.TensorDataset(X, y)
+try:
+    train(TrainConfig(devices="cpu", epochs=2, batch_size=16, precision="fp32", out=sys.argv[1]), train_data=data, test_data=data)
+except UserError as e:
+    import os
+    print(f"rank {os.environ['RANK']} stopped: {type(e).__name__} printed_by={getattr(e, 'printed_by', None)} {e}", flush=True)
+'''
+
+
+def test_resume_with_another_world_size(tiny_data, tmp_path):
+    """Supported: the global batches do not depend on the number of ranks."""
+    cfg = TrainConfig(devices="cpu", epochs=2, batch_size=32, precision="fp32", out=str(tmp_path / "run"))
+
+    def stop_after_first_epoch(row):
+        if row["epoch"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, on_epoch_end=stop_after_first_epoch)
+    result = torchrun(2, ["--resume", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    train(TrainConfig(**{**cfg.to_dict(), "out": str(tmp_path / "uninterrupted")}))
+    rows, expected = metrics(tmp_path / "run"), metrics(tmp_path / "uninterrupted")
+    assert [r["replicas"] for r in rows] == [1, 2]
+    assert rows[1]["train_loss"] == pytest.approx(expected[1]["train_loss"], abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- gpulab launch
+
+
+def test_launch_runs_train_under_torchrun(tiny_data, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "gpulab", "launch", "-n", "2", "--", "--epochs", "1", *FAST, "--out", str(tmp_path / "run")],
+        cwd=tmp_path, env=env_for(tiny_data), capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("training lenet on 2 ranks") == 1
+    assert metrics(tmp_path / "run")[0]["replicas"] == 2
+
+
+def test_launch_rejects_bad_node_settings(capsys):
+    assert main(["launch", "-n", "1", "--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:29500"]) == 2
+    assert "node ranks go from 0 to 1" in capsys.readouterr().err
+    assert main(["launch", "-n", "1", "--nnodes", "2"]) == 2
+    assert "--master ADDR:PORT" in capsys.readouterr().err
+    assert main(["launch", "-n", "1", "--nnodes", "2", "--master", "nohost"]) == 2
+    assert "give the first machine's address" in capsys.readouterr().err
+
+
+def test_launch_says_when_the_port_is_taken(capsys):
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["launch", "-n", "1", "--nnodes", "2", "--master", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} is already in use" in err and len(err.strip().splitlines()) == 1
+
+
+def test_launch_says_when_a_node_never_arrives(tmp_path):
+    t0 = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "gpulab", "launch", "-n", "1", "--nnodes", "2", "--master", f"127.0.0.1:{free_port()}",
+         "--startup-timeout", "3", "--", "--epochs", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and time.monotonic() - t0 < 60
+    assert error_lines(result.stderr) and "not every machine joined within 3 s" in error_lines(result.stderr)[-1]
