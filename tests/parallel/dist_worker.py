@@ -42,6 +42,11 @@ class Branchy(nn.Module):
 
 def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
+    if name == "bnnet":
+        return nn.Sequential(
+            nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 10),
+        ).double()
     if name == "convnet":
         return nn.Sequential(
             nn.Conv2d(1, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
@@ -52,7 +57,7 @@ def make_model(name: str) -> nn.Module:
 
 def make_batches(model: str, batch_size: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(batch_size * 100 + steps)
-    shape = (1, 8, 8) if model == "convnet" else (8,)
+    shape = (8,) if model == "branchy" else (1, 8, 8)
     return [
         (torch.randn(batch_size, *shape, generator=g, dtype=torch.float64), torch.randint(0, 10, (batch_size,), generator=g))
         for _ in range(steps)
@@ -68,7 +73,7 @@ def main(cases: list[dict], out: Path) -> None:
     for case in cases:
         strategy = Distributed(
             make_model(case["model"]), world, torch.device("cpu"), case["batch_size"], OPTIMIZERS[case["optimizer"]],
-            sync=case["sync"], accumulate=case.get("accumulate", 1),
+            sync=case["sync"], accumulate=case.get("accumulate", 1), sync_bn=case.get("sync_bn", False),
             bucket_bytes=case.get("bucket_bytes", 25 * 2**20), first_bucket_bytes=case.get("first_bucket_bytes", 2**20),
         )
         for X, y in make_batches(case["model"], case["batch_size"], case["steps"]):

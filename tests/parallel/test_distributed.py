@@ -38,6 +38,8 @@ CASES = [
     dict(name="unused-sgd", model="branchy", optimizer="sgd", sync="gpulab", batch_size=12, steps=8,
          bucket_bytes=64, first_bucket_bytes=64),
     dict(name="unused-adam", model="branchy", optimizer="adam", sync="gpulab", batch_size=12, steps=8),
+    # Plain PyTorch normalizes over the whole batch: across ranks that is sync BN.
+    dict(name="sync-bn", model="bnnet", optimizer="sgd", sync="gpulab", batch_size=23, steps=4, sync_bn=True, **SMALL_BUCKETS),
 ]
 
 
@@ -71,10 +73,25 @@ def test_k_ranks_equal_plain_pytorch(trained, case):
     expected = reference(case)
     ranks = [torch.load(out / f"{case['name']}-rank{r}.pt") for r in range(k)]
     for name, want in expected.items():
+        if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            continue  # buffers: each rank keeps its own running statistics (averaged at evaluation)
         diff = (ranks[0][name] - want).abs().max().item()
         assert diff <= 1e-9, f"{name}: {diff:.3e} from plain PyTorch"
         for r in range(1, k):
             assert torch.equal(ranks[r][name], ranks[0][name]), f"rank {r} differs from rank 0 in {name}"
+
+
+def test_per_rank_batchnorm_is_not_parity(tmp_path):
+    """The control for the sync-BN case: the same net without sync BN does differ (2 ranks)."""
+    case = dict(name="bn-per-rank", model="bnnet", optimizer="sgd", sync="gpulab", batch_size=23, steps=4)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER_PATH),
+         json.dumps([case]), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = torch.load(tmp_path / "bn-per-rank-rank0.pt"), reference(case)
+    assert max((got[n] - want[n]).abs().max().item() for n in want if "running" not in n and "num_batches" not in n) > 1e-6
 
 
 def test_ddp_and_gpulab_sync_agree(trained):

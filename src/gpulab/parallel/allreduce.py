@@ -17,6 +17,7 @@ move bytes itself: `torch.distributed.all_reduce` (gloo, NCCL) sums the same buc
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -113,6 +114,22 @@ def _ring(tensors: list[torch.Tensor]) -> None:
         for i in range(k):
             c, dst = (i + 1 - s) % k, (i + 1) % k
             chunks[dst][c].copy_(chunks[i][c], non_blocking=True)
+
+
+def weak_hook(method, *args):
+    """A gradient hook calling `method(*args, param)` without keeping its object alive.
+
+    A parameter's hooks live as long as the parameter; a strong reference from them back to the
+    strategy that owns the parameters would make a cycle that only the garbage collector frees,
+    possibly at interpreter exit, taking a process group (and its threads) down with it then."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param):
+        bound = ref()
+        if bound is not None:
+            bound(*args, param)
+
+    return hook
 
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's defaults: a small first bucket so communication starts early,

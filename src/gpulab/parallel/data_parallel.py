@@ -18,7 +18,6 @@ are launched back to back and run concurrently, and the running loss/accuracy st
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -28,7 +27,7 @@ from torch import nn
 
 from gpulab.devices import device_of, place
 from gpulab.errors import UserError
-from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose
+from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose, weak_hook
 from gpulab.parallel.meter import Meter
 from gpulab.parallel.strategy import LossFn
 from gpulab.parallel.sync_bn import convert_to_sync, exchanges
@@ -110,7 +109,7 @@ class DataParallel:
         self.buckets = Buckets([list(r.parameters()) for r in self.replicas], bucket_bytes)
         for r, replica in enumerate(self.replicas):
             for i, p in enumerate(replica.parameters()):
-                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, r, i))
+                p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, r, i))
         probes = [torch.empty(0, device=d) for d in self.devices]
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
         self.description = f"allreduce {self.allreduce_algorithm}"

@@ -24,17 +24,17 @@ the parts differ in size by one sample.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from gpulab.errors import UserError
-from gpulab.parallel.allreduce import BUCKET_BYTES, FIRST_BUCKET_BYTES, Buckets
+from gpulab.parallel.allreduce import BUCKET_BYTES, FIRST_BUCKET_BYTES, Buckets, weak_hook
 from gpulab.parallel.data_parallel import micro_batches, no_phase
 from gpulab.parallel.meter import Meter, summarize
 from gpulab.parallel.strategy import LossFn
+from gpulab.parallel.sync_bn import convert_across_ranks
 from gpulab.parallel.world import World
 
 SYNCS = ("gpulab", "ddp")
@@ -59,7 +59,7 @@ class GradSync:
         self.next_bucket = 0
         self.handles: list = []
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+            p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, i))
 
     def zero_grad(self) -> None:
         self.buckets.zero_()
@@ -111,13 +111,15 @@ class Distributed:
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.1),
         sync: str = "gpulab",
         accumulate: int = 1,
+        sync_bn: bool = False,
         timer=None,
         autocast: torch.dtype | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
         overlap: bool = True,
     ):
-        """`batch_size`: the global batch (all ranks together) of every training step."""
+        """`batch_size`: the global batch (all ranks together) of every training step.
+        `sync_bn`: BatchNorm statistics over the whole global batch (a collective per BN layer)."""
         if sync not in SYNCS:
             raise UserError(f"--sync {sync}: choose gpulab or ddp")
         self.world = world
@@ -131,6 +133,13 @@ class Distributed:
         self.module = module.to(device)
         self.replicas = [self.module]  # this process's copies of the model (DataParallel has k)
         self._broadcast_from_main(self.module)
+        if sync_bn:
+            import torch.distributed as dist
+
+            # Its own group: BN's collectives (forward and backward) never interleave with the
+            # gradient buckets' asynchronous all-reduces on the training group.
+            bn_group = dist.new_group(timeout=world.group_timeout, backend=world.backend)
+            convert_across_ranks(self.module, bn_group)
         self.optimizer = optimizer(self.module.parameters())
         self.description = f"sync {sync} over {world.backend}"
         if sync == "ddp":

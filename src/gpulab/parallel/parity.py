@@ -43,9 +43,9 @@ def reference_training(
 
 
 @torch.no_grad()
-def max_difference(a: nn.Module, b: nn.Module) -> float:
-    """The largest |difference| between corresponding parameters of two models."""
-    diffs = [(p.double().cpu() - q.double().cpu()).abs().max() for p, q in zip(a.parameters(), b.parameters())]
+def max_difference(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
+    """The largest |difference| between corresponding tensors (e.g. two models' parameters)."""
+    diffs = [(p.double().cpu() - q.double().cpu()).abs().max() for p, q in zip(a, b, strict=True)]
     return torch.stack(diffs).max().item() if diffs else 0.0
 
 
@@ -67,4 +67,4 @@ def max_parameter_difference(
     multi = DataParallel(copy.deepcopy(model).to(dtype), devices, optimizer=optimizer, allreduce=allreduce, sync_bn=has_bn)
     for X, y in batches:
         multi.train_step(X.to(dtype), y, loss_fn)
-    return max(max_difference(reference, replica) for replica in multi.replicas)
+    return max(max_difference(reference.parameters(), replica.parameters()) for replica in multi.replicas)

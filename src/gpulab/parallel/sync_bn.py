@@ -1,4 +1,4 @@
-"""BatchNorm whose statistics span every replica of one process.
+"""BatchNorm whose statistics span every replica: of one process, or of every torchrun rank.
 
 Per-device BatchNorm (the default, as the chapter suggests) normalizes each shard with its own
 mean and variance: no communication, but the statistics come from batch/k samples, so a
@@ -10,6 +10,10 @@ the 1-device forward. The price is a rendezvous per BN layer per step, which is 
 replicas' forward passes run in threads (`DataParallel(sync_bn=True)`). The gathered
 statistics are differentiable copies, so one joint backward over all replicas' losses sends
 each replica its share of the gradient through the shared statistics.
+
+Across torchrun ranks (`RankExchange`) the sum is torch's functional all_reduce, which is
+differentiable too: its backward all-reduces the statistics' gradient, so every rank gets its
+share exactly as the joint backward gives it in one process.
 """
 
 from __future__ import annotations
@@ -34,12 +38,27 @@ class StatsExchange:
         self.barrier.wait()  # nobody overwrites a slot before everyone has read it
         return gathered
 
+    def all_sum(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.all_gather(rank, t)).sum(0)
+
     def abort(self) -> None:
         self.barrier.abort()
 
 
+class RankExchange:
+    """The same sum across the ranks of a process group (one replica per rank)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def all_sum(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(t, "sum", self.group))
+
+
 class SyncBatchNorm2d(nn.BatchNorm2d):
-    exchange: StatsExchange | None = None
+    exchange: StatsExchange | RankExchange | None = None
     rank: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,11 +71,11 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
         # Two rounds (mean, then centred squares) rather than one round of sum and sum of
         # squares: E[x^2] - mean^2 cancels badly in float32 and breaks parity with BatchNorm2d.
         count = torch.full((1,), x.numel() / c, device=x.device, dtype=x.dtype)
-        total = torch.stack(self.exchange.all_gather(self.rank, torch.cat([x.sum(dims), count]))).sum(0)
+        total = self.exchange.all_sum(self.rank, torch.cat([x.sum(dims), count]))
         n = total[-1]
         mean = total[:c] / n
         centred = x - mean.view(1, c, 1, 1)
-        squares = torch.stack(self.exchange.all_gather(self.rank, (centred * centred).sum(dims))).sum(0)
+        squares = self.exchange.all_sum(self.rank, (centred * centred).sum(dims))
         var = squares / n
         with torch.no_grad():
             m = self.momentum if self.momentum is not None else 0.1
@@ -83,5 +102,15 @@ def convert_to_sync(replicas: list[nn.Module]) -> list[nn.Module]:
     return replicas
 
 
+def convert_across_ranks(module: nn.Module, group) -> nn.Module:
+    """Swap every BatchNorm2d of this rank's model for a SyncBatchNorm2d summing over `group`."""
+    exchange = RankExchange(group)
+    for bn in module.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            bn.__class__ = SyncBatchNorm2d
+            bn.exchange = exchange
+    return module
+
+
 def exchanges(replicas: list[nn.Module]) -> list[StatsExchange]:
-    return [m.exchange for m in replicas[0].modules() if isinstance(m, SyncBatchNorm2d) and m.exchange]
+    return [m.exchange for m in replicas[0].modules() if isinstance(m, SyncBatchNorm2d) and isinstance(m.exchange, StatsExchange)]

@@ -150,7 +150,8 @@ class TorchrunWorld(World):
         self.terminated = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self.stop_watchdog = threading.Event()
-        threading.Thread(target=self._watchdog, name="gpulab-watchdog", daemon=True).start()
+        self.watchdog = threading.Thread(target=self._watchdog, name="gpulab-watchdog", daemon=True)
+        self.watchdog.start()
 
     # ------------------------------------------------------------------ set-up
 
@@ -168,7 +169,8 @@ class TorchrunWorld(World):
         self.connected = True
         # Steps get their own group and a short timeout: a dead or hung rank then fails the
         # others' next collective within timeout_s, while start-up keeps its long one.
-        self.group = dist.new_group(timeout=timedelta(seconds=timeout_s), backend=backend)
+        self.group_timeout = timedelta(seconds=timeout_s)
+        self.group = dist.new_group(timeout=self.group_timeout, backend=backend)
 
     def share(self, key: str, compute: Callable[[], T]) -> T:
         key = self.prefix + "share/" + key
@@ -241,8 +243,10 @@ class TorchrunWorld(World):
         import torch.distributed as dist
 
         self.stop_watchdog.set()
+        self.watchdog.join()  # never leave it inside a store call while the process exits
         if self.connected:
             dist.destroy_process_group()
+            self.group = None  # the last reference: the group is freed now, not at interpreter exit
             self.connected = False
 
     # ------------------------------------------------------------------ failures

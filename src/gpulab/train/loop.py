@@ -193,8 +193,8 @@ def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int,
         raise UserError("this run trains on the caller's own data: pass train_data and test_data to train()")
     if train_data is not None:
         check_image_shape(train_data, cfg.model)
-    if cfg.sync_bn and world.world_size > 1:
-        raise UserError("--sync-bn is not supported under torchrun yet (BatchNorm statistics stay per rank): drop --sync-bn")
+    if cfg.sync_bn and world.world_size > 1 and cfg.sync == "ddp":
+        raise UserError("--sync-bn with --sync ddp is not supported (gpulab's sync BN runs with --sync gpulab): drop one")
     if cfg.recipe_spec.init == "textbook" and cfg.model != "lenet":
         raise UserError("--recipe textbook initialises the textbook's LeNet only: use --model lenet")
 
@@ -205,8 +205,8 @@ def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, device
     autocast = autocast_dtype(cfg, devices)
     if world.world_size > 1:
         return Distributed(
-            model, world, devices[0], batch_size, optimizer, sync=cfg.sync, accumulate=cfg.accumulate, timer=timer,
-            autocast=autocast,
+            model, world, devices[0], batch_size, optimizer, sync=cfg.sync, accumulate=cfg.accumulate,
+            sync_bn=cfg.sync_bn, timer=timer, autocast=autocast,
         )
     return DataParallel(
         model, devices, optimizer=optimizer, allreduce=cfg.allreduce, sync_bn=cfg.sync_bn, timer=timer,
@@ -346,15 +346,17 @@ def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, his
 # ----------------------------------------------------------------------------- the whole run
 
 
-def banner(run: Run, run_dir: RunDir) -> str:
-    cfg, world, strategy = run.cfg, run.world, run.strategy
+def placement(run: Run) -> str:
+    """"[cpu*2]", "[cuda:0, cuda:1]", or "4 ranks x [cuda:0]" (this rank's device) under torchrun."""
     where = format_devices(run.devices)
-    per = "device"
-    if world.world_size > 1:
-        where = f"{world.world_size} ranks x {where}"
-        per = "rank"
+    return f"{run.world.world_size} ranks x {where}" if run.world.world_size > 1 else where
+
+
+def banner(run: Run, run_dir: RunDir) -> str:
+    cfg, strategy = run.cfg, run.strategy
+    per = "rank" if run.world.world_size > 1 else "device"
     return (
-        f"training {cfg.model} on {where}: {cfg.epochs} epochs, batch {run.batch_size} "
+        f"training {cfg.model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
         f"(~{run.batch_size // strategy.num_replicas} per {per}), recipe {cfg.recipe}, lr {run.peak_lr:g}, "
         f"{'bf16 autocast' if strategy.autocast else 'fp32'}, {strategy.description} -> {run_dir.path}"
     )
@@ -452,5 +454,5 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
 
     final = history[-1]
     sec_per_epoch = sum(r["train_seconds"] for r in history) / len(history)
-    console.print(escape(f"test acc: {final['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {format_devices(run.devices)}"))
+    console.print(escape(f"test acc: {final['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {placement(run)}"))
     return final

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
+from gpulab import models
 from gpulab.devices import format_devices
 from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training
 from gpulab.parallel.world import from_environment
@@ -34,7 +35,11 @@ def check_parity(cfg: TrainConfig, num_steps: int = 5) -> int:
 def _check(world, cfg: TrainConfig, num_steps: int) -> int:
     console = Console(highlight=False, soft_wrap=True, quiet=not world.is_main)
     run = build(cfg, world)
-    initial = copy.deepcopy(run.strategy.replicas[0])
+    # A fresh model with the run's initial weights: the strategy's own copy may hold sync-BN
+    # exchanges (locks, process groups) that cannot be copied.
+    initial = models.build(cfg.model)
+    initial.load_state_dict(run.strategy.state_dict()["model"])
+    initial.to(run.devices[0])
     local = [(X.cpu(), y.cpu()) for _, (X, y) in zip(range(num_steps), run.train_loader)]
     parts = world.gather(local)  # rank 0: every rank's part of each step, in rank order
     where = format_devices(run.devices) if world.world_size == 1 else f"{world.world_size} ranks ({run.strategy.description})"
@@ -46,13 +51,13 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
         strategy = make_strategy(cfg, world, model, run.devices, run.batch_size, run.peak_lr)
         for X, y in local:
             strategy.train_step(X.to(run.devices[0], dtype), y.to(run.devices[0]), run.loss_fn)
-        trained = world.gather([r.cpu() for r in strategy.replicas])
+        trained = world.gather([[p.detach().cpu() for p in r.parameters()] for r in strategy.replicas])
         if world.is_main:
             batches = [(torch.cat([p[step][0] for p in parts]), torch.cat([p[step][1] for p in parts])) for step in range(len(local))]
             reference = reference_training(
                 initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, run.peak_lr), dtype, run.devices[0]
             ).cpu()
-            results[dtype] = max(max_difference(reference, r) for replicas in trained for r in replicas)
+            results[dtype] = max(max_difference(reference.parameters(), params) for replicas in trained for params in replicas)
             console.print(f"  {str(dtype).removeprefix('torch.'):8} max |param difference| = {results[dtype]:.3e}")
     ok = world.broadcast(results.get(torch.float64, 0.0) <= FLOAT64_TOLERANCE)
     console.print(

@@ -1,0 +1,251 @@
+"""Scale-out on one machine: 1 process x 2 threads vs 2 torchrun ranks x 1 thread each, and
+gpulab's gradient sync vs PyTorch's DDP, measured side by side in one run.
+
+For LeNet (Fashion-MNIST, 15,360 images, batch 256) and ResNet-18 (1,024 images, batch 64):
+
+  1 process x 2 threads        gpulab train in one process on the CPU (DataParallel)
+  2 ranks, sync gpulab         Distributed: buckets all-reduced as backward fills them
+  2 ranks, gpulab no overlap   the same buckets, all sent after backward (overlap switched off)
+  2 ranks, sync ddp            PyTorch's DistributedDataParallel on the same loop
+
+Every row is gpulab's own `build` + `train_epoch` (the code `gpulab train` runs): one warm-up
+epoch, then timed epochs. The configurations run in rounds (A B C D, A B C D, ...) because this
+VM's speed drifts over minutes; ratios are taken within a round, and the median and range over
+rounds are reported.
+
+Hidden share = 1 - wait_overlapped / wait_after_backward, where "wait" is the step's time spent
+waiting for gradients after backward (the "allreduce" phase). Without overlap that wait is the
+whole exchange; with overlap it is only the part backward did not hide. Measured, not assumed.
+
+Bus bandwidth: gloo's all_reduce between the 2 ranks (loopback TCP) next to gpulab's in-process
+ring on cpu*2 (memory copies in one process), busbw = bytes/time * 2(k-1)/k as nccl-tests report it.
+
+    PYTHONPATH=src python benchmarks/distributed.py [--rounds 3] [--out benchmarks/results/<machine>]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    # model: (training images, global batch, timed epochs)
+    "lenet": (15_360, 256, 2),
+    "resnet18": (1_024, 64, 1),
+}
+CONFIGS = {
+    # name: (processes, threads per process, sync)
+    "1 process x 2 threads": (1, 2, None),
+    "2 ranks, sync gpulab": (2, 1, "gpulab"),
+    "2 ranks, gpulab no overlap": (2, 1, "gpulab-no-overlap"),
+    "2 ranks, sync ddp": (2, 1, "ddp"),
+}
+BUSBW_SIZES = [4**i * 1024 for i in range(1, 9)]  # 4 KiB .. 64 MiB per rank
+
+
+# ----------------------------------------------------------------------------- one configuration (a worker)
+
+
+def worker(spec: dict) -> None:
+    """Runs as each rank (under torchrun) or as the one process; rank 0 writes spec['out']."""
+    from gpulab.parallel.world import from_environment
+    from gpulab.train import TrainConfig, build
+    from gpulab.train.loop import train_epoch
+
+    world = from_environment()
+    if world.world_size == 1:
+        torch.set_num_threads(spec["threads"])
+    sync = spec["sync"] or "gpulab"
+    cfg = TrainConfig(
+        model=spec["model"], devices="cpu", epochs=1 + spec["epochs"], batch_size=spec["batch"], data_dir=spec["data_dir"],
+        sync="gpulab" if sync == "gpulab-no-overlap" else sync,
+    )
+    run = build(cfg, world)
+    if sync == "gpulab-no-overlap":
+        run.strategy.grad_sync.overlap = False
+    train_epoch(run, 0)  # warm-up: allocations, oneDNN kernel choice
+    epochs = [train_epoch(run, e) for e in range(1, 1 + spec["epochs"])]
+    busbw = measure_gloo_busbw(world) if spec.get("busbw") and world.world_size > 1 else None
+    if world.world_size == 1 and spec.get("busbw"):
+        busbw = measure_ring_busbw()
+    if world.is_main:
+        seconds = sum(e["train_seconds"] for e in epochs)
+        samples = sum(e["samples_per_s"] * e["train_seconds"] for e in epochs)
+        phases = {k: sum(e["phases_s"][k][0] for e in epochs) for k in epochs[0]["phases_s"]}
+        result = {
+            "samples_per_s": samples / seconds,
+            "steps": len(run.train_loader) * len(epochs),
+            "seconds": seconds,
+            "phases_s": phases,
+            "busbw": busbw,
+            "threads": torch.get_num_threads(),
+            "description": run.strategy.description,
+        }
+        Path(spec["out"]).write_text(json.dumps(result))
+    world.close()
+
+
+def timed_collective(fn, world, calls: int = 10) -> float:
+    """Median seconds of `fn` over a fixed number of calls (every rank makes the same calls)."""
+    times = []
+    for i in range(2 + calls):
+        world.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_gloo_busbw(world) -> list[dict]:
+    import torch.distributed as dist
+
+    k, rows = world.world_size, []
+    for nbytes in BUSBW_SIZES:
+        t = torch.zeros(nbytes // 4)
+        seconds = timed_collective(lambda: dist.all_reduce(t, group=world.group), world)
+        rows.append({"bytes": nbytes, "seconds": seconds, "busbw_gbps": nbytes / seconds * 2 * (k - 1) / k / 1e9})
+    return rows
+
+
+def measure_ring_busbw() -> list[dict]:
+    from gpulab.bench.harness import measure
+    from gpulab.devices import resolve
+    from gpulab.parallel import allreduce
+
+    devices, rows = resolve("cpu*2"), []
+    for nbytes in BUSBW_SIZES:
+        tensors = [torch.zeros(nbytes // 4) for _ in devices]
+        timing = measure(lambda: allreduce(tensors, "ring"), devices, repeats=7, max_total_s=2.0)
+        rows.append({"bytes": nbytes, "seconds": timing.median_s, "busbw_gbps": nbytes / timing.median_s * 2 * 1 / 2 / 1e9})
+    return rows
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def write_subset(folder: Path, num_train: int) -> Path:
+    """The first `num_train` Fashion-MNIST training images (and 256 test images) as IDX files."""
+    from gpulab.data import load
+    from gpulab.data.fashion_mnist import FILES
+    from gpulab.data.idx import write_idx
+
+    train, test = load()
+    folder.mkdir(parents=True, exist_ok=True)
+    for part, split, n in (("train", train, num_train), ("test", test, 256)):
+        write_idx(folder / (FILES[f"{part}_images"] + ".gz"), split.images[:n, 0].numpy())
+        write_idx(folder / (FILES[f"{part}_labels"] + ".gz"), split.labels[:n].numpy().astype("uint8"))
+    return folder
+
+
+def run_config(name: str, spec: dict, workdir: Path) -> dict:
+    processes, threads, sync = CONFIGS[name]
+    out = workdir / f"result-{os.getpid()}-{time.monotonic_ns()}.json"
+    spec = {**spec, "threads": threads, "sync": sync, "out": str(out)}
+    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+    if processes > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), *cmd[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def summarize(model: str, rounds: list[dict[str, dict]]) -> dict:
+    def spread(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    rows = {name: spread([r[name]["samples_per_s"] for r in rounds]) for name in CONFIGS}
+    wait = lambda r, name: r[name]["phases_s"].get("allreduce", 0.0)  # noqa: E731
+    ratios = {
+        "gpulab / ddp samples/s": spread([r["2 ranks, sync gpulab"]["samples_per_s"] / r["2 ranks, sync ddp"]["samples_per_s"] for r in rounds]),
+        "2 ranks gpulab / 1 process samples/s": spread([r["2 ranks, sync gpulab"]["samples_per_s"] / r["1 process x 2 threads"]["samples_per_s"] for r in rounds]),
+        "overlap / no overlap samples/s": spread([r["2 ranks, sync gpulab"]["samples_per_s"] / r["2 ranks, gpulab no overlap"]["samples_per_s"] for r in rounds]),
+        "hidden share": spread([1 - wait(r, "2 ranks, sync gpulab") / wait(r, "2 ranks, gpulab no overlap") for r in rounds]),
+        "wait after backward, no overlap (share of step time)": spread(
+            [wait(r, "2 ranks, gpulab no overlap") / r["2 ranks, gpulab no overlap"]["seconds"] for r in rounds]),
+        "wait after backward, overlapped (share of step time)": spread(
+            [wait(r, "2 ranks, sync gpulab") / r["2 ranks, sync gpulab"]["seconds"] for r in rounds]),
+    }
+    return {"model": model, "samples_per_s": rows, "ratios": ratios, "rounds": rounds}
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default="lenet,resnet18")
+    parser.add_argument("--out", type=Path, default=None, help="folder for distributed.json and distributed.log")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+
+    lines: list[str] = []
+
+    def say(text: str = "") -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    from gpulab.devices import describe
+
+    cpu = describe()["cpu"]
+    say(f"{cpu['model']}, {cpu['logical_cores']} cores, torch {torch.__version__}, {datetime.date.today()}, commit {git_commit()}")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            num_train, batch, epochs = MODELS[model]
+            data_dir = write_subset(Path(tmp) / model, num_train)
+            spec = dict(model=model, batch=batch, epochs=epochs, data_dir=str(data_dir), busbw=model == "lenet")
+            rounds = []
+            for i in range(args.rounds):
+                rounds.append({name: run_config(name, spec, Path(tmp)) for name in CONFIGS})
+                say(f"{model} round {i + 1}: " + ", ".join(f"{n} {r['samples_per_s']:,.0f}" for n, r in rounds[-1].items()))
+            summary = summarize(model, rounds)
+            results.append(summary)
+            say(f"\n{model}: {num_train:,} images, batch {batch}, {epochs} timed epoch(s) after 1 warm-up, {args.rounds} rounds")
+            say(f"  {'configuration':32} {'samples/s (median)':>19} {'min':>8} {'max':>8}")
+            for name, s in summary["samples_per_s"].items():
+                say(f"  {name:32} {s['median']:>19,.0f} {s['min']:>8,.0f} {s['max']:>8,.0f}")
+            for name, s in summary["ratios"].items():
+                fmt = ".0%" if "share" in name else ".2f"
+                say(f"  {name:55} {s['median']:{fmt}}  [{s['min']:{fmt}} .. {s['max']:{fmt}}]")
+            say()
+    gloo = results[0]["rounds"][-1]["2 ranks, sync gpulab"]["busbw"]
+    ring = results[0]["rounds"][-1]["1 process x 2 threads"]["busbw"]
+    if gloo and ring:
+        say("all-reduce bus bandwidth, 2 ranks/replicas (last round):")
+        say(f"  {'bytes per rank':>15} {'gloo, 2 processes':>18} {'gpulab ring, cpu*2':>19}")
+        for g, r in zip(gloo, ring):
+            say(f"  {g['bytes']:>15,} {g['busbw_gbps']:>14.2f} GB/s {r['busbw_gbps']:>14.2f} GB/s")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {"cpu": cpu["model"], "cores": cpu["logical_cores"], "torch": torch.__version__, "python": platform.python_version(),
+                "date": str(datetime.date.today()), "commit": git_commit(), "rounds": args.rounds}
+        (args.out / "distributed.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        (args.out / "distributed.log").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
