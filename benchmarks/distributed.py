@@ -42,7 +42,7 @@ import torch
 MODELS = {
     # model: (training images, global batch, timed epochs)
     "lenet": (15_360, 256, 2),
-    "resnet18": (1_024, 64, 1),
+    "resnet18": (1_024, 64, 2),
 }
 CONFIGS = {
     # name: (processes, threads per process, sync)
