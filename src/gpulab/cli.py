@@ -113,7 +113,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--backend", default=None, help="under torchrun: auto (default: nccl on GPUs, else gloo), gloo or nccl")
     p.add_argument(
         "--timeout", type=float, default=None,
-        help="under torchrun: seconds a training collective waits for the other ranks before the job stops (default 60)",
+        help="under torchrun: seconds a training collective waits for the other ranks before the job stops "
+        "(default 60; must cover rank 0 writing a checkpoint)",
     )
     p.add_argument(
         "--accumulate", type=int, default=None,
@@ -132,7 +133,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its last checkpoint")
     p.add_argument(
         "--check-parity", action="store_true",
-        help="run a few steps on 1 device and on the chosen devices; report the max parameter difference",
+        help="run a few steps as configured and the same steps in plain PyTorch on one model; "
+        "report the max parameter difference (also under torchrun)",
     )
     p.set_defaults(func=run_train)
 

@@ -192,13 +192,57 @@ def test_killed_rank_on_the_same_machine_stops_the_others(long_epochs, tmp_path)
     assert torch.load(tmp_path / "run" / CHECKPOINT, weights_only=False)["epoch"] >= 1  # intact
 
 
-def test_nan_on_one_rank_stops_every_rank_together(tmp_path):
-    script = tmp_path / "nan_job.py"
-    script.write_text(NAN_JOB)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path / "run")],
+def torchrun_script(source: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """A Python script using gpulab's API, run as 2 torchrun ranks; its arguments: a run directory, `args`."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+         str(tmp_path / "run"), *args],
         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+@pytest.mark.parametrize("when", ["training", "set-up"])
+def test_a_rank_that_fails_on_its_own_is_named_with_its_reason(tmp_path, when):
+    t0 = time.monotonic()
+    result = torchrun_script(BAD_SAMPLE_JOB, tmp_path, when)
+    assert result.returncode != 0 and time.monotonic() - t0 < 60
+    if when == "training":
+        expected = r"rank 0 stopped: JobFailed epoch 1, step \d+/\d+: rank 1 failed: ValueError: sample \d+ is corrupt"
+    else:  # the image-shape check reads sample 0 on every rank before any collective
+        expected = r"rank 0 stopped: SharedError rank 1: ValueError: sample 0 is corrupt"
+    assert re.search(expected, result.stdout), result.stdout + result.stderr[-2000:]
+    assert "Traceback" in result.stderr and "ValueError: sample" in result.stderr  # rank 1 keeps its own traceback
+
+
+BAD_SAMPLE_JOB = '''
+import os, sys, torch
+from gpulab.errors import UserError
+from gpulab.parallel.world import JobFailed
+from gpulab.train import TrainConfig, train
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        bad = i == 0 if sys.argv[2] == "set-up" else i != 0
+        if os.environ["RANK"] == "1" and bad:  # only rank 1 meets the bad samples
+            raise ValueError(f"sample {i} is corrupt")
+        return torch.full((1, 28, 28), i / 64.0), i % 10
+
+
+try:
+    train(TrainConfig(devices="cpu", epochs=1, batch_size=64, out=sys.argv[1]), train_data=Samples(), test_data=Samples())
+except (JobFailed, UserError) as e:
+    print(f"rank {os.environ['RANK']} stopped: {type(e).__name__} {e}", flush=True)
+'''
+
+
+def test_nan_on_one_rank_stops_every_rank_together(tmp_path):
+    result = torchrun_script(NAN_JOB, tmp_path)
     reports = sorted(re.findall(r"rank (\d) stopped: (\w+) printed_by=(\d) (.*)", result.stdout))
     assert [r[0] for r in reports] == ["0", "1"], result.stdout + result.stderr[-2000:]
     for _, kind, printed_by, message in reports:
@@ -281,3 +325,22 @@ def test_launch_says_when_a_node_never_arrives(tmp_path):
     )
     assert result.returncode == 2 and time.monotonic() - t0 < 60
     assert error_lines(result.stderr) and "not every machine joined within 3 s" in error_lines(result.stderr)[-1]
+
+
+def test_a_rank_whose_peers_never_come_says_so(monkeypatch):
+    """Started by hand with WORLD_SIZE=2 and no rank 1: one line within the start-up timeout."""
+    from datetime import timedelta
+
+    from gpulab.errors import UserError
+    from gpulab.parallel import world
+
+    monkeypatch.setattr(world, "STARTUP_TIMEOUT", timedelta(seconds=2))
+    for name, value in dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    threads, t0 = torch.get_num_threads(), time.monotonic()
+    try:
+        with pytest.raises(UserError, match="rank 0 of 2 could not join the job's rendezvous at 127.0.0.1:.* within 2 s"):
+            world.from_environment()
+    finally:
+        torch.set_num_threads(threads)  # a rank takes its share of the cores: give this process its own back
+    assert time.monotonic() - t0 < 30

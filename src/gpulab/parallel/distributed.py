@@ -25,6 +25,7 @@ the parts differ in size by one sample.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -189,12 +190,10 @@ class Distributed:
                     meter.add(loss.detach() * self.batch_size, (out.argmax(1) == y_micro).sum(), len(y_micro))
             with self.phase("allreduce"):  # the exchange not hidden behind backward
                 unused = self.grad_sync.finish() if self.grad_sync else []
-        with self.phase("optimizer"):
-            if unused:  # no rank used them: skipped, as plain PyTorch skips a None .grad
-                with self.grad_sync.buckets.hidden_grads(unused):
-                    self.optimizer.step()
-            else:
-                self.optimizer.step()
+        # Parameters no rank used are skipped, as plain PyTorch skips a parameter whose .grad is None.
+        hidden = self.grad_sync.buckets.hidden_grads(unused) if unused else nullcontext()
+        with self.phase("optimizer"), hidden:
+            self.optimizer.step()
         return total
 
     def _zero_grad(self) -> None:
@@ -204,10 +203,11 @@ class Distributed:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _communication(self, last_micro_batch: bool):
+        """Gradients are exchanged during the last micro-batch's backward only."""
         if self.grad_sync:
             self.grad_sync.begin_backward(communicate=last_micro_batch)
-            return no_phase("")
-        return no_phase("") if last_micro_batch else self.model.no_sync()
+            return nullcontext()
+        return nullcontext() if last_micro_batch else self.model.no_sync()
 
     # ------------------------------------------------------------------ metrics, evaluation, state
 

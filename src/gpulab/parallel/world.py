@@ -142,13 +142,24 @@ class TorchrunWorld(World):
             torch.set_num_threads(self.threads)
         # The store is the job's shared key-value table (hosted by torchrun's agent on node 0);
         # gpulab uses it before the process group exists and to name a failed rank afterwards.
-        self.store = next(dist.rendezvous("env://", timeout=STARTUP_TIMEOUT))[0]
+        try:
+            self.store = next(dist.rendezvous("env://", timeout=STARTUP_TIMEOUT))[0]
+        except (dist.DistError, RuntimeError, ValueError) as e:
+            where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+            raise UserError(
+                f"rank {self.rank} of {self.world_size} could not join the job's rendezvous at {where} within "
+                f"{STARTUP_TIMEOUT.total_seconds():g} s ({one_line(e)}): start every rank with the same WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT (torchrun and gpulab launch set them)"
+            ) from None
         self.prefix = f"gpulab/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.connected = False
         self.agreements = 0  # all_or_none calls so far: the same count on every rank
-        self.reporting = False
-        self.terminated = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.reporting = False  # True while a failure is being reported: SIGTERM waits for it
+        # torchrun sends SIGTERM to the other ranks when one fails: turn it into an exception so
+        # they can say why they stop (only the main thread may install a handler).
+        self.previous_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self.stop_watchdog = threading.Event()
         self.watchdog = threading.Thread(target=self._watchdog, name="gpulab-watchdog", daemon=True)
         self.watchdog.start()
@@ -178,11 +189,12 @@ class TorchrunWorld(World):
             try:
                 value = compute()
             except BaseException as e:
-                message = str(e) if isinstance(e, UserError) else f"rank 0 failed: {type(e).__name__}: {e}"
+                message = str(e) if isinstance(e, UserError) else f"rank 0 failed: {one_line(e)}"
                 self.store.set(key, pickle.dumps(("error", message)))
                 raise
             self.store.set(key, pickle.dumps(("ok", value)))
             return value
+        self._wait_for([key], lambda: "rank 0")
         status, value = pickle.loads(self.store.get(key))
         if status == "error":
             raise SharedError(value, printed_by=0)
@@ -194,12 +206,13 @@ class TorchrunWorld(World):
         error, result = None, None
         try:
             result = fn()
-        except UserError as e:
+        except BaseException as e:  # a bug or Ctrl-C too: the others must not wait for this rank
             error = e
         self.agreements += 1
         keys = [self.prefix + f"agree/{self.agreements}/{r}" for r in range(self.world_size)]
-        self.store.set(keys[self.rank], pickle.dumps(str(error) if error else None))
-        self.store.wait(keys)
+        message = None if error is None else str(error) if isinstance(error, UserError) else one_line(error)
+        self.store.set(keys[self.rank], pickle.dumps(message))
+        self._wait_for(keys, lambda: "ranks " + ", ".join(str(r) for r, k in enumerate(keys) if not self.store.check([k])))
         messages = [pickle.loads(self.store.get(k)) for k in keys]
         failed = [r for r, m in enumerate(messages) if m]
         if not failed:
@@ -208,6 +221,23 @@ class TorchrunWorld(World):
         if error is not None and (self.rank == first or messages[self.rank] != messages[first]):
             raise error
         raise SharedError(str(error) if error else f"rank {first}: {messages[first]}", printed_by=first)
+
+    def _wait_for(self, keys: list[str], who: Callable[[], str]) -> None:
+        """Wait for other ranks' keys in short slices, so that signals (torchrun's SIGTERM) get
+        through; `who()` names the ranks still missing when the start-up timeout runs out."""
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+        while True:
+            try:
+                self.store.wait(keys, timedelta(seconds=1))
+                return
+            except dist.DistStoreError:
+                if time.monotonic() > deadline:
+                    raise UserError(
+                        f"rank {self.rank} waited {STARTUP_TIMEOUT.total_seconds():g} s during set-up for {who()}, "
+                        "which never answered: see their output (or torchrun's summary)"
+                    ) from None
 
     def local_main_first(self, fn: Callable[[], T]) -> T:
         result = None
@@ -244,7 +274,14 @@ class TorchrunWorld(World):
 
         self.stop_watchdog.set()
         self.watchdog.join()  # never leave it inside a store call while the process exits
+        if self.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
+            self.previous_sigterm = None
         if self.connected:
+            # gloo's worker threads free each finished collective's tensors, which needs the GIL;
+            # a group destroyed meanwhile joins those threads while holding the GIL: a deadlock
+            # (seen: 2 exits in 12). Give them the GIL first; no collective starts after this.
+            time.sleep(0.2)
             dist.destroy_process_group()
             self.group = None  # the last reference: the group is freed now, not at interpreter exit
             self.connected = False
@@ -261,7 +298,6 @@ class TorchrunWorld(World):
             raise
 
     def _on_sigterm(self, signum, frame) -> None:
-        self.terminated = True
         if not self.reporting:  # while a failure is being reported, finish that first
             raise Terminated()
 
@@ -277,11 +313,13 @@ class TorchrunWorld(World):
         """The one-line message for a rank that stops because another failed."""
         self.reporting = True
         alive, reasons = self._check_in()
-        missing = [r for r in range(self.world_size) if r not in alive] if alive else []
-        if missing:
+        # Failed: ranks that left a reason, and ranks that did not answer the check-in.
+        failed = sorted(set(reasons) | ({r for r in range(self.world_size) if r not in alive} if alive else set()))
+        alive = [r for r in alive if r not in reasons]
+        if failed:
             named = "; ".join(
                 f"rank {r} failed: {reasons[r]}" if r in reasons else f"rank {r} stopped answering"
-                for r in missing
+                for r in failed
             )
             cause = f"{named} (torchrun's summary shows how it exited)"
         elif isinstance(error, Terminated):
@@ -319,7 +357,7 @@ class TorchrunWorld(World):
                     break
                 time.sleep(0.05)
             reasons = {}
-            for r in set(range(self.world_size)) - set(alive):
+            for r in range(self.world_size):
                 if self.store.check([self.prefix + f"failed/{r}"]):
                     reasons[r] = self.store.get(self.prefix + f"failed/{r}").decode()
             return alive, reasons

@@ -72,7 +72,8 @@ class TrainConfig:
     backend: str = "auto"
     """Under torchrun: auto (nccl when each rank has a GPU, else gloo) | gloo | nccl."""
     timeout: float = 60.0
-    """Under torchrun: seconds a training collective may wait for another rank before the job stops."""
+    """Under torchrun: seconds a training collective may wait for another rank before the job stops
+    (the other ranks also wait this long at most for rank 0 to write a checkpoint)."""
     accumulate: int = 1
     """Compute each batch as this many micro-batches in turn; gradients are exchanged once, after the last."""
     sync_bn: bool = False

@@ -339,7 +339,9 @@ def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, his
     if run.world.is_main:
         run_dir.save_checkpoint({"strategy": state, "history": history, "epoch": epoch + 1})
         run_dir.write_metrics(history)
-    run.world.barrier()  # nobody starts the next epoch's short-timeout collectives while rank 0 writes
+    # The others wait here for rank 0's writes (within --timeout), so a failure meanwhile is
+    # reported at the epoch's end, not as step 1 of the next.
+    run.world.barrier()
     return row
 
 
@@ -392,6 +394,8 @@ def train(
     world = from_environment()
     try:
         return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data)
+    except (PeerLost, Terminated) as e:  # before training began (the loop reports its own)
+        raise world.failure(e, "set-up", "Nothing was trained yet") from None
     finally:
         world.close()
 
