@@ -152,8 +152,8 @@ def run_train(args) -> int:
 
     given = {f: getattr(args, f) for f in _TRAIN_FIELDS if getattr(args, f) is not None}
     if args.resume:
-        if given:
-            raise UserError(
+        if given:  # every rank of a torchrun job reads the same options: rank 0 says it
+            raise SharedError(
                 f"--resume continues a run with its saved config; drop {', '.join('--' + f.replace('_', '-') for f in given)}"
             )
         train(resume=args.resume)
@@ -241,11 +241,18 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("gpulab: interrupted", file=sys.stderr)
         return 130
+    except BaseException as e:
+        from gpulab.parallel.world import Terminated
+
+        if not isinstance(e, Terminated):
+            raise
+        return _fail(RuntimeError("stopped by SIGTERM"), 128 + 15, printed_here=True)
 
 
 def _rank() -> int | None:
     """This process's rank in a torchrun job, or None in a plain process."""
-    return int(os.environ["RANK"]) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else None
+    in_job = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "RANK" in os.environ
+    return int(os.environ["RANK"]) if in_job else None
 
 
 def _fail(error: Exception, code: int, printed_here: bool) -> int:

@@ -42,6 +42,11 @@ class Branchy(nn.Module):
 
 def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
+    if name == "frozen":  # fine-tuning: the first convolution does not train
+        model = make_model("convnet")
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+        return model
     if name == "bnnet":
         return nn.Sequential(
             nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),

@@ -88,18 +88,36 @@ def test_parameters_used_by_no_replica_are_found_and_hidden_from_the_optimizer()
     buckets = Buckets(replicas, bucket_bytes=8, first_bucket_bytes=8)  # one parameter per bucket
     buckets.mark_ready(0, 0)  # parameter 0 used on replica 0 only, parameter 1 on replica 1 only
     buckets.mark_ready(1, 1)
-    buckets.allreduce("naive")
-    assert buckets.unused_everywhere() == [2]
+    assert buckets.unused_here() == [2]
     views = [p.grad for p in replicas[0]]
     with buckets.hidden_grads([2]):
         assert replicas[0][2].grad is None and replicas[1][2].grad is None
         assert replicas[0][0].grad is views[0]
     assert replicas[0][2].grad is views[2]  # the bucket view is back after the step
     buckets.zero_()
-    for i in range(3):
-        for r in range(2):
-            buckets.mark_ready(r, i)
-    assert buckets.unused_everywhere() == []  # all used locally: known without reading the device
+    assert buckets.unused_here() == [0, 1, 2]
+
+
+def test_ranks_learn_which_parameters_some_rank_used_from_the_reduced_flags():
+    """Two single-replica Buckets stand for two ranks: each seals its buckets, the sum is reduced."""
+    ranks = [Buckets([[torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]], bucket_bytes=16, first_bucket_bytes=8)
+             for _ in range(2)]
+    assert ranks[0].layout == [[2], [1, 0]]
+    ranks[1].mark_ready(0, 1)  # rank 0 used nothing, rank 1 used parameter 1
+    for b in range(2):
+        allreduce([ranks[0].seal(0, b), ranks[1].seal(0, b)], "naive")
+    assert ranks[0].unused_after_reduce() == [2, 0] and ranks[1].unused_after_reduce() == [2, 0]
+    for r in ranks:
+        r.zero_()
+        for i in range(3):
+            r.mark_ready(0, i)
+    assert ranks[0].unused_after_reduce() == []  # all used here: known without reading the device
+
+
+def test_frozen_parameters_get_no_bucket_and_keep_no_grad():
+    frozen, trainable = torch.nn.Parameter(torch.zeros(4), requires_grad=False), torch.nn.Parameter(torch.zeros(4))
+    buckets = Buckets([[frozen, trainable]])
+    assert buckets.params == [[trainable]] and frozen.grad is None and trainable.grad is not None
 
 
 def test_a_bucket_is_complete_when_its_last_gradient_arrives():

@@ -38,6 +38,7 @@ CASES = [
     dict(name="unused-sgd", model="branchy", optimizer="sgd", sync="gpulab", batch_size=12, steps=8,
          bucket_bytes=64, first_bucket_bytes=64),
     dict(name="unused-adam", model="branchy", optimizer="adam", sync="gpulab", batch_size=12, steps=8),
+    dict(name="frozen", model="frozen", optimizer="sgd", sync="gpulab", batch_size=24, steps=3, **SMALL_BUCKETS),
     # Plain PyTorch normalizes over the whole batch: across ranks that is sync BN.
     dict(name="sync-bn", model="bnnet", optimizer="sgd", sync="gpulab", batch_size=23, steps=4, sync_bn=True, **SMALL_BUCKETS),
 ]

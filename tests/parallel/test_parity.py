@@ -94,15 +94,30 @@ def test_accumulation_equals_the_whole_batch(k, accumulate):
     assert max_diff(reference, dp) <= 1e-9
 
 
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_unused_parameters_are_skipped_like_plain_pytorch(optimizer):
+def test_unused_parameters_are_skipped_like_plain_pytorch(optimizer, k):
     """Weight decay would move a parameter that plain PyTorch skips (its .grad is None)."""
     net = worker.make_model("branchy")
     data = worker.make_batches("branchy", 12, 8)
     reference = plain_pytorch(net, data, nn.functional.cross_entropy, worker.OPTIMIZERS[optimizer])
-    dp = data_parallel(net, data, nn.functional.cross_entropy, worker.OPTIMIZERS[optimizer], 3)
+    dp = data_parallel(net, data, nn.functional.cross_entropy, worker.OPTIMIZERS[optimizer], k)
     assert max_diff(reference, dp) <= 1e-9
     assert torch.equal(dp.module.unused.weight, net.unused.weight)  # never touched
+    assert not torch.equal(dp.module.body.weight, net.body.weight)  # and the rest did train
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_frozen_layers_stay_frozen_like_plain_pytorch(k):
+    torch.manual_seed(0)
+    net = LeNet().double()
+    for p in net.conv1.parameters():  # fine-tuning: the first convolution is frozen
+        p.requires_grad_(False)
+    data = batches(24, num_steps=3)
+    reference = plain_pytorch(net, data, nn.functional.cross_entropy, OPTIMIZERS["sgd-momentum"])
+    dp = data_parallel(net, data, nn.functional.cross_entropy, OPTIMIZERS["sgd-momentum"], k)
+    assert max_diff(reference, dp) <= 1e-9
+    assert torch.equal(dp.module.conv1.weight, net.conv1.weight)
 
 
 @pytest.mark.parametrize("algorithm", ["naive", "ring"])

@@ -241,6 +241,30 @@ except (JobFailed, UserError) as e:
 '''
 
 
+def test_a_dataloader_under_torchrun_trains_like_its_dataset_and_a_job_may_train_twice(tmp_path):
+    """Its batch_size is the global batch (the loss weights follow it), and the second train() in
+    the same job must not read the first one's keys in the store."""
+    result = torchrun_script(TWO_RUNS_JOB, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = weights(tmp_path / "run" / "dataset"), weights(tmp_path / "run" / "loader")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert metrics(tmp_path / "run" / "loader")[0]["replicas"] == 2
+
+
+TWO_RUNS_JOB = '''
+import sys, torch
+from gpulab.train import TrainConfig, train
+
+g = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(96, 1, 28, 28, generator=g), torch.randint(0, 10, (96,), generator=g))
+common = dict(devices="cpu", epochs=1, precision="fp32")
+train(TrainConfig(batch_size=16, out=sys.argv[1] + "/dataset", **common), train_data=data, test_data=data)
+loader = torch.utils.data.DataLoader(data, batch_size=16)  # --batch-size stays 256: the loader's 16 rules
+train(TrainConfig(out=sys.argv[1] + "/loader", **common), train_data=loader, test_data=data)
+'''
+
+
 def test_nan_on_one_rank_stops_every_rank_together(tmp_path):
     result = torchrun_script(NAN_JOB, tmp_path)
     reports = sorted(re.findall(r"rank (\d) stopped: (\w+) printed_by=(\d) (.*)", result.stdout))
@@ -344,3 +368,23 @@ def test_a_rank_whose_peers_never_come_says_so(monkeypatch):
     finally:
         torch.set_num_threads(threads)  # a rank takes its share of the cores: give this process its own back
     assert time.monotonic() - t0 < 30
+
+
+def test_sigterm_from_a_scheduler_stops_every_rank_with_one_line(long_epochs, tmp_path):
+    """What `timeout`, Slurm or Kubernetes send: torchrun passes it on, each rank stops cleanly."""
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gpulab", "launch", "-n", "2", "--", "--epochs", "3", "--batch-size", "16",
+         "--out", str(tmp_path / "run")],
+        cwd=tmp_path, env=env_for(long_epochs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    wait_for(tmp_path / "run" / "curves.png")
+    time.sleep(0.5)
+    job.terminate()
+    t0 = time.monotonic()
+    _, err = job.communicate(timeout=60)
+    assert job.returncode != 0 and time.monotonic() - t0 < 30
+    lines = error_lines(err)
+    assert len(lines) == 1 and "stopped by SIGTERM" in lines[0], err[-2000:]
+    assert "Traceback" not in err and job.returncode == 128 + 15
+    assert torch.load(tmp_path / "run" / CHECKPOINT, weights_only=False)["epoch"] >= 1
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "run") in " ".join(p.info["cmdline"] or [])]

@@ -162,11 +162,15 @@ class Buckets:
     copies (the trick DDP uses). One layout serves every strategy: the k replicas of one process
     (`allreduce` below) and the one replica of each torchrun rank (`GradSync`).
 
-    Each buffer ends with one *used flag* per parameter of the bucket, reduced together with
-    the gradients. A parameter that got no gradient anywhere in a step (a layer not used on any
-    replica or rank) then has its `.grad` hidden from the optimizer, which skips it exactly as
-    plain PyTorch skips a parameter whose `.grad` is None; used on some rank only, it gets the
-    sum of the others' gradients like any parameter.
+    Only parameters that require a gradient get a place (frozen ones keep `.grad = None`);
+    `params[r][i]` is trainable parameter i of replica r, the index the hooks report.
+
+    A parameter that got no gradient anywhere in a step (a layer no replica or rank used) has its
+    `.grad` hidden from the optimizer, which skips it exactly as plain PyTorch skips a parameter
+    whose `.grad` is None; used somewhere, it gets the sum of the gradients like any parameter.
+    In one process every replica's use is known on the host (`unused_here`). Across ranks each
+    buffer ends with one *used flag* per parameter, written just before the bucket is reduced
+    (`seal`), so the reduced flags say which parameters some rank used (`unused_after_reduce`).
     """
 
     def __init__(
@@ -175,7 +179,7 @@ class Buckets:
         bucket_bytes: int = BUCKET_BYTES,
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
     ):
-        self.params = [list(ps) for ps in replicas_params]  # [replica][parameter]
+        self.params = [[p for p in ps if p.requires_grad] for ps in replicas_params]  # [replica][parameter]
         self.layout = bucket_layout(self.params[0], bucket_bytes, first_bucket_bytes)
         self.bucket_of = {i: b for b, group in enumerate(self.layout) for i in group}
         self.num_grads = [sum(self.params[0][i].numel() for i in group) for group in self.layout]
@@ -227,12 +231,16 @@ class Buckets:
             flags.copy_(torch.tensor(used, dtype=flags.dtype))
         return self.buffers[replica][b]
 
-    def unused_everywhere(self) -> list[int]:
-        """After the reduce: parameters that no replica or rank produced a gradient for.
+    def unused_here(self) -> list[int]:
+        """Parameters that no replica of this process produced a gradient for (host only)."""
+        return [i for i in range(len(self.params[0])) if not any(used[i] for used in self.used)]
 
-        When every local replica used every parameter the answer is known on the host; only
-        otherwise are the reduced flags read back (one small device-to-host copy)."""
-        if all(all(u) for u in self.used):
+    def unused_after_reduce(self) -> list[int]:
+        """After the sealed buckets were reduced across ranks: parameters no rank used.
+
+        When this process used every parameter the answer is known on the host; only otherwise
+        are the reduced flags read back (one small device-to-host copy)."""
+        if not self.unused_here():
             return []
         unused = []
         for b, group in enumerate(self.layout):
@@ -258,4 +266,4 @@ class Buckets:
     def allreduce(self, algorithm: str = "auto") -> None:
         """Sum every bucket across the replicas of this process."""
         for b in range(self.num_buckets):
-            allreduce([self.seal(r, b) for r in range(len(self.buffers))], algorithm)
+            allreduce([replica[b] for replica in self.buffers], algorithm)

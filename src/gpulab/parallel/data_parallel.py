@@ -29,9 +29,8 @@ from gpulab.devices import device_of, place
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose, weak_hook
 from gpulab.parallel.meter import Meter
-from gpulab.parallel.strategy import LossFn
+from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
 from gpulab.parallel.sync_bn import convert_to_sync, exchanges
-from gpulab.parallel.world import World
 
 
 def replicate(module_or_params, devices: list[torch.device]):
@@ -95,10 +94,10 @@ class DataParallel:
         `accumulate`: compute each batch as this many micro-batches, one after another."""
         if not devices:
             raise UserError("DataParallel needs at least one device")
-        self.world = World()
         self.devices = list(devices)
         self.num_replicas = len(self.devices)
         self.autocast = autocast
+        self.buffers_stale = True
         self.accumulate = accumulate
         self.replicas = replicate(module, self.devices)
         self.sync_bn = sync_bn and len(self.devices) > 1
@@ -107,8 +106,8 @@ class DataParallel:
         self.optimizers = [optimizer(r.parameters()) for r in self.replicas]
         self.train(True)  # set once here (evaluate restores it), not walked every step
         self.buckets = Buckets([list(r.parameters()) for r in self.replicas], bucket_bytes)
-        for r, replica in enumerate(self.replicas):
-            for i, p in enumerate(replica.parameters()):
+        for r, params in enumerate(self.buckets.params):
+            for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, r, i))
         probes = [torch.empty(0, device=d) for d in self.devices]
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
@@ -124,9 +123,7 @@ class DataParallel:
         self.buckets.mark_ready(replica, index)  # tracks which parameters got a gradient
 
     def set_lr(self, lr: float) -> None:
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
+        set_lr(self.optimizers, lr)
 
     def train(self, mode: bool = True) -> None:
         for r in self.replicas:
@@ -139,6 +136,7 @@ class DataParallel:
 
         `loss_fn` must return the *mean* loss over its inputs (PyTorch's default reduction).
         """
+        self.buffers_stale = True  # evaluate / state_dict average them once again
         n = len(y)
         first = self.devices[0]
         self.buckets.zero_()
@@ -160,14 +158,14 @@ class DataParallel:
                 self.buckets.allreduce(self.allreduce_algorithm)
         with self.phase("optimizer"):
             # A parameter no replica used gets no update, as plain PyTorch skips a None .grad.
-            with self.buckets.hidden_grads(self.buckets.unused_everywhere()):
+            with self.buckets.hidden_grads(self.buckets.unused_here()):
                 for opt in self.optimizers:
                     opt.step()
         return total
 
     def _forward(self, X_shards, y_shards, loss_fn: LossFn, n: int):
         def run(i: int):
-            with self._autocast(i):
+            with autocast(self.devices[i], self.autocast):
                 out = self.replicas[i](X_shards[i])
                 weight = len(y_shards[i]) / n  # shard mean -> its share of the batch mean
                 return out, loss_fn(out, y_shards[i]) * weight
@@ -177,9 +175,6 @@ class DataParallel:
         else:
             results = self._run_in_threads(run)
         return [r[0] for r in results], [r[1] for r in results]
-
-    def _autocast(self, i: int):
-        return torch.autocast(self.devices[i].type, dtype=self.autocast, enabled=self.autocast is not None)
 
     def _run_in_threads(self, fn):
         """Run fn(i) for every replica concurrently; sync BN layers rendezvous inside."""
@@ -213,8 +208,9 @@ class DataParallel:
     @torch.no_grad()
     def sync_buffers(self) -> None:
         """Average BatchNorm running statistics across replicas (they drift apart with per-device BN)."""
-        if len(self.devices) == 1:
+        if len(self.devices) == 1 or not self.buffers_stale:
             return
+        self.buffers_stale = False
         per_replica = [[b for b in r.buffers() if b.is_floating_point()] for r in self.replicas]
         for bufs in zip(*per_replica):
             mean = sum(place(b, self.devices[0]) for b in bufs) / len(bufs)
@@ -233,14 +229,8 @@ class DataParallel:
             else:
                 X_shards, y_shards = split_batch(X, y, self.devices)
             first = self.devices[0]
-            correct, loss_sum = 0, torch.zeros((), device=first)
-            for i, (x, t) in enumerate(zip(X_shards, y_shards)):
-                with self._autocast(i):  # the loss too: autocast computes it in fp32
-                    out = self.replicas[i](x)
-                    if loss_fn is not None:
-                        loss_sum = loss_sum + place(loss_fn(out, t) * len(t), first)
-                correct = correct + place((out.argmax(1) == t).sum(), first)
-            meter.add(loss_sum, correct, len(y))
+            sums = [eval_batch(r, x, t, loss_fn, self.autocast) for r, x, t in zip(self.replicas, X_shards, y_shards)]
+            meter.add(sum(place(l, first) for l, _ in sums), sum(place(c, first) for _, c in sums), len(y))
         self.train(True)
         return meter.read()
 

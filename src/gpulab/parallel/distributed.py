@@ -34,7 +34,7 @@ from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, FIRST_BUCKET_BYTES, Buckets, weak_hook
 from gpulab.parallel.data_parallel import micro_batches, no_phase
 from gpulab.parallel.meter import Meter, summarize
-from gpulab.parallel.strategy import LossFn
+from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
 from gpulab.parallel.sync_bn import convert_across_ranks
 from gpulab.parallel.world import World
 
@@ -59,7 +59,7 @@ class GradSync:
         self.ready = [False] * self.buckets.num_buckets
         self.next_bucket = 0
         self.handles: list = []
-        for i, p in enumerate(params):
+        for i, p in enumerate(self.buckets.params[0]):  # the trainable ones
             p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, i))
 
     def zero_grad(self) -> None:
@@ -97,7 +97,7 @@ class GradSync:
         for handle in self.handles:
             handle.wait()
         self.handles = []
-        return self.buckets.unused_everywhere()
+        return self.buckets.unused_after_reduce()
 
 
 class Distributed:
@@ -129,6 +129,7 @@ class Distributed:
         self.batch_size = batch_size
         self.accumulate = accumulate
         self.autocast = autocast
+        self.buffers_stale = True
         self.sync = sync
         self.phase = timer.phase if timer is not None else no_phase
         self.module = module.to(device)
@@ -165,13 +166,13 @@ class Distributed:
                 dist.broadcast(t, src=0, group=self.world.group)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr([self.optimizer], lr)
 
     # ------------------------------------------------------------------ training
 
     def train_step(self, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, meter: Meter | None = None) -> torch.Tensor:
         """One synchronized step on this rank's part (X, y) of a global batch of `batch_size`."""
+        self.buffers_stale = True  # evaluate / state_dict average them once again
         total = torch.zeros((), device=self.devices[0])
         parts = micro_batches(X, y, self.accumulate)
         # DDP averages gradients over ranks; gpulab sums them. Scale so both give the global mean.
@@ -181,7 +182,7 @@ class Distributed:
             for j, (X_micro, y_micro) in enumerate(parts):
                 last = j == len(parts) - 1
                 with self.phase("forward_backward"), self._communication(last):
-                    with torch.autocast(self.devices[0].type, dtype=self.autocast, enabled=self.autocast is not None):
+                    with autocast(self.devices[0], self.autocast):
                         out = self.model(X_micro)
                         loss = loss_fn(out, y_micro) * (len(y_micro) / self.batch_size)
                     (loss * scale).backward()
@@ -222,8 +223,13 @@ class Distributed:
 
     @torch.no_grad()
     def sync_buffers(self) -> None:
-        """Average BatchNorm running statistics over ranks (each rank's drift apart)."""
+        """Average BatchNorm running statistics over ranks (each rank's drift apart). Collective:
+        every rank has made the same steps, so every rank agrees whether there is work to do."""
         import torch.distributed as dist
+
+        if not self.buffers_stale:
+            return
+        self.buffers_stale = False
 
         with self.world.collectives():
             for b in self.module.buffers():
@@ -238,10 +244,7 @@ class Distributed:
         self.module.train(False)
         meter = Meter(self.devices[0])
         for X, y in batches:
-            with torch.autocast(self.devices[0].type, dtype=self.autocast, enabled=self.autocast is not None):
-                out = self.module(X)
-                loss_sum = loss_fn(out, y) * len(y) if loss_fn is not None else torch.zeros((), device=X.device)
-            meter.add(loss_sum, (out.argmax(1) == y).sum(), len(y))
+            meter.add(*eval_batch(self.module, X, y, loss_fn, self.autocast), len(y))
         self.module.train(True)
         return self.reduce(meter)
 

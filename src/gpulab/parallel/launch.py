@@ -66,6 +66,7 @@ def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None =
            startup_timeout_s: float = 600, train_args: list[str] | None = None) -> int:
     args = torchrun_args(nproc, nnodes, node_rank, master, startup_timeout_s, list(train_args or []))
     from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -77,6 +78,9 @@ def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None =
     except ChildFailedError as e:
         print(f"gpulab launch: {failure_summary(e)}", flush=True)
         return 1
+    except SignalException as e:  # SIGTERM/SIGINT to the launcher: torchrun stopped the ranks (they said where)
+        print(f"gpulab launch: stopped by {signal.Signals(e.sigval).name}", flush=True)
+        return 128 + e.sigval
     except DistError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "clients joined" in first or "Timed out" in first:

@@ -10,7 +10,9 @@ Two strategies implement it:
 Both see the same global batches (`gpulab.data.GlobalBatches`) and compute the same update as
 one model stepped by plain PyTorch on those batches. Coordination between processes (who is
 the main one, who prints and writes, agreeing on errors) is the `World`'s job
-(`gpulab.parallel.world`); every strategy carries the world it runs in.
+(`gpulab.parallel.world`), which the loop holds next to the strategy.
+
+The few steps both strategies take the same way are the functions below.
 """
 
 from __future__ import annotations
@@ -21,18 +23,18 @@ from typing import Protocol
 import torch
 
 from gpulab.parallel.meter import Meter
-from gpulab.parallel.world import World
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Strategy(Protocol):
-    world: World
     devices: list[torch.device]
     """The devices this process computes on; metrics accumulate on the first."""
     autocast: torch.dtype | None
     num_replicas: int
     """Model copies in the whole job: k devices in one process, or one per rank."""
+    replicas: list[torch.nn.Module]
+    """This process's copies of the model (identical after every step)."""
     description: str
     """How gradients are exchanged, for the banner ("allreduce ring", "sync gpulab over gloo")."""
 
@@ -56,3 +58,24 @@ class Strategy(Protocol):
         ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """Mixed precision on `device` when `dtype` is given (parameters and gradients stay fp32)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def eval_batch(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn | None,
+               dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, correct count) of one batch, on its device; the loss inside autocast too (it
+    computes it in fp32)."""
+    with autocast(X.device, dtype):
+        out = model(X)
+        loss_sum = loss_fn(out, y) * len(y) if loss_fn is not None else torch.zeros((), device=X.device)
+    return loss_sum, (out.argmax(1) == y).sum()

@@ -121,9 +121,17 @@ class World:
         pass
 
 
+_joined = 0  # TorchrunWorlds this process has made: the same count on every rank of the job
+
+
 def from_environment() -> World:
     """A TorchrunWorld when torchrun's WORLD_SIZE > 1 is set, else the one-process World."""
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size > 1 and "RANK" not in os.environ:
+        raise UserError(
+            f"WORLD_SIZE={world_size} is set but RANK is not: launch with torchrun or gpulab launch "
+            "(or set RANK, MASTER_ADDR and MASTER_PORT for every process)"
+        )
     return TorchrunWorld() if world_size > 1 else World()
 
 
@@ -137,9 +145,9 @@ class TorchrunWorld(World):
         # Set by torchrun; a hand-made single-machine launch may leave them out.
         self.local_rank = int(env.get("LOCAL_RANK", self.rank))
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", self.world_size))
-        self.threads = threads_per_rank(self.local_world_size)
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        threads = threads_per_rank(self.local_world_size)
+        if threads:
+            torch.set_num_threads(threads)
         # The store is the job's shared key-value table (hosted by torchrun's agent on node 0);
         # gpulab uses it before the process group exists and to name a failed rank afterwards.
         try:
@@ -151,10 +159,14 @@ class TorchrunWorld(World):
                 f"{STARTUP_TIMEOUT.total_seconds():g} s ({one_line(e)}): start every rank with the same WORLD_SIZE, "
                 "MASTER_ADDR and MASTER_PORT (torchrun and gpulab launch set them)"
             ) from None
-        self.prefix = f"gpulab/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        # Keys of this World only: the agent's store outlives it (a script may call train() twice,
+        # torchrun may restart the workers), and an old key must never answer a new question.
+        global _joined
+        _joined += 1
+        self.prefix = f"gpulab/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_joined}/"
         self.connected = False
         self.agreements = 0  # all_or_none calls so far: the same count on every rank
-        self.reporting = False  # True while a failure is being reported: SIGTERM waits for it
+        self.stopping = False  # True once a failure is being reported or the World closes: SIGTERM waits
         # torchrun sends SIGTERM to the other ranks when one fails: turn it into an exception so
         # they can say why they stop (only the main thread may install a handler).
         self.previous_sigterm = None
@@ -170,12 +182,14 @@ class TorchrunWorld(World):
         import torch.distributed as dist
 
         backend = choose_backend(backend, device)
-        self.backend, self.device, self.timeout_s = backend, device, timeout_s
+        self.backend, self.timeout_s = backend, timeout_s
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # torch keeps its groups' addresses in the store under fixed names: a prefix of this
+        # World's own, or a second World in the same job would connect to the first one's ports.
         dist.init_process_group(
-            backend, store=self.store, rank=self.rank, world_size=self.world_size, timeout=STARTUP_TIMEOUT,
-            device_id=device if backend == "nccl" else None,
+            backend, store=dist.PrefixStore(self.prefix + "pg", self.store), rank=self.rank, world_size=self.world_size,
+            timeout=STARTUP_TIMEOUT, device_id=device if backend == "nccl" else None,
         )
         self.connected = True
         # Steps get their own group and a short timeout: a dead or hung rank then fails the
@@ -232,7 +246,9 @@ class TorchrunWorld(World):
             try:
                 self.store.wait(keys, timedelta(seconds=1))
                 return
-            except dist.DistStoreError:
+            except dist.DistError as e:
+                if not (isinstance(e, dist.DistStoreError) and "timeout" in str(e).lower()):
+                    raise PeerLost(f"lost the rendezvous store: {one_line(e)}") from e  # its host is gone
                 if time.monotonic() > deadline:
                     raise UserError(
                         f"rank {self.rank} waited {STARTUP_TIMEOUT.total_seconds():g} s during set-up for {who()}, "
@@ -252,14 +268,16 @@ class TorchrunWorld(World):
         import torch.distributed as dist
 
         box = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
+        with self.collectives():
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def gather(self, obj: T) -> list[T] | None:
         import torch.distributed as dist
 
         out = [None] * self.world_size if self.is_main else None
-        dist.gather_object(obj, out, dst=0)
+        with self.collectives():
+            dist.gather_object(obj, out, dst=0)
         return out
 
     def barrier(self) -> None:
@@ -272,8 +290,9 @@ class TorchrunWorld(World):
     def close(self) -> None:
         import torch.distributed as dist
 
+        self.stopping = True  # a SIGTERM now must not replace the exception this rank is reporting
         self.stop_watchdog.set()
-        self.watchdog.join()  # never leave it inside a store call while the process exits
+        self.watchdog.join(timeout=10)  # its store calls time out after 5 s
         if self.previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self.previous_sigterm)
             self.previous_sigterm = None
@@ -298,11 +317,12 @@ class TorchrunWorld(World):
             raise
 
     def _on_sigterm(self, signum, frame) -> None:
-        if not self.reporting:  # while a failure is being reported, finish that first
+        if not self.stopping:  # while a failure is being reported, or at close, finish that first
             raise Terminated()
 
     def report_failure(self, error: BaseException) -> None:
         """This rank is failing on its own: leave the reason where the survivors will look."""
+        self.stopping = True
         try:
             self.store.set_timeout(timedelta(seconds=5))
             self.store.set(self.prefix + f"failed/{self.rank}", one_line(error))
@@ -311,7 +331,7 @@ class TorchrunWorld(World):
 
     def failure(self, error: BaseException, where: str, hint: str) -> JobFailed:
         """The one-line message for a rank that stops because another failed."""
-        self.reporting = True
+        self.stopping = True
         alive, reasons = self._check_in()
         # Failed: ranks that left a reason, and ranks that did not answer the check-in.
         failed = sorted(set(reasons) | ({r for r in range(self.world_size) if r not in alive} if alive else set()))
@@ -333,29 +353,41 @@ class TorchrunWorld(World):
 
     def _watchdog(self) -> None:
         """Check this rank in when another raises the failure flag, even while the main thread
-        is blocked in a collective. A dead or stopped process cannot: that is how it is found."""
+        is blocked in a collective or a store call. A dead or stopped process cannot: that is
+        how it is found. Its own store client with a short timeout: it never waits behind the
+        main thread's client, and never blocks the process from exiting for long."""
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                timeout=timedelta(seconds=5), wait_for_workers=False,
+            )
+        except Exception:
+            return  # no second connection: the check-in then sees this rank only if it answers itself
         flag = self.prefix + "failure"
         while not self.stop_watchdog.wait(WATCHDOG_POLL_S):
             try:
-                if self.store.check([flag]):
-                    self.store.set(self.prefix + f"alive/{self.rank}", b"1")
+                if store.check([flag]):
+                    store.set(self.prefix + f"alive/{self.rank}", b"1")
                     return
             except Exception:
                 return  # the store is gone: nobody is left to ask
 
     def _check_in(self) -> tuple[list[int], dict[int, str]]:
         """Raise the failure flag, then see which ranks answer within CHECK_IN_S."""
+        import torch.distributed as dist
+
         try:
             self.store.set_timeout(timedelta(seconds=5))
             self.store.set(self.prefix + "failure", b"1")
             self.store.set(self.prefix + f"alive/{self.rank}", b"1")
             keys = [self.prefix + f"alive/{r}" for r in range(self.world_size)]
-            deadline = time.monotonic() + CHECK_IN_S
-            while True:
-                alive = [r for r in range(self.world_size) if self.store.check([keys[r]])]
-                if len(alive) == self.world_size or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
+            try:
+                self.store.wait(keys, timedelta(seconds=CHECK_IN_S))  # returns as soon as all are in
+            except dist.DistStoreError:
+                pass  # someone is missing: find out who below
+            alive = [r for r in range(self.world_size) if self.store.check([keys[r]])]
             reasons = {}
             for r in range(self.world_size):
                 if self.store.check([self.prefix + f"failed/{r}"]):

@@ -115,8 +115,10 @@ class TrainConfig:
 
         if self.allreduce not in ALGORITHMS:
             raise UserError(f"--allreduce {self.allreduce}: choose one of {', '.join(ALGORITHMS)}")
-        if self.sync not in ("gpulab", "ddp"):
-            raise UserError(f"--sync {self.sync}: choose gpulab or ddp")
+        from gpulab.parallel.distributed import SYNCS
+
+        if self.sync not in SYNCS:
+            raise UserError(f"--sync {self.sync}: choose {' or '.join(SYNCS)}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise UserError(f"--backend {self.backend}: choose auto, gloo or nccl")
         if not (self.timeout > 0 and math.isfinite(self.timeout)):

@@ -130,9 +130,7 @@ def user_loader(source, batch_size: int, device: torch.device, train: bool, cfg:
         return data.HostLoader(source, device, channels_last=channels_last)
     dataset, options = source, dict(pin_memory=device.type == "cuda")
     if isinstance(source, DataLoader):
-        if source.batch_size is None:
-            raise UserError("under torchrun gpulab batches your data itself: pass a DataLoader with a batch_size, or the Dataset")
-        dataset, batch_size = source.dataset, source.batch_size
+        dataset = source.dataset
         options = dict(collate_fn=source.collate_fn, num_workers=source.num_workers, pin_memory=source.pin_memory)
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise UserError("gpulab cannot split an IterableDataset between ranks or batches: pass a map-style Dataset")
@@ -181,7 +179,17 @@ def choose_devices(cfg: TrainConfig, world: World) -> list[torch.device]:
     return [device]
 
 
+def global_batch_size(cfg: TrainConfig, replicas: int, train_data) -> int:
+    """The batch of every step: --batch-size (x replicas with --scale-batch), or the caller's
+    DataLoader's own batch_size when it passes one."""
+    if isinstance(train_data, torch.utils.data.DataLoader) and train_data.batch_size is not None:
+        return train_data.batch_size
+    return cfg.batch_size * (replicas if cfg.scale_batch else 1)
+
+
 def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int, train_data, test_data) -> None:
+    if isinstance(train_data, torch.utils.data.DataLoader) and train_data.batch_size is None and world.world_size > 1:
+        raise UserError("under torchrun gpulab batches your data itself: pass a DataLoader with a batch_size, or the Dataset")
     if batch_size < replicas * cfg.accumulate:
         what = f"the {replicas} {'ranks' if world.world_size > 1 else 'devices'}"
         if cfg.accumulate > 1:
@@ -222,7 +230,7 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     devices = world.all_or_none(lambda: choose_devices(cfg, world))
     replicas = len(devices) * world.world_size
     recipe = cfg.recipe_spec
-    batch_size = cfg.batch_size * (replicas if cfg.scale_batch else 1)
+    batch_size = global_batch_size(cfg, replicas, train_data)
     peak_lr = (cfg.lr or recipe.lr) * (replicas if cfg.scale_batch else 1)
     world.all_or_none(lambda: check_inputs(cfg, world, batch_size, replicas, train_data, test_data))
     world.connect(devices[0], cfg.backend, cfg.timeout)
@@ -371,6 +379,17 @@ def new_run_dir(cfg: TrainConfig) -> Path:
     return path
 
 
+def check_resumable(cfg: TrainConfig, history: list[dict], replicas: int) -> None:
+    """Another number of replicas computes the same global batches, except with --scale-batch,
+    where the batch, the learning rate and the warm-up follow the replica count."""
+    before = history[-1].get("replicas", replicas) if history else replicas
+    if cfg.scale_batch and before != replicas:
+        raise SharedError(
+            f"this run scales its batch and learning rate with the replica count (--scale-batch) and trained "
+            f"with {before}: resume it with {before} replicas, not {replicas}"
+        )
+
+
 def resume_hint(run_dir: RunDir, history: list[dict], world: World) -> str:
     launcher = "the same torchrun command with " if world.world_size > 1 else ""
     done = f"epoch {history[-1]['epoch']}" if history else "none yet"
@@ -414,7 +433,8 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
             checkpoint = run_dir.load_checkpoint()
             return config
 
-        cfg = TrainConfig.from_dict(world.share("config", read_saved_run))
+        # Validated on rank 0 (a damaged config.json is said once); the others get the checked dict.
+        cfg = TrainConfig.from_dict(world.share("config", lambda: TrainConfig.from_dict(read_saved_run()).to_dict()))
     else:
         cfg = cfg or TrainConfig()
         if train_data is not None:
@@ -426,8 +446,9 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
     start_epoch = 0
     if resume:
         checkpoint = world.broadcast(checkpoint)  # only rank 0's machine needs to hold the run directory
-        run.strategy.load_state_dict(checkpoint["strategy"])
         history, start_epoch = checkpoint["history"], checkpoint["epoch"]
+        check_resumable(cfg, history, run.strategy.num_replicas)
+        run.strategy.load_state_dict(checkpoint["strategy"])
     elif world.is_main:
         run_dir.create()
         run_dir.write_config(cfg.to_dict())

@@ -16,18 +16,20 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from gpulab import models
+from gpulab import data, models
 from gpulab.devices import format_devices
 from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training
-from gpulab.parallel.world import from_environment
+from gpulab.parallel.world import PeerLost, Terminated, World, from_environment
 from gpulab.train.config import TrainConfig
-from gpulab.train.loop import build, make_optimizer, make_strategy
+from gpulab.train.loop import build, make_loaders, make_optimizer, make_strategy, use_channels_last
 
 
 def check_parity(cfg: TrainConfig, num_steps: int = 5) -> int:
     world = from_environment()
     try:
         return _check(world, dataclasses.replace(cfg, precision="fp32"), num_steps)
+    except (PeerLost, Terminated) as e:
+        raise world.failure(e, "--check-parity", "Nothing was written") from None
     finally:
         world.close()
 
@@ -45,6 +47,15 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
     where = format_devices(run.devices) if world.world_size == 1 else f"{world.world_size} ranks ({run.strategy.description})"
     console.print(escape(f"parity: {cfg.model}, {len(local)} steps of batch {run.batch_size}, plain PyTorch on one model vs {where}"))
 
+    batches, same_batches = None, True
+    if world.is_main:
+        batches = [(torch.cat([p[step][0] for p in parts]), torch.cat([p[step][1] for p in parts])) for step in range(len(local))]
+        if world.world_size > 1:  # the ranks' parts together must be exactly what one process draws
+            expected = one_process_batches(cfg, run, len(local))
+            same_batches = all(torch.equal(X, eX) and torch.equal(y, ey) for (X, y), (eX, ey) in zip(batches, expected))
+            console.print(f"  batches: the {world.world_size} ranks' parts together "
+                          f"{'equal' if same_batches else 'DIFFER from'} the one-process batches")
+
     results = {}
     for dtype in (torch.float32, torch.float64):
         model = copy.deepcopy(initial).to(dtype)
@@ -53,15 +64,24 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
             strategy.train_step(X.to(run.devices[0], dtype), y.to(run.devices[0]), run.loss_fn)
         trained = world.gather([[p.detach().cpu() for p in r.parameters()] for r in strategy.replicas])
         if world.is_main:
-            batches = [(torch.cat([p[step][0] for p in parts]), torch.cat([p[step][1] for p in parts])) for step in range(len(local))]
             reference = reference_training(
                 initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, run.peak_lr), dtype, run.devices[0]
             ).cpu()
             results[dtype] = max(max_difference(reference.parameters(), params) for replicas in trained for params in replicas)
             console.print(f"  {str(dtype).removeprefix('torch.'):8} max |param difference| = {results[dtype]:.3e}")
-    ok = world.broadcast(results.get(torch.float64, 0.0) <= FLOAT64_TOLERANCE)
-    console.print(
-        f"parity {'PASS' if ok else 'FAIL'}: float64 difference {'<=' if ok else '>'} {FLOAT64_TOLERANCE:g} "
-        "(float32 differences are summation-order rounding)"
-    )
+    close = results.get(torch.float64, 0.0) <= FLOAT64_TOLERANCE
+    ok = world.broadcast(same_batches and close)
+    if not same_batches:
+        verdict = "the ranks do not train on the batches one process would"
+    else:
+        verdict = f"float64 difference {'<=' if close else '>'} {FLOAT64_TOLERANCE:g} (float32 differences are summation-order rounding)"
+    console.print(f"parity {'PASS' if ok else 'FAIL'}: {verdict}")
     return 0 if ok else 1
+
+
+def one_process_batches(cfg: TrainConfig, run, num_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first global batches as a one-process run draws them (rank 0 alone: no collective)."""
+    train_split, test_split = data.load(cfg.data_dir)
+    channels_last = use_channels_last(cfg, run.devices)
+    loader, _ = make_loaders(cfg, World(), run.devices[0], run.batch_size, channels_last, train_split, test_split)
+    return [(X.cpu(), y.cpu()) for _, (X, y) in zip(range(num_steps), loader)]
