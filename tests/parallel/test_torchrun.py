@@ -267,7 +267,8 @@ train(TrainConfig(out=sys.argv[1] + "/loader", **common), train_data=loader, tes
 
 def test_nan_on_one_rank_stops_every_rank_together(tmp_path):
     result = torchrun_script(NAN_JOB, tmp_path)
-    reports = sorted(re.findall(r"rank (\d) stopped: (\w+) printed_by=(\d) (.*)", result.stdout))
+    # the two ranks' lines may interleave on the shared pipe: each report ends with a marker
+    reports = sorted(re.findall(r"rank (\d) stopped: (\w+) printed_by=(\d) (.*?) <end>", result.stdout))
     assert [r[0] for r in reports] == ["0", "1"], result.stdout + result.stderr[-2000:]
     for _, kind, printed_by, message in reports:
         assert kind == "SharedError" and printed_by == "0" and "training loss became nan" in message
@@ -286,7 +287,7 @@ try:
     train(TrainConfig(devices="cpu", epochs=2, batch_size=16, precision="fp32", out=sys.argv[1]), train_data=data, test_data=data)
 except UserError as e:
     import os
-    print(f"rank {os.environ['RANK']} stopped: {type(e).__name__} printed_by={getattr(e, 'printed_by', None)} {e}", flush=True)
+    print(f"rank {os.environ['RANK']} stopped: {type(e).__name__} printed_by={getattr(e, 'printed_by', None)} {e} <end>", flush=True)
 '''
 
 
