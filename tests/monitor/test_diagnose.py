@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from gpulab.monitor.diagnose import MIN_SHARE, diagnose, select_steady
-from gpulab.monitor.recorder import CATEGORIES, Recording
+from gpulab.monitor.events import CATEGORIES, Recording
 
 GPU = {"index": 0, "name": "Test GPU", "uuid": "GPU-1234", "memory_total_mib": 80000.0, "gpm": False}
 

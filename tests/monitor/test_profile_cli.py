@@ -41,7 +41,7 @@ def check_report_shape(report: dict) -> None:
     assert all(0 <= v <= 1 for v in report["phases"].values())
     assert report["findings"]
     for f in report["findings"]:
-        assert set(f) == {"cause", "share", "evidence", "where", "fix"}
+        assert set(f) == {"cause", "share", "evidence", "where", "fix", "support"} and "steady steps" in f["support"]
         assert f["cause"] in CAUSES and 0 <= f["share"] <= 1 and f["evidence"] and f["fix"]
     shares = [f["share"] for f in report["findings"]]
     assert shares == sorted(shares, reverse=True)
@@ -96,7 +96,7 @@ def test_failing_script_keeps_exit_code_and_output_and_leaves_a_partial_report(t
     assert "failing: step 5" in captured.out
     assert "failing: about to stop" in captured.err
     assert "RuntimeError: planted failure" in captured.err
-    assert "failing.py" in captured.err and "bootstrap.py" not in captured.err  # the user's traceback only
+    assert "failing.py" in captured.err and "gpulab" not in captured.err.split("gpulab profile:")[0]  # the user's traceback only
     check_report_shape(report)
     assert report["steps"] == 6
     assert report["exit_code"] == 1 and report["complete"] is False
@@ -137,6 +137,9 @@ def test_runs_as_python_dash_m_gpulab_from_pythonpath(tmp_path):
     (["--", sys.executable, "-"], "stdin"),
     (["--interval", "0", "--", sys.executable, "x.py"], "--interval 0"),
     (["--", "/no/such/python3", "x.py"], "'/no/such/python3' not found"),
+    (["--", sys.executable, "-I", "x.py"], "drop -I"),
+    (["--try", "workers=2", "--", sys.executable, "x.py"], "KEY one of num_workers"),
+    (["--try", "num_workers=two", "--", sys.executable, "x.py"], "num_workers is a whole number"),
 ])
 def test_bad_command_lines_are_one_line_errors(argv, message, capsys):
     assert main(["profile", *argv]) == 2
@@ -151,12 +154,14 @@ def test_output_path_that_is_a_file_is_refused(tmp_path, capsys):
     assert "is a file" in capsys.readouterr().err
 
 
-def test_the_child_finds_gpulab_through_pythonpath(monkeypatch):
-    from gpulab.monitor.runner import child_env
+def test_the_child_finds_gpulab_through_pythonpath(monkeypatch, tmp_path):
+    from gpulab.monitor.config import ProfileConfig
+    from gpulab.monitor.runner import job_env
 
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    assert child_env()["PYTHONPATH"].split(":") == [src, "/somewhere/else"]
+    src = Path(__file__).resolve().parents[2] / "src"
+    autostart = str(src / "gpulab" / "monitor" / "autostart")
+    assert job_env(tmp_path, ProfileConfig())["PYTHONPATH"].split(":") == [autostart, str(src), "/somewhere/else"]
 
 
 def test_the_script_imports_torch_itself(tmp_path, capfd):

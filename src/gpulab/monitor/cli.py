@@ -24,12 +24,17 @@ def add_profile_parser(sub) -> None:
         "profile",
         help="run an unmodified training script and diagnose why the device idles",
         description=_DESCRIPTION,
-        usage="gpulab profile [--out DIR] [--interval S] -- python your_script.py [args ...]",
+        usage="gpulab profile [--out DIR] [--interval S] [--try KEY=VALUE ... --steps K] -- python your_script.py [args ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default profiles/<timestamp>-<script>)")
     p.add_argument("--interval", type=float, default=None, metavar="S",
                    help="GPU/CPU sampling interval in seconds (default 0.1)")
+    p.add_argument("--try", dest="try_", action="append", default=[], metavar="KEY=VALUE",
+                   help="measure a DataLoader change before making it: run the first --steps steps as the script "
+                        "is and with KEY=VALUE forced on its DataLoaders (num_workers, pin_memory, "
+                        "persistent_workers, prefetch_factor), and compare the step times; repeatable")
+    p.add_argument("--steps", type=int, default=30, metavar="K", help="steps measured per --try run (default 30)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the Python command to profile, after --")
     p.set_defaults(func=run_profile)
 
@@ -39,4 +44,9 @@ def run_profile(args) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     cfg = ProfileConfig(**({"interval_s": args.interval} if args.interval is not None else {}))
-    return profile_command(command, Path(args.out) if args.out else None, cfg)
+    out = Path(args.out) if args.out else None
+    if args.try_:
+        from gpulab.monitor.trial import try_command
+
+        return try_command(command, out, cfg, args.try_, args.steps)
+    return profile_command(command, out, cfg)

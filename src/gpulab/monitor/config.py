@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from gpulab.errors import UserError
 
@@ -22,6 +22,11 @@ class ProfileConfig:
     trace_steps: int = 2000
     """Steps whose individual spans (forward, backward, syncs, ...) go into trace.json; later steps
     appear as whole steps only, so the trace of a long run stays small."""
+
+    stop_after_steps: int = 0
+    """End each process once it has run this many steps (`gpulab profile --try`); 0: run to the end."""
+    dataloader_overrides: dict = field(default_factory=dict)
+    """DataLoader arguments forced on every DataLoader the script builds (`--try num_workers=2`)."""
 
     def __post_init__(self):
         if not 0 < self.interval_s <= 60:

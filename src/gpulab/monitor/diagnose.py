@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from gpulab.monitor.recorder import CATEGORIES, Recording
+from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX, Recording
 
 PHASE_NAMES = {
     "data_wait": "data wait", "compute": "compute", "sync": "host syncs", "h2d": "copies", "other": "other Python",
@@ -39,15 +39,10 @@ TINY_KERNEL_US = 20.0  # kernels this short cost about as much to launch as to r
 MANY_KERNELS_PER_STEP = 20
 
 FIXES = {
-    "input_pipeline_no_workers": (
-        "load batches in parallel: DataLoader(num_workers=N, persistent_workers=True) with N up to the "
-        "number of cores; better still, if the dataset fits in device memory, keep it there and slice "
-        "batches on the device (gpulab.data.DeviceLoader does this)"
-    ),
-    "input_pipeline_workers": (
-        "the workers cannot keep up: make __getitem__ cheaper (decode once and cache, move per-sample "
-        "augmentation onto whole batches on the device), raise num_workers up to the number of cores, "
-        "or keep the dataset on the device"
+    "input_pipeline_cheaper": (
+        "make each sample cheaper - decode once and cache the decoded data, turn per-sample transforms "
+        "into batch-level ones on the device - or, if the dataset fits in device memory, keep it there "
+        "and slice batches on the device (gpulab.data.DeviceLoader does this)"
     ),
     "input_pipeline_restart": (
         "the DataLoader starts its worker processes again every epoch: pass persistent_workers=True"
@@ -80,8 +75,8 @@ FIXES = {
         "batch (or keep the whole dataset on the GPU)"
     ),
     "no_steps": (
-        "let the script reach its training loop: the profile finds steps from optimizer.step() "
-        "(with the Python API, mark them with p.step())"
+        "let the script reach its training loop: steps are found from optimizer.step(), else from "
+        "backward() calls (with the Python API, mark them with p.step())"
     ),
     "none": (
         "the loop keeps the device busy; to go faster make the math cheaper (mixed precision, "
@@ -212,6 +207,7 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     window = (steady[0]["t0"], steady[-1]["t1"]) if steady else None
     report = {
         "steps": len(rec.steps),
+        "steps_found": steps_found(rec),
         "step_time_s": {"median": 0.0, "p90": 0.0},
         "phases": dict.fromkeys(("data_wait", "compute", "sync", "h2d", "other"), 0.0),
         "devices": summarize_devices(samples, gpus, used, window, rec.start),
@@ -220,8 +216,8 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         "excluded_steps": excluded,
     }
     if not steady:
-        report["findings"] = [_finding("none", 0.0, "no training step was recorded: the script ended (or "
-                                       "failed) before its first optimizer.step()", None, "no_steps")]
+        report["findings"] = [_finding("none", 0.0, f"no training step was recorded: {steps_found(rec)}", None,
+                                       "no_steps")]
         return report
     durations = [step_seconds(s) for s in steady]
     if not whole_run:
@@ -234,9 +230,49 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     findings = _findings(rec, step, busy, busy_source, gpus, used)
     if whole_run:
         for f in findings:
-            f["evidence"] = "no optimizer step was recorded, so these shares are of the whole run; " + f["evidence"]
+            f["evidence"] = f"no training step ({steps_found(rec)}), so these shares are of the whole run; " + f["evidence"]
     report["findings"] = findings
+    report["transforms"] = costly_transforms(rec, step)
     return report
+
+
+def costly_transforms(rec: Recording, step: "_Step") -> list[dict]:
+    """Per-sample transforms run inside the fetch, costliest first: share of the step, where built."""
+    sites = rec.facts.get("transforms") or {}
+    ranked = []
+    for key, seconds in step.counts.items():
+        if key.startswith(TRANSFORM_PREFIX):
+            name = key.removeprefix(TRANSFORM_PREFIX)
+            ranked.append({"name": name, "share": round(seconds / step.S, 4) if step.S else 0.0,
+                           "ms_per_step": round(seconds * 1e3, 3), "where": (sites.get(name) or {}).get("where")})
+    return sorted(ranked, key=lambda t: t["share"], reverse=True)
+
+
+def steps_found(rec: Recording) -> str:
+    """How the steps were found, or why there are none, in words."""
+    rule = rec.step_rule
+    if rule == "optimizer":
+        return "found from optimizer.step()"
+    if rule == "backward":
+        return "found from backward() calls: no torch.optim optimizer was stepped"
+    if rule == "explicit":
+        return "marked with p.step()"
+    if not rec.recorded:
+        return "the process never imported torch"
+    if rec.facts.get("backward_calls") == 0 and rec.facts.get("optimizer_steps") == 0:
+        return "no training at all - no backward() and no optimizer.step(): an inference-only run"
+    return "the script ended (or failed) before its first backward() or optimizer.step()"
+
+
+def lane_summary(rec: Recording, warmup_steps: int) -> dict:
+    """One process of the job in a few numbers: steps, how they were found, step time, phase shares."""
+    steady, _ = select_steady(rec.steps, warmup_steps)
+    summary = {"pid": rec.pid, "ppid": rec.start.get("ppid") or rec.process.get("ppid"), "rank": rec.start.get("rank"),
+               "steps": len(rec.steps), "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
+    if steady:
+        summary["median_step_s"] = round(statistics.median(step_seconds(s) for s in steady), 6)
+        summary["phases"] = _Step(steady).shares()
+    return summary
 
 
 def _device_busy(rec: Recording, step: _Step, samples, gpus, used, window) -> tuple[float, str]:
@@ -295,27 +331,79 @@ def _findings(rec: Recording, step: _Step, busy: float, busy_source: str, gpus: 
     if b.on_cuda:
         findings += _unexplained_idle(rec, step, b, findings)
     findings.sort(key=lambda f: f["share"], reverse=True)
-    return findings or [_nothing_stands_out(step, b)]
+    findings = findings or [_nothing_stands_out(step, b)]
+    for f in findings:
+        _add_support(rec, step, f)
+    return findings
+
+
+MIN_LINE_SAMPLES = 5  # a line named from fewer stack samples than this is not named
+
+
+def _add_support(rec: Recording, step: _Step, f: dict) -> None:
+    """What the finding rests on: how many steps, and how the line was found (calls or samples)."""
+    parts = [f"{step.n} steady steps"]
+    where = f["where"]
+    site = next((s for s in rec.sites if s["where"] == where), None) if where else None
+    if site:
+        parts.append(f"{site['count']} calls seen at that line")
+    elif where:
+        seen, total = max(((lines.get(where, 0), sum(lines.values())) for lines in rec.hot.values()), default=(0, 0))
+        if seen:
+            parts.append(f"the line from {seen} of {total} stack samples")
+            if seen < MIN_LINE_SAMPLES:
+                parts[-1] += " - too few to name it"
+                f["where"] = None
+    f["support"] = "; ".join(parts)
 
 
 def _input_finding(rec: Recording, step: _Step, b: _Budget) -> dict:
     S = step.S
     loader = rec.loaders[0] if rec.loaders else None
-    evidence = f"waited {step.D * 1e3:.1f} ms per step for the next batch ({step.D / S:.0%} of the step)"
+    evidence = f"waited {step.D * 1e3:.1f} ms per step for the next batch ({step.D / S:.0%} of the step, {step.n} steps)"
     if loader:
         evidence += (f"; DataLoader(batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
                      f"pin_memory={loader['pin_memory']})")
+    transforms = [t for t in costly_transforms(rec, step) if t["share"] >= 0.02][:3]
+    if transforms:
+        evidence += "; per-sample transforms: " + ", ".join(
+            f"{t['name']} {t['share']:.0%} of the step" + (f" at {t['where']}" if t["where"] else "") for t in transforms)
     restart = rec.span_seconds.get("DataLoader.__iter__", 0.0)
     waited = restart + rec.span_seconds.get("next(DataLoader)", 0.0)
-    if loader and loader["num_workers"] > 0 and not loader["persistent_workers"] and waited and restart > 0.3 * waited:
-        fix = "input_pipeline_restart"
+    workers = loader["num_workers"] if loader else 0
+    spare = _spare_cores(rec, b.on_cuda, workers)
+    if loader and workers > 0 and not loader["persistent_workers"] and waited and restart > 0.3 * waited:
+        fix = FIXES["input_pipeline_restart"]
         evidence += f"; {restart / waited:.0%} of it in starting the worker processes"
-    elif loader and loader["num_workers"] > 0:
-        fix = "input_pipeline_workers"
+    elif spare >= 1:
+        fix = (f"load batches in parallel: DataLoader(num_workers={workers + spare}, persistent_workers=True) - "
+               f"{spare} core(s) are spare; check it: gpulab profile --try num_workers={workers + spare} -- ...; ")
+        fix += FIXES["input_pipeline_cheaper"]
     else:
-        fix = "input_pipeline_no_workers"
+        cores = rec.start.get("cpu_count")
+        users = "the trainer's own Python" if b.on_cuda else f"torch's {_torch_threads(rec)} compute thread(s)"
+        fix = (f"more DataLoader workers would not help: the {cores} cores are taken ({users}"
+               f"{f', {workers} worker(s)' if workers else ''}), so workers would take CPU from the training; ")
+        fix += FIXES["input_pipeline_cheaper"]
+    if transforms:
+        fix = (f"apply {transforms[0]['name']} once per batch (on the device), not per sample in __getitem__; " + fix)
     where = _hottest(rec, "data_wait") or (loader or {}).get("where")
-    return _finding("input_pipeline", min(step.D, b.exposed) / S, evidence + b.idle_text(S), where, fix)
+    return _finding("input_pipeline", min(step.D, b.exposed) / S, evidence + b.idle_text(S), where, fix=fix)
+
+
+def _spare_cores(rec: Recording, on_cuda: bool, workers: int) -> int:
+    """Cores that DataLoader workers could use without taking them from the training itself.
+
+    On the CPU the training's compute uses torch's intra-op threads; on a GPU the trainer's own
+    Python needs about one core. Workers already running use one each."""
+    cores = rec.start.get("cpu_count") or 1
+    trainer = 1 if on_cuda else _torch_threads(rec)
+    return max(0, cores - trainer - workers)
+
+
+def _torch_threads(rec: Recording) -> int:
+    """The training's intra-op threads, as last seen (scripts often set them after importing torch)."""
+    return rec.facts.get("torch_threads") or rec.start.get("torch_threads") or 1
 
 
 def _other_finding(rec: Recording, step: _Step, b: _Budget) -> dict:
@@ -409,11 +497,12 @@ def _hottest(rec: Recording, category: str) -> str | None:
     return max(lines, key=lines.get) if lines else None
 
 
-def _finding(cause: str, share: float, evidence: str, where: str | None, fix_key: str) -> dict:
+def _finding(cause: str, share: float, evidence: str, where: str | None, fix_key: str | None = None,
+             fix: str | None = None) -> dict:
     return {
         "cause": cause,
         "share": round(min(max(share, 0.0), 1.0), 4),
         "evidence": evidence,
         "where": where,
-        "fix": FIXES[fix_key],
+        "fix": fix if fix is not None else FIXES[fix_key],
     }

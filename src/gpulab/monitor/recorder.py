@@ -3,27 +3,41 @@
 The recorder patches a handful of PyTorch entry points for the duration of a session and puts
 every moment of the training thread into one of five categories:
 
-    data_wait  blocked in a DataLoader (creating its iterator, or waiting for the next batch)
+    data_wait  blocked in a DataLoader (creating its iterator, or fetching the next batch) -
+               everything that runs inside the fetch: Dataset.__getitem__, transforms (also
+               those that are nn.Modules, like torchvision's), collate
     h2d        copying a batch host -> device (CUDA), or the trainer's scatter to its devices
     compute    inside a module's forward, autograd's backward, an optimizer's step or zero_grad
     sync       blocked in a host sync on CUDA (`.item()`, `print(t)`, `.cpu()`, synchronize, ...)
     other      anything else: the user's Python between those calls (and torch ops called
-               outside any nn.Module, e.g. a functional loss)
+               outside any nn.Module, e.g. a functional loss or a manual SGD update)
 
-Step boundaries come from optimizer step hooks (torch.optim's global post-hook), or from explicit
-`mark_step()` calls. Accounting is exclusive: a sync inside a forward counts as sync, not compute,
-because time is charged, at each transition, to whatever is on top of the span stack.
+Steps, by the first rule that applies (the report says which):
+    explicit   `p.step()` calls (the Python API)
+    optimizer  a torch.optim optimizer's step() (the first optimizer that steps, for a GAN)
+    backward   otherwise each top-level backward() (or autograd.grad): the step ends when the
+               loop comes back for the next batch or the next forward, so a manual update
+               (`p.data.add_(...)`) after backward belongs to its step
+Steps ended by a weaker rule before a stronger one shows up (gradient accumulation before the
+first optimizer.step()) are folded into the first step of the stronger rule.
+
+Accounting is exclusive: a sync inside a forward counts as sync, not compute, because time is
+charged, at each transition, to whatever is on top of the span stack.
 
 Only the thread that started the recorder is recorded (other threads' calls pass straight
-through), and a forked child (a DataLoader worker) forgets the recorder at once.
+through). A process forked from a recorded one is its own lane (its own events file) - unless it
+is a DataLoader worker being started, which records nothing.
 
-Records are plain dicts (one per step, plus a few facts); with `events_path` they are appended to
-a JSON-lines file about once a second, so a script that crashes still leaves most of its record.
+Records are plain dicts (format: events.py); with `events_path` they are appended to a
+JSON-lines file about once a second, so a process that crashes still leaves most of its record.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
+import multiprocessing.process
 import os
 import sys
 import threading
@@ -42,9 +56,9 @@ from gpulab.errors import UserError
 from gpulab.monitor import phases
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.cuda_hooks import CudaHooks
+from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX
 from gpulab.monitor.frames import user_site
 
-CATEGORIES = ("data_wait", "h2d", "compute", "sync", "other")
 
 # gpulab's own trainer reports its phases through PhaseTimer; this is where each one belongs.
 PHASE_CATEGORY = {
@@ -66,15 +80,21 @@ _MAX_DATA_SPANS_PER_STEP = 64
 _active: "Recorder | None" = None
 
 
-def _forget_in_forked_child() -> None:
-    # A DataLoader worker forked from the training process inherits the patched functions; it
-    # must record nothing and never write to the parent's events file.
-    if _active is not None:
-        _active._ident = None
+def _in_forked_child() -> None:
+    # The child inherits the patched functions and the recorder's state. A DataLoader worker
+    # (forked while the loader starts its workers) and a child of an in-process session record
+    # nothing and never write to the parent's file; any other child (multiprocessing, os.fork)
+    # is a process of the job: it gets its own lane.
+    if _active is None:
+        return
+    if _active.events_path is None or _active.loading_data():
+        _active.detach()
+    else:
+        _active.become_forked_lane()
 
 
-if hasattr(os, "register_at_fork"):  # POSIX; without fork there is nothing to forget
-    os.register_at_fork(after_in_child=_forget_in_forked_child)
+if hasattr(os, "register_at_fork"):  # POSIX; without fork there is nothing to follow
+    os.register_at_fork(after_in_child=_in_forked_child)
 
 
 class Recorder:
@@ -83,9 +103,16 @@ class Recorder:
         self.events_path = Path(events_path) if events_path else None
         self.records: list[dict] = []  # all records (in memory), or those not yet flushed (to a file)
         self.cuda = CudaHooks(self, window_after_step=cfg.warmup_steps, window_steps=cfg.kernel_window_steps)
+        self.error: str | None = None  # an uncaught exception, noted by attach.py's excepthook
         self._ident: int | None = None
-        self._pid = os.getpid()
+        self._detached = False
         self._undo: list = []
+        self._transform_sites: dict[int, str] = {}  # id(transform) -> where the user built it
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        """Everything one process records (a forked lane starts again from here)."""
+        self._pid = os.getpid()
         # the span stack and the charge clock
         self._stack: list[tuple[str, str, float]] = []
         self._t_last: float | None = None
@@ -93,15 +120,19 @@ class Recorder:
         self._step_index = 0
         self._step_t0: float | None = None
         self._new_step_state(profiled=False)
+        self._step_rule: str | None = None  # "explicit", "optimizer" or "backward"
+        self._backward_since_step = 0
         # whole-run facts
         self.sync_sites: dict[str, dict] = {}
         self.span_seconds: Counter = Counter()
+        self.transforms: dict[str, dict] = {}  # "Normalize" -> {calls, where}
+        self._transform_depth = 0
         self.hot: dict[str, Counter] = defaultdict(Counter)
         self._hot_lock = threading.Lock()
         self._loaders: set[int] = set()
         self._primary_optimizer = None  # weakref to the optimizer whose step ends a training step
-        self._explicit_steps = False
         self._optimizer_tokens: dict[int, int] = {}
+        self._counts_total = Counter({"backward": 0, "optimizer_step": 0})
         self._in_forward = False
         self._in_backward = False
         self._last_flush = time.perf_counter()
@@ -116,11 +147,24 @@ class Recorder:
             raise UserError("a gpulab profile is already running in this process: end it before starting another")
         _active = self
         self._ident = threading.get_ident()
+        self._emit_start(command if command is not None else list(sys.argv))
+        self._install()
+        if self.cfg.stack_interval_s > 0:
+            previous_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(previous_interval, _SWITCH_INTERVAL_S))
+            self._undo.append(lambda: sys.setswitchinterval(previous_interval))
+            self._start_stack_sampler()
+        return self
+
+    def _emit_start(self, command: list[str]) -> None:
         self._emit({
             "type": "start",
             "t": time.perf_counter(),
             "pid": self._pid,
-            "command": command if command is not None else list(sys.argv),
+            "ppid": os.getppid(),
+            "rank": _env_int("RANK"),
+            "world_size": _env_int("WORLD_SIZE"),
+            "command": command,
             "python": sys.version.split()[0],
             "torch": torch.__version__,
             "torch_cuda_build": torch.version.cuda,
@@ -128,20 +172,43 @@ class Recorder:
             "torch_threads": torch.get_num_threads(),
             "config": self.cfg.to_dict(),
         })
-        self._install()
+
+    def _start_stack_sampler(self) -> None:
+        self._stack_thread = threading.Thread(target=self._sample_stacks, name="gpulab-stacks", daemon=True)
+        self._stack_thread.start()
+
+    def become_forked_lane(self) -> None:
+        """In a child forked from a recorded process (multiprocessing's fork/forkserver, os.fork):
+        record this process from here on, in its own events file."""
+        directory = self.events_path.parent
+        self._reset_run_state()
+        self.records = []
+        self.events_path = directory / f"events-{self._pid}.jsonl"
+        self._ident = threading.get_ident()  # the forking thread is the child's only thread
+        self._emit({"type": "process", "pid": self._pid, "ppid": os.getppid(), "t": time.perf_counter(),
+                    "argv": list(getattr(sys, "orig_argv", sys.argv)), "forked": True, "error": None})
+        self._emit_start(list(getattr(sys, "orig_argv", sys.argv)))
         if self.cfg.stack_interval_s > 0:
-            previous_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(previous_interval, _SWITCH_INTERVAL_S))
-            self._undo.append(lambda: sys.setswitchinterval(previous_interval))
-            self._stack_thread = threading.Thread(target=self._sample_stacks, name="gpulab-stacks", daemon=True)
-            self._stack_thread.start()
-        return self
+            self._start_stack_sampler()
+
+    def detach(self) -> None:
+        """In a DataLoader worker: record nothing, write nothing, leave the parent's patches inert."""
+        self._ident = None
+        self._detached = True
+
+    def stop_in_any_process(self, exit_code: int | None = None, error: str | None = None) -> None:
+        """stop(), if this process's recording is still running (atexit, signals, multiprocessing
+        children: whichever comes first)."""
+        if _active is self and not self._detached and self._pid == os.getpid():
+            self.stop(exit_code=exit_code, error=error)
 
     def stop(self, exit_code: int | None = None, error: str | None = None) -> None:
         """End the session: close the open step as the run's tail, restore torch, flush."""
         global _active
         if _active is not self:
             return
+        if self._ident is not None:
+            self._end_step_after_backward()  # the last step of the backward rule ends with the run
         now = time.perf_counter()
         if self._t_last is not None and self._ident is not None:
             self._charge(now)
@@ -152,7 +219,8 @@ class Recorder:
         with self.cuda.suppressed():
             self.cuda.finish(self._step_index)
         self._uninstall()
-        self._emit({"type": "end", "t": now, "exit_code": exit_code, "error": error, "cuda": self.cuda.usage()})
+        self._emit({"type": "end", "t": now, "exit_code": exit_code, "error": error or self.error,
+                    "cuda": self.cuda.usage()})
         self.flush(final=True)
         self._ident = None
         _active = None
@@ -160,6 +228,11 @@ class Recorder:
     def here(self) -> bool:
         """Is the caller the recorded (training) thread?"""
         return threading.get_ident() == self._ident
+
+    def loading_data(self) -> bool:
+        """Is the recorded thread inside a DataLoader fetch right now?"""
+        stack = self._stack
+        return bool(stack) and stack[-1][1] == "data_wait"
 
     # ------------------------------------------------------------------ spans and steps
 
@@ -202,34 +275,40 @@ class Recorder:
         self._close_span(name, category, t0, t1)
 
     def mark_step(self) -> None:
-        """An explicit step boundary (`p.step()`); from then on optimizer steps no longer mark steps."""
+        """An explicit step boundary (`p.step()`); from then on nothing else marks steps."""
         if not self.here():
             return
-        if not self._explicit_steps:
-            self._explicit_steps = True
-            self._fold_hook_steps()
+        self._use_step_rule("explicit")
         self.end_step()
 
-    def _fold_hook_steps(self) -> None:
-        """Steps that optimizer hooks ended before the first p.step() belong to that first explicit step."""
-        earlier = [r for r in self.records if r["type"] == "step"]
-        if not earlier:
-            return
-        self.records = [r for r in self.records if r["type"] != "step"]
-        self._step_index = 0
-        self._step_t0 = earlier[0]["t0"]
-        for r in earlier:
-            for category, seconds in r["excl"].items():
-                self._acc[category] += seconds
-            self._counts.update(r["counts"])
-        self._spans = [span for r in earlier for span in r.get("spans", [])] + self._spans
-        self._data_spans = [span for r in earlier for span in r["data"]] + self._data_spans
+    _RULE_STRENGTH = {None: 0, "backward": 1, "optimizer": 2, "explicit": 3}
+
+    def _use_step_rule(self, rule: str) -> bool:
+        """Switch to `rule` if it is stronger than the current one; False if a stronger one rules."""
+        current = self._step_rule
+        if self._RULE_STRENGTH[rule] < self._RULE_STRENGTH[current]:
+            return False
+        if rule != current:
+            if self._step_index > 0:
+                # Steps ended by the weaker rule belong to the first step of this one; the reader
+                # (events.Recording) merges them, since some may already be in the file.
+                self._emit({"type": "fold"})
+                self._step_index = 0
+            self._step_rule = rule
+        return True
+
+    def _end_step_after_backward(self) -> None:
+        """Backward rule: the loop came back for data or a forward after a backward: a step ended."""
+        if self._backward_since_step and self._step_rule in (None, "backward"):
+            self._use_step_rule("backward")
+            self.end_step()
 
     def end_step(self) -> None:
         now = time.perf_counter()
         if self._t_last is None:
             self._begin(now)
         self._charge(now)
+        self._backward_since_step = 0
         record = {"type": "step", "i": self._step_index, "t0": self._step_t0, "t1": now, **self._step_fields()}
         if self._step_index < self.cfg.trace_steps:
             record["spans"] = self._spans
@@ -238,6 +317,8 @@ class Recorder:
         if self.cuda.enabled:
             with self.cuda.suppressed():  # our own bookkeeping (kernel window) is no sync of the user's
                 self.cuda.on_step_end(self._step_index)
+        if self.cfg.stop_after_steps and self._step_index >= self.cfg.stop_after_steps:
+            self._end_process_early()
         if now - self._last_flush > _FLUSH_EVERY_S:
             self.flush()
         # Time spent here, in the profiler's own bookkeeping, belongs to neither step.
@@ -249,7 +330,12 @@ class Recorder:
         self._t_last = self._step_t0 = now
 
     def _charge(self, now: float) -> None:
-        category = self._stack[-1][1] if self._stack else "other"
+        if self._stack:
+            name, category, _ = self._stack[-1]
+            if name.startswith(TRANSFORM_PREFIX):
+                self._counts[name] += now - self._t_last  # "transform: Normalize": seconds this step
+        else:
+            category = "other"
         self._acc[category] += now - self._t_last
         self._t_last = now
 
@@ -257,7 +343,7 @@ class Recorder:
         self.span_seconds[name] += t1 - t0
         if self._step_index < self.cfg.trace_steps:
             self._spans.append([name, category, t0, t1])
-        if category == "data_wait" and len(self._data_spans) < _MAX_DATA_SPANS_PER_STEP:
+        if category == "data_wait" and not self._transform_depth and len(self._data_spans) < _MAX_DATA_SPANS_PER_STEP:
             self._data_spans.append([t0, t1])
 
     def _new_step_state(self, profiled: bool) -> None:
@@ -340,6 +426,10 @@ class Recorder:
             {"type": "sites", "sites": list(self.sync_sites.values())},
             {"type": "hot", "interval_s": self.cfg.stack_interval_s, "lines": hot},
             {"type": "spans", "seconds": {k: round(v, 6) for k, v in self.span_seconds.items()}},
+            {"type": "facts", "step_rule": self._step_rule, "backward_calls": self._counts_total["backward"],
+             "optimizer_steps": self._counts_total["optimizer_step"], "dataloader_worker": _in_dataloader_worker(),
+             "torch_threads": torch.get_num_threads(),
+             "transforms": self.transforms},
         ]
 
     def flush(self, final: bool = False) -> None:
@@ -349,7 +439,7 @@ class Recorder:
             if final:
                 self.records.extend(self._snapshots())
             return
-        if os.getpid() != self._pid:
+        if os.getpid() != self._pid or self._detached:
             return
         lines = [json.dumps(r) for r in [*self.records, *self._snapshots()]]
         with open(self.events_path, "a") as f:
@@ -360,11 +450,15 @@ class Recorder:
 
     def _install(self) -> None:
         self._patch(DataLoader, "__iter__", self._wrap_loader_iter)
+        if self.cfg.dataloader_overrides:
+            self._patch(DataLoader, "__init__", self._wrap_loader_init)
         self._patch(_BaseDataLoaderIter, "__next__", self._wrap_loader_next)
         self._patch(torch.nn.Module, "__call__", self._wrap_module_call)
         self._patch(torch.autograd, "backward", lambda orig: self._wrap_autograd(orig, "backward"))
         self._patch(torch.autograd, "grad", lambda orig: self._wrap_autograd(orig, "autograd.grad"))
         self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
+        self._patch(multiprocessing.process.BaseProcess, "_bootstrap", _wrap_process_bootstrap)
+        self._hook_torchvision_transforms()
         pre = register_optimizer_step_pre_hook(self._on_optimizer_pre)
         post = register_optimizer_step_post_hook(self._on_optimizer_post)
         self._undo += [pre.remove, post.remove]
@@ -402,6 +496,7 @@ class Recorder:
         def __iter__(loader):
             if not rec.here():
                 return original(loader)
+            rec._end_step_after_backward()
             rec._note_loader(loader, sys._getframe(1))
             token = rec.enter("DataLoader.__iter__", "data_wait")
             try:
@@ -417,6 +512,7 @@ class Recorder:
         def __next__(iterator):
             if not rec.here():
                 return original(iterator)
+            rec._end_step_after_backward()
             token = rec.enter("next(DataLoader)", "data_wait")
             try:
                 return original(iterator)
@@ -433,6 +529,9 @@ class Recorder:
             # Only the outermost call is a span: a model's submodules add nothing but cost.
             if rec._in_forward or is_compiling() or not rec.here():
                 return original(module, *args, **kwargs)
+            if rec.loading_data():  # a transform inside the fetch (torchvision's are nn.Modules)
+                return rec.call_transform(module, original, module, *args, **kwargs)
+            rec._end_step_after_backward()
             rec._in_forward = True
             token = rec.enter(type(module).__name__, "compute")
             try:
@@ -450,6 +549,7 @@ class Recorder:
         def wrapper(*args, **kwargs):
             if rec._in_backward or is_compiling() or not rec.here():
                 return original(*args, **kwargs)
+            rec._end_step_after_backward()  # a loop with neither a DataLoader nor a module call
             rec._in_backward = True
             token = rec.enter(name, "compute")
             try:
@@ -457,6 +557,8 @@ class Recorder:
             finally:
                 rec._in_backward = False
                 rec.exit(token)
+                rec._backward_since_step += 1
+                rec._counts_total["backward"] += 1
 
         wrapper.__wrapped__ = original
         return wrapper
@@ -485,7 +587,8 @@ class Recorder:
         token = self._optimizer_tokens.pop(id(optimizer), None)
         if token is not None:
             self.exit(token)
-        if self._explicit_steps:
+        self._counts_total["optimizer_step"] += 1
+        if not self._use_step_rule("optimizer"):
             return
         # With several optimizers (a GAN, gpulab's per-replica optimizers) the first one to step
         # marks the training step; if it is garbage-collected, the next one takes over.
@@ -500,6 +603,83 @@ class Recorder:
     def _phase_span(self, name: str):
         with self.span(name, PHASE_CATEGORY.get(name, "compute")):
             yield
+
+    # ------------------------------------------------------------------ transforms (data time)
+
+    _TRANSFORM_DEPTH = 2  # a Compose and its members; deeper calls are part of their transform
+
+    def call_transform(self, transform, call, *args, **kwargs):
+        """Run one transform inside a fetch as its own data_wait span, to rank transforms by cost."""
+        if self._transform_depth >= self._TRANSFORM_DEPTH:
+            return call(*args, **kwargs)
+        name = type(transform).__name__
+        entry = self.transforms.get(name)
+        if entry is None:
+            where = self._transform_sites.get(id(transform)) or user_site(sys._getframe(2))
+            entry = self.transforms[name] = {"calls": 0, "where": where}
+        entry["calls"] += 1
+        self._transform_depth += 1
+        token = self.enter(TRANSFORM_PREFIX + name, "data_wait")
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.exit(token)
+            self._transform_depth -= 1
+
+    def _hook_torchvision_transforms(self) -> None:
+        """Time each member of torchvision's Compose (v1 members need not be nn.Modules) and note
+        the line that built it. torchvision loads after torch: hook it when it does."""
+        for module, members_call in (("torchvision.transforms.transforms", True), ("torchvision.transforms.v2._container", False)):
+            self._undo.append(_after_import(module, lambda m, c=members_call: self._patch_compose(m.Compose, c)))
+
+    def _patch_compose(self, compose, members_call: bool) -> None:
+        rec = self
+
+        def wrap_init(original):
+            def __init__(composed, transforms, *args, **kwargs):
+                where = user_site(sys._getframe(1))
+                for t in transforms:
+                    rec._transform_sites.setdefault(id(t), where)
+                return original(composed, transforms, *args, **kwargs)
+            return __init__
+
+        def wrap_call(original):
+            def __call__(composed, img):
+                if not (rec.here() and rec.loading_data()):
+                    return original(composed, img)
+                for t in composed.transforms:  # what Compose.__call__ does, one span per member
+                    img = t(img) if isinstance(t, torch.nn.Module) else rec.call_transform(t, t, img)
+                return img
+            return __call__
+
+        self._patch(compose, "__init__", wrap_init)
+        if members_call:
+            self._patch(compose, "__call__", wrap_call)
+
+    # ------------------------------------------------------------------ `gpulab profile --try`
+
+    def _wrap_loader_init(self, original):
+        overrides = self.cfg.dataloader_overrides
+        signature = inspect.signature(original)
+
+        def __init__(loader, *args, **kwargs):
+            bound = signature.bind(loader, *args, **kwargs)
+            bound.apply_defaults()
+            bound.arguments.update(overrides)
+            if not bound.arguments.get("num_workers"):  # these only exist with workers
+                bound.arguments["persistent_workers"] = False
+                bound.arguments["prefetch_factor"] = None
+            return original(*bound.args, **bound.kwargs)
+
+        return __init__
+
+    def _end_process_early(self) -> None:
+        """`--try` measures the first K steps: write the record and leave at once (whatever the
+        script would do next is not measured; gpulab stops what the process leaves behind)."""
+        self.stop(exit_code=0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def _note_loader(self, loader: DataLoader, caller) -> None:
         if id(loader) in self._loaders:
@@ -516,59 +696,56 @@ class Recorder:
         })
 
 
-# ----------------------------------------------------------------------------- reading records back
+def _wrap_process_bootstrap(original):
+    """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here."""
 
-
-def read_events(path: Path) -> list[dict]:
-    """The records of an events file; a line cut short by a crash is skipped."""
-    records = []
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return records
-    for line in text.splitlines():
+    def _bootstrap(process, *args, **kwargs):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+            return original(process, *args, **kwargs)
+        finally:
+            if _active is not None:
+                _active.stop_in_any_process()
+
+    return _bootstrap
 
 
-class Recording:
-    """The records of one session, sorted by kind (the reading side of the format above)."""
+def _after_import(name: str, callback):
+    """callback(module) once module `name` is imported (now, if it already is); returns an undo."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return lambda: None
 
-    def __init__(self, records: list[dict]):
-        self.start: dict = {}
-        self.end: dict | None = None
-        self.steps: list[dict] = []
-        self.tail: dict | None = None
-        self.loaders: list[dict] = []
-        self.sites: list[dict] = []
-        self.hot: dict[str, dict[str, int]] = {}
-        self.hot_interval_s = 0.0
-        self.span_seconds: dict[str, float] = {}
-        self.kernels: dict | None = None
-        for r in records:
-            kind = r.get("type")
-            if kind == "start":
-                self.start = r
-            elif kind == "end":
-                self.end = r
-            elif kind == "step":
-                self.steps.append(r)
-            elif kind == "tail":
-                self.tail = r
-            elif kind == "loader":
-                self.loaders.append(r)
-            elif kind == "sites":  # snapshots: the last one is the whole run
-                self.sites = r["sites"]
-            elif kind == "hot":
-                self.hot, self.hot_interval_s = r["lines"], r["interval_s"]
-            elif kind == "spans":
-                self.span_seconds = r["seconds"]
-            elif kind == "kernels":
-                self.kernels = r
+    class Finder:
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            execute = spec.loader.exec_module
 
-    @property
-    def t_start(self) -> float | None:
-        return self.start.get("t")
+            def exec_module(module):
+                execute(module)
+                callback(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
+
+    def undo():
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+    return undo
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def _in_dataloader_worker() -> bool:
+    return torch.utils.data.get_worker_info() is not None

@@ -10,8 +10,8 @@ from rich.markup import escape
 
 from gpulab.monitor import timeline, trace
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.diagnose import PHASE_NAMES, diagnose
-from gpulab.monitor.recorder import Recording
+from gpulab.monitor.diagnose import PHASE_NAMES, diagnose, lane_summary
+from gpulab.monitor.events import Recording
 from gpulab.io import atomic_write_bytes, atomic_write_json
 
 OUTPUTS = ("report.json", "timeline.png", "trace.json")
@@ -41,6 +41,51 @@ def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler:
     return report
 
 
+def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict], gpus: list[dict], sampler: dict,
+                     cfg: ProfileConfig, exit_code: int | None) -> tuple[dict, Recording]:
+    """The report of a job of one or more processes, and the process it diagnoses.
+
+    That is the script's own process when it trained, else the child that trained most (a
+    trainer started with multiprocessing): the parent's evaluation loop is not the verdict.
+    """
+    main = next((r for r in lanes if r.pid == main_pid), None)
+    trainers = [r for r in lanes if r.trained and not r.is_dataloader_worker]
+    if main is not None and main.trained:
+        shown = main
+    else:
+        shown = max(trainers, key=lambda r: len(r.steps), default=main) or Recording([])
+    report = build_report(shown, samples, gpus, sampler, cfg, exit_code)
+    report["diagnosed_pid"] = shown.pid
+    report["processes"] = [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
+                           for r in lanes if r.recorded and not r.is_dataloader_worker]
+    if shown is not main and shown.pid is not None:
+        report["note"] = (f"the training ran in {len(trainers)} child process(es); the diagnosis is of pid "
+                          f"{shown.pid} ({len(shown.steps)} steps), the others are listed under processes")
+    elif not shown.recorded:
+        report["findings"][0]["evidence"], report["findings"][0]["fix"] = _why_nothing_was_recorded(main)
+    return report, shown
+
+
+def _role(rec: Recording, main_pid: int) -> str:
+    if rec.start.get("rank") is not None:
+        return f"rank {rec.start['rank']}"
+    return "main" if rec.pid == main_pid else f"child of {rec.start.get('ppid')}"
+
+
+def _why_nothing_was_recorded(main: Recording | None) -> tuple[str, str]:
+    """(what happened, what to do) when no process of the job recorded anything."""
+    if main is None:
+        return ("the script's Python did not run gpulab's start-up hook, so nothing was recorded",
+                "start the script with a Python interpreter directly (gpulab profile -- python script.py), "
+                "not through a program that clears PYTHONPATH")
+    error = main.process.get("error")
+    if error:
+        return (f"the script's Python ({main.process.get('executable')}) could not load gpulab's recorder: {error}",
+                "profile with a Python that has gpulab and its dependencies installed (pip install gpulab in the "
+                "script's environment)")
+    return "the script never imported torch: there was nothing to record", "profile a script that trains with torch"
+
+
 def _fields(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "type"}
 
@@ -66,17 +111,29 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
     lines = [""]
     head = f"[bold]gpulab profile[/]: {report['steps']} steps"
     if report["steps"]:
-        head += (f" ({report['steady_steps']} measured), median step {step['median'] * 1e3:.1f} ms, "
-                 f"p90 {step['p90'] * 1e3:.1f} ms")
+        head += (f" ({report['steady_steps']} measured; {report['steps_found']}), median step "
+                 f"{step['median'] * 1e3:.1f} ms, p90 {step['p90'] * 1e3:.1f} ms")
     if report.get("exit_code"):
         head += f"  [yellow](script exited with {report['exit_code']}: partial report)[/]"
     lines.append(head)
+    if report.get("note"):
+        lines.append(f"  [dim]{escape(report['note'])}[/]")
+    trainers = [p for p in report.get("processes", []) if p["steps"]]
+    if len(trainers) > 1:
+        for p in trainers:
+            shares = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in (p["phases"] or {}).items())
+            median = f", median {p['median_step_s'] * 1e3:.1f} ms" if p["median_step_s"] else ""
+            lines.append(f"  [dim]pid {p['pid']} ({p['role']}): {p['steps']} steps{median}  {shares}[/]")
     phases = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in report["phases"].items())
     busy = report.get("device_busy")
     if busy:
         phases += f"   device busy {busy['share']:.0%} ({escape(busy['source'])})"
     lines.append(f"  step time: {phases}")
     for n, f in enumerate(report["findings"], 1):
+        if f["cause"] == "none" and not report["steps"] and not report.get("device_busy"):
+            lines.append(f"  [bold yellow]nothing to diagnose[/]: {escape(f['evidence'])}")
+            lines.append(f"     [dim]fix:[/]  {escape(f['fix'])}")
+            continue
         if f["cause"] == "none":
             lines.append(f"  [bold green]no bottleneck stands out[/]: {escape(f['evidence'])}")
             lines.append(f"     [dim]next:[/]  {escape(f['fix'])}")
@@ -85,6 +142,8 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
         lines.append(f"     [dim]evidence:[/] {escape(f['evidence'])}")
         if f["where"]:
             lines.append(f"     [dim]where:[/]    {escape(f['where'])}")
+        if f.get("support"):
+            lines.append(f"     [dim]based on:[/] {escape(f['support'])}")
         lines.append(f"     [dim]fix:[/]      {escape(f['fix'])}")
     syncs = [s for s in report.get("syncs", []) if s["kind"] == "sync"]
     if syncs and not any(f["cause"] == "host_sync" for f in report["findings"]):

@@ -242,9 +242,13 @@ def _str(x) -> str:
 
 
 class ProcessReader:
-    """CPU %, memory and threads of one process, and the sum over its children (DataLoader workers).
+    """CPU %, memory and threads of one process, and the sum over its children (DataLoader workers,
+    multiprocessing children).
 
-    CPU % is psutil's: 100 means one core busy, so a process can read 400 on four cores.
+    CPU % is psutil's: 100 means one core busy, so a process can read 400 on four cores. The
+    children's CPU is counted from CPU *time*: the live ones' own, plus what the kernel credits a
+    parent for the children it has reaped. So workers that live for one epoch only (a DataLoader
+    without persistent_workers), even for less than a sampling period, still count.
     """
 
     def __init__(self, pid: int):
@@ -254,6 +258,7 @@ class ProcessReader:
         self._children: dict[int, psutil.Process] = {}
         self._slow = {"threads": self.proc.num_threads(), "workers": 0, "workers_cpu_pct": 0.0, "workers_rss_mib": 0.0}
         self._slow_read_at = time.monotonic()
+        self._children_cpu_s = self._reaped_cpu_s()
 
     def read(self) -> dict | None:
         try:
@@ -263,29 +268,39 @@ class ProcessReader:
             return None
         now = time.monotonic()
         if now - self._slow_read_at >= _SLOW_REFRESH_S:
+            self._read_slow(now - self._slow_read_at)
             self._slow_read_at = now
-            self._read_slow()
         row.update(self._slow)
         return row
 
-    def _read_slow(self) -> None:
-        """Threads, and the workers' CPU % (averaged since the last slow read) and memory."""
+    def _reaped_cpu_s(self) -> float:
+        times = self.proc.cpu_times()
+        return times.children_user + times.children_system
+
+    def _read_slow(self, elapsed_s: float) -> None:
+        """Threads, and the children's CPU % (averaged since the last slow read) and memory."""
         try:
             self._slow["threads"] = self.proc.num_threads()
             found = {c.pid: c for c in self.proc.children(recursive=True)}
+            cpu_s = self._reaped_cpu_s()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return
-        cpu = rss = 0.0
+        rss = 0.0
         for pid, child in list(found.items()):
             known = self._children.setdefault(pid, child)
             try:
                 with known.oneshot():
-                    cpu += known.cpu_percent(None)  # 0.0 the first time a worker is seen
+                    t = known.cpu_times()
+                    cpu_s += t.user + t.system + t.children_user + t.children_system
                     rss += known.memory_info().rss / 2**20
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 found.pop(pid, None)
         self._children = {pid: self._children[pid] for pid in found}
-        self._slow.update(workers=len(found), workers_cpu_pct=cpu, workers_rss_mib=rss)
+        # A child that died since the last read and is not reaped yet drops out for a moment:
+        # never report a negative rate for that.
+        used = max(0.0, cpu_s - self._children_cpu_s)
+        self._children_cpu_s = max(cpu_s, self._children_cpu_s)
+        self._slow.update(workers=len(found), workers_cpu_pct=100 * used / elapsed_s, workers_rss_mib=rss)
 
 
 # ----------------------------------------------------------------------------- the sampler

@@ -14,7 +14,7 @@ import io
 
 from matplotlib.figure import Figure
 
-from gpulab.monitor.recorder import Recording
+from gpulab.monitor.events import Recording
 
 COLORS = {
     "data_wait": "#f28e2b",

@@ -8,7 +8,7 @@ started, on the same clock as timeline.png.
 
 from __future__ import annotations
 
-from gpulab.monitor.recorder import Recording
+from gpulab.monitor.events import Recording
 
 _SCRIPT, _DEVICES = 1, 2
 _STEPS_TID, _SPANS_TID = 1, 2

@@ -1,0 +1,123 @@
+"""Inside each Python process of a profiled job: record it from its own `import torch` to its exit.
+
+autostart/sitecustomize.py calls `install()` at interpreter start-up when `gpulab profile` runs
+the job. The script runs exactly as `python script.py` would run it (its own `__main__`,
+sys.argv, tracebacks, exit code); gpulab only waits for torch.
+
+Why wait: importing torch first would change the script. OMP_NUM_THREADS, MKL_NUM_THREADS and
+friends are read when torch loads, and scripts set them before their `import torch`; a process
+that never imports torch (torchrun's agent, a tokenizer worker) costs nothing more.
+
+How a recording ends: at interpreter exit (atexit), at the end of a multiprocessing child (which
+leaves with os._exit, skipping atexit: recorder.py hooks Process._bootstrap), or on SIGTERM /
+SIGHUP when the script has no handler of its own (flush, then die of the signal as before).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+
+from gpulab.monitor.config import ProfileConfig
+from gpulab.monitor.events import events_file
+
+_PARENT_POLL_S = 0.5
+
+
+def install(directory: str) -> None:
+    cfg = ProfileConfig(**json.loads(os.environ.get("GPULAB_PROFILE_CONFIG") or "{}"))
+    if str(os.getppid()) == os.environ.get("GPULAB_PROFILE_PARENT"):
+        _stop_the_job_if_gpulab_dies(directory)
+    starter = _RecordWhenTorchLoads(cfg, directory)
+    if "torch" in sys.modules:
+        starter.start()
+    else:
+        sys.meta_path.insert(0, starter)
+
+
+class _RecordWhenTorchLoads:
+    """A finder at the head of sys.meta_path that starts the recorder once `torch` has executed."""
+
+    def __init__(self, cfg: ProfileConfig, directory: str):
+        self.cfg, self.directory = cfg, directory
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)  # the real one, from the finders after us
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            self.start()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+    def start(self) -> None:
+        from gpulab.monitor.recorder import Recorder
+
+        recorder = Recorder(self.cfg, events_path=events_file(self.directory, os.getpid()))
+        recorder.start(command=list(getattr(sys, "orig_argv", sys.argv)))
+        atexit.register(recorder.stop_in_any_process)
+        _note_uncaught_exceptions(recorder)
+        _flush_on_termination(recorder)
+
+
+def _note_uncaught_exceptions(recorder) -> None:
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        recorder.error = f"{kind.__name__}: {value}"
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
+
+
+def _flush_on_termination(recorder) -> None:
+    """On SIGTERM/SIGHUP (timeout, Slurm, Kubernetes, gpulab passing one on), write what was
+    recorded, then die of the signal as the script would have. A script's own handler wins."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def flush_and_die(signum, frame):
+        recorder.stop_in_any_process(exit_code=128 + signum, error=f"stopped by {signal.Signals(signum).name}")
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, flush_and_die)
+
+
+def _stop_the_job_if_gpulab_dies(directory: str) -> None:
+    """The script's main process: if `gpulab profile` is killed outright (SIGKILL, OOM killer),
+    stop the whole job rather than leave it running, holding a GPU, with nobody to report to,
+    and remove the recordings nobody will read."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            child.terminate()
+        _, alive = psutil.wait_procs(children, timeout=5)
+        for child in alive:
+            child.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gpulab-parent-watch", daemon=True).start()

@@ -1,0 +1,52 @@
+"""Put every Python process of a profiled job under gpulab's recorder.
+
+`gpulab profile` puts this folder first on the PYTHONPATH of the command it runs, so Python
+imports this file at start-up in the script, and in every Python process it starts: spawned
+multiprocessing children, torchrun's ranks, plain subprocesses. Only standard-library imports
+here: it runs in processes that never touch torch, and it must cost them nothing but this.
+
+Each process writes one line saying it exists (or why gpulab could not load there, e.g. another
+interpreter without gpulab's dependencies), then waits for its own `import torch`
+(gpulab.monitor.attach). Any other sitecustomize on the path is run after this one, as if
+this file were not there.
+"""
+
+import os
+import sys
+
+
+def _note_process(directory: str, error: str | None = None) -> None:
+    import json
+    import time
+
+    record = {"type": "process", "pid": os.getpid(), "ppid": os.getppid(), "t": time.perf_counter(),
+              "argv": list(getattr(sys, "orig_argv", sys.argv)), "executable": sys.executable, "error": error}
+    with open(os.path.join(directory, f"events-{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _attach(directory: str) -> None:
+    try:
+        from gpulab.monitor import attach
+    except Exception as e:  # noqa: BLE001 - any failure to load must not stop the user's script
+        _note_process(directory, error=f"{type(e).__name__}: {e}")
+        return
+    _note_process(directory)
+    attach.install(directory)
+
+
+def _run_next_sitecustomize() -> None:
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+if os.environ.get("GPULAB_PROFILE_DIR"):
+    _attach(os.environ["GPULAB_PROFILE_DIR"])
+_run_next_sitecustomize()

@@ -1,0 +1,142 @@
+"""The recording format, read back: one JSON-lines file per recorded process.
+
+Written by the recorder (recorder.py) inside each process of the profiled job, read by the
+report side in `gpulab profile`'s own process. This module imports no torch: the parent must not
+pay for it (2-3 s) and must not change the script's environment.
+
+A process's file holds, in order of writing:
+
+    process    written at interpreter start-up (autostart/sitecustomize.py): pid, ppid, argv,
+               or the error that kept gpulab's recorder from loading there
+    start      the recorder started (the process imported torch)
+    loader     a DataLoader the process iterated (its settings and where it was created)
+    step       one training step: exclusive seconds per category, counts, spans
+    fold       the steps before it belong to the step after it (a stronger step rule took over)
+    tail       the time after the last step (the whole run when no step ended)
+    end        the recorder stopped cleanly
+    sites, hot, spans, facts   whole-run tallies, rewritten at every flush (the last one wins)
+
+perf_counter() is CLOCK_MONOTONIC on Linux and macOS: one clock for every process of a machine,
+so lanes line up without translation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CATEGORIES = ("data_wait", "h2d", "compute", "sync", "other")
+EVENTS_PREFIX = "events-"
+TRANSFORM_PREFIX = "transform: "  # a step's count of seconds in one transform inside a DataLoader fetch
+
+
+def events_file(directory: Path | str, pid: int) -> Path:
+    return Path(directory) / f"{EVENTS_PREFIX}{pid}.jsonl"
+
+
+def read_events(path: Path) -> list[dict]:
+    """The records of an events file; a line cut short by a crash is skipped."""
+    records = []
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return records
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def read_lanes(directory: Path) -> list["Recording"]:
+    """One Recording per process that wrote an events file, in order of start."""
+    lanes = [Recording(read_events(p)) for p in Path(directory).glob(f"{EVENTS_PREFIX}*.jsonl")]
+    return sorted(lanes, key=lambda r: (r.process.get("t") or r.start.get("t") or 0.0, r.pid or 0))
+
+
+class Recording:
+    """The records of one process, sorted by kind (the reading side of the format above)."""
+
+    def __init__(self, records: list[dict]):
+        self.process: dict = {}
+        self.start: dict = {}
+        self.end: dict | None = None
+        self.steps: list[dict] = []
+        self.tail: dict | None = None
+        self.loaders: list[dict] = []
+        self.sites: list[dict] = []
+        self.hot: dict[str, dict[str, int]] = {}
+        self.hot_interval_s = 0.0
+        self.span_seconds: dict[str, float] = {}
+        self.facts: dict = {}
+        self.kernels: dict | None = None
+        self.exit_code: int | None = None  # set by whoever knows it (the parent, for its own child)
+        folded: list[dict] = []
+        for r in records:
+            kind = r.get("type")
+            if kind == "process":
+                self.process = r
+            elif kind == "start":
+                self.start = r
+            elif kind == "end":
+                self.end = r
+            elif kind == "fold":  # the steps so far belong to the next one (recorder.py: step rules)
+                folded, self.steps = folded + self.steps, []
+            elif kind == "step":
+                self.steps.append(_merged(folded, r) if folded else r)
+                folded = []
+            elif kind == "tail":
+                self.tail = r
+            elif kind == "loader":
+                self.loaders.append(r)
+            elif kind == "sites":  # snapshots: the last one is the whole run
+                self.sites = r["sites"]
+            elif kind == "hot":
+                self.hot, self.hot_interval_s = r["lines"], r["interval_s"]
+            elif kind == "spans":
+                self.span_seconds = r["seconds"]
+            elif kind == "facts":
+                self.facts = r
+            elif kind == "kernels":
+                self.kernels = r
+
+    @property
+    def t_start(self) -> float | None:
+        return self.start.get("t")
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.get("pid") or self.start.get("pid")
+
+    @property
+    def recorded(self) -> bool:
+        """Did the recorder run in this process (it imported torch)?"""
+        return bool(self.start)
+
+    @property
+    def trained(self) -> bool:
+        return bool(self.steps)
+
+    @property
+    def step_rule(self) -> str | None:
+        """How steps were found: "optimizer", "backward" or "explicit" (p.step())."""
+        return self.facts.get("step_rule")
+
+    @property
+    def is_dataloader_worker(self) -> bool:
+        return bool(self.facts.get("dataloader_worker"))
+
+
+def _merged(earlier: list[dict], step: dict) -> dict:
+    """One step made of `earlier` steps and `step`: times, counts and spans added up."""
+    merged = {**step, "t0": earlier[0]["t0"], "excl": dict(step["excl"]), "counts": dict(step["counts"]),
+              "data": [span for r in earlier for span in r.get("data", [])] + step.get("data", [])}
+    if "spans" in step:
+        merged["spans"] = [span for r in earlier for span in r.get("spans", [])] + step["spans"]
+    for r in earlier:
+        for category, seconds in r["excl"].items():
+            merged["excl"][category] = merged["excl"].get(category, 0.0) + seconds
+        for key, n in r["counts"].items():
+            merged["counts"][key] = merged["counts"].get(key, 0) + n
+    return merged

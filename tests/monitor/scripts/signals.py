@@ -1,0 +1,64 @@
+"""Planted: a script with its own SIGINT cleanup, a DataLoader worker and a child process.
+
+With --steps N it trains N steps and ends normally. Writes its pid and its children's pids to the file given as argv[1], then trains until stopped.
+On KeyboardInterrupt it prints "signals: cleanup ran" and exits with 130; with --ignore-sigint
+it ignores SIGINT altogether.
+"""
+
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Forever(Dataset):
+    def __len__(self):
+        return 10**9
+
+    def __getitem__(self, i):
+        time.sleep(0.001)
+        return torch.randn(8)
+
+
+def idle():
+    time.sleep(600)
+
+
+def main():
+    torch.set_num_threads(1)
+    if "--ignore-sigint" in sys.argv:  # a script that will not stop on Ctrl-C
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child = mp.get_context("fork").Process(target=idle, daemon=False)
+    child.start()
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = iter(DataLoader(Forever(), batch_size=4, num_workers=1))
+    import os
+    import psutil
+    X = next(loader)
+    pids = [os.getpid()] + [c.pid for c in psutil.Process().children(recursive=True)]
+    with open(sys.argv[1], "w") as f:
+        f.write(" ".join(map(str, pids)))
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else None
+    try:
+        while steps is None or steps > 0:
+            steps = steps - 1 if steps is not None else None
+            loss = model(X).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            X = next(loader)
+    except KeyboardInterrupt:
+        print("signals: cleanup ran", flush=True)
+        child.terminate()
+        sys.exit(130)
+    child.terminate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""`gpulab profile` on the scripts people really write (issue 14): steps without torch.optim,
+trainers in child processes, transforms counted as data time, advice that fits the machine and
+that `--try` measures, signals that never lose the report or leave a process behind.
+
+Each test runs real processes (a few seconds each: importing torch dominates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpulab.cli import main
+from gpulab.monitor.config import ProfileConfig
+from gpulab.monitor.events import Recording
+from gpulab.monitor.report import build_job_report
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def profile(tmp_path: Path, script: str, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "prof"
+    code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script), *args])
+    assert not list(out.glob(".events-*")), "the raw recordings are removed"
+    return code, json.loads((out / "report.json").read_text())
+
+
+def planted_line(script: str) -> int:
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if "# planted:" in line)
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+@pytest.mark.parametrize("args", [[], ["--functional"]], ids=["nn.Module", "tensors only"])
+def test_manual_sgd_steps_are_found_from_backward(tmp_path, args):
+    code, report = profile(tmp_path, "manual_sgd.py", *args)
+    assert code == 0
+    assert report["steps"] == 40  # 4 epochs x 10 batches; the no-grad evaluation is no step
+    assert report["steps_found"] == "found from backward() calls: no torch.optim optimizer was stepped"
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
+    code, report = profile(tmp_path, "accumulate.py")
+    assert code == 0
+    assert report["steps"] == 8 and report["steps_found"] == "found from optimizer.step()"
+
+
+def test_an_inference_only_run_is_called_that(tmp_path):
+    code, report = profile(tmp_path, "inference_only.py")
+    assert code == 0 and report["steps"] == 0
+    assert "inference-only run" in report["findings"][0]["evidence"]
+
+
+# ----------------------------------------------------------------------------- child processes
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+def test_trainers_in_child_processes_are_each_a_lane(tmp_path, method):
+    code, report = profile(tmp_path, "trainers_in_children.py", method)
+    assert code == 0
+    trainers = [p for p in report["processes"] if p["steps"]]
+    assert [p["steps"] for p in trainers] == [30, 30]
+    assert all(p["steps_found"] == "found from optimizer.step()" for p in trainers)
+    main_process = [p for p in report["processes"] if p["role"] == "main"]
+    assert main_process and main_process[0]["steps"] == 0  # the parent only evaluated
+    assert report["diagnosed_pid"] in {p["pid"] for p in trainers} and report["steps"] == 30
+    assert "2 child process(es)" in report["note"]
+    # the parent's slow evaluation loader is not the verdict
+    assert "input_pipeline" not in [f["cause"] for f in report["findings"]]
+
+
+def test_dataloader_workers_are_not_lanes(tmp_path):
+    code, report = profile(tmp_path, "signals.py", str(tmp_path / "pids"), "--steps", "30")
+    assert code == 0
+    main_pid = int((tmp_path / "pids").read_text().split()[0])
+    # the idle multiprocessing child is a process of the job; the DataLoader worker is not
+    assert [p["role"] for p in report["processes"]] == ["main", f"child of {main_pid}"]
+    assert report["steps"] == 30
+
+
+# ----------------------------------------------------------------------------- data time
+
+
+def test_transforms_that_are_modules_count_as_data_time(tmp_path, capfd):
+    code, report = profile(tmp_path, "transforms_in_getitem.py")
+    assert code == 0
+    script_share = float(re.search(r"data share (\S+)", capfd.readouterr().out).group(1))
+    assert abs(report["phases"]["data_wait"] - script_share) <= 0.10  # the script's own measurement
+    top = report["transforms"][0]
+    assert top["name"] == "Normalize" and top["share"] > 0.05
+    assert top["where"].endswith(f"transforms_in_getitem.py:{planted_line('transforms_in_getitem.py')}")
+    finding = report["findings"][0]
+    assert finding["cause"] == "input_pipeline" and "Normalize" in finding["evidence"]
+    assert finding["fix"].startswith("apply Normalize once per batch")
+
+
+def test_no_more_workers_advised_when_the_compute_uses_every_core(tmp_path):
+    code, report = profile(tmp_path, "saturated_cpu.py")
+    assert code == 0
+    finding = report["findings"][0]
+    assert finding["cause"] == "input_pipeline"
+    assert "would not help" in finding["fix"] and "num_workers=" not in finding["fix"]
+
+
+def test_spare_cores_get_the_workers_advice_with_a_try_command(tmp_path):
+    code, report = profile(tmp_path, "slow_dataset.py")  # 1 torch thread: a core is spare
+    assert code == 0
+    cores = os.cpu_count()
+    fix = report["findings"][0]["fix"]
+    if cores > 1:
+        assert f"--try num_workers={cores - 1}" in fix
+    else:
+        assert "would not help" in fix
+
+
+def test_try_measures_the_change_on_the_first_steps(tmp_path, capsys):
+    out = tmp_path / "try"
+    code = main(["profile", "--out", str(out), "--try", "num_workers=1", "--steps", "5", "--",
+                 sys.executable, str(SCRIPTS / "slow_dataset.py")])
+    assert code == 0
+    result = json.loads((out / "try.json").read_text())
+    before, after = result["runs"]["as it is"], result["runs"]["with num_workers=1"]
+    assert before["steps"] == after["steps"] == 5
+    assert result["speedup"] == pytest.approx(before["median_s"] / after["median_s"], rel=1e-3)
+    assert "the change makes each step" in capsys.readouterr().err
+    assert not list(out.glob(".events-*"))
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+def start_signals_job(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, list[int]]:
+    """gpulab profile of signals.py in its own session; the script's pids once it is training."""
+    pids_file = tmp_path / "pids"
+    gpulab = subprocess.Popen(
+        [sys.executable, "-m", "gpulab", "profile", "--out", str(tmp_path / "prof"), "--", sys.executable,
+         str(SCRIPTS / "signals.py"), str(pids_file), *args],
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (pids_file.exists() and pids_file.read_text().strip()):
+        assert time.monotonic() < deadline and gpulab.poll() is None, "the script did not start"
+        time.sleep(0.1)
+    time.sleep(1.0)  # some steps
+    return gpulab, [int(p) for p in pids_file.read_text().split()]
+
+
+def still_running(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.parametrize("how, args, exit_code", [
+    ("SIGINT to gpulab", [], 130),  # passed on once: the script's own cleanup runs
+    ("SIGTERM to the group", [], 143),  # timeout, Slurm, Kubernetes
+    ("SIGHUP to gpulab", [], 129),
+    ("two SIGINTs, script ignores them", ["--ignore-sigint"], 143),  # escalates to SIGTERM
+])
+def test_signals_end_the_job_and_keep_the_report(tmp_path, how, args, exit_code):
+    gpulab, pids = start_signals_job(tmp_path, *args)
+    if how == "SIGTERM to the group":
+        os.killpg(gpulab.pid, signal.SIGTERM)
+    elif how == "SIGHUP to gpulab":
+        gpulab.send_signal(signal.SIGHUP)
+    else:
+        gpulab.send_signal(signal.SIGINT)
+        if args:
+            time.sleep(1.0)
+            gpulab.send_signal(signal.SIGINT)
+    out, err = gpulab.communicate(timeout=60)
+    assert gpulab.returncode == exit_code, err[-2000:]
+    if how == "SIGINT to gpulab":
+        assert "signals: cleanup ran" in out
+    report = json.loads((tmp_path / "prof" / "report.json").read_text())
+    assert report["exit_code"] == exit_code and report["steps"] > 10
+    assert not still_running(pids)
+    assert not list((tmp_path / "prof").glob(".events-*"))
+
+
+def test_killing_gpulab_outright_stops_the_whole_job(tmp_path):
+    gpulab, pids = start_signals_job(tmp_path)
+    gpulab.kill()
+    gpulab.wait()
+    deadline = time.monotonic() + 15
+    while still_running(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not still_running(pids)
+    assert not list((tmp_path / "prof").glob(".events-*"))
+
+
+# ----------------------------------------------------------------------------- empty recordings
+
+
+def test_a_python_that_cannot_load_gpulab_is_named():
+    lanes = [Recording([{"type": "process", "pid": 7, "executable": "/opt/py/bin/python",
+                         "error": "ModuleNotFoundError: No module named 'psutil'"}])]
+    report, _ = build_job_report(lanes, 7, [], [], {}, ProfileConfig(), exit_code=1)
+    finding = report["findings"][0]
+    assert "/opt/py/bin/python" in finding["evidence"] and "psutil" in finding["evidence"]
+    assert "first optimizer.step()" not in finding["evidence"]
+
+
+def test_a_script_without_torch_is_said_to_be_one(tmp_path):
+    out = tmp_path / "prof"
+    assert main(["profile", "--out", str(out), "--", sys.executable, "-c", "print('no torch here')"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "never imported torch" in report["findings"][0]["evidence"]
