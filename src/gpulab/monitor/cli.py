@@ -10,12 +10,16 @@ from gpulab.monitor.config import ProfileConfig
 _DESCRIPTION = """\
 Run an unmodified PyTorch training script and show where its step time goes.
 
-Steps come from optimizer.step(); time blocked on the DataLoader, host syncs (.item(), print,
-.cpu() on CUDA), host-to-device copies, forward/backward/optimizer and the Python in between is
-measured per step while a sampler records GPU and CPU utilization. DIR receives report.json
+Steps come from optimizer.step() (else from backward() calls); time blocked on the DataLoader
+(transforms included), host syncs (.item(), print, .cpu() on CUDA), host-to-device copies,
+forward/backward/optimizer and the Python in between is measured per step, in every Python
+process of the job, while a sampler records GPU and CPU utilization. DIR receives report.json
 (findings ranked by share of step time, each with evidence, the line and the fix),
 timeline.png and trace.json (open in ui.perfetto.dev). The script keeps its exit code, stdout
-and stderr; the short report goes to stderr.
+and stderr; the short report goes to stderr. Signals sent to gpulab are passed on to the script.
+
+--try KEY=VALUE --steps K measures a DataLoader change (num_workers, pin_memory,
+persistent_workers, prefetch_factor) on the first K steps, against the script as it is.
 """
 
 

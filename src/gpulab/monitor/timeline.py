@@ -62,7 +62,7 @@ def render(rec: Recording, samples: list[dict], gpus: list[dict], report: dict, 
     ax_cpu.set_xlabel("seconds since the script started")
     ax_cpu.set_xlim(left=0)
     fig.suptitle(_headline(report, title), fontsize=10)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.08, right=0.98, top=0.93, bottom=0.06, hspace=0.12)  # tight_layout: +0.25 s
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()

@@ -1,0 +1,132 @@
+"""What does `gpulab profile` add to a run? Fixed cost and in-loop overhead, side by side.
+
+Fixed cost: `python -c "import torch"` plain and under `gpulab profile`, alternating; the cost is
+the median of the paired differences of wall time (everything gpulab adds: its own start-up, the
+recorder's start in the script, the report). Goal 0.5 s, accepted up to 1.0 s (issue 14).
+
+In-loop overhead: three training scripts, each timing its own loop (perf_counter around the
+loop, printed as `loop_s=`), plain and profiled, alternating. The overhead is the median ratio
+profiled / plain of the loop time; the wall-time difference minus the loop difference is the
+fixed cost again, seen on a real script.
+
+  optimizer   LeNet-sized conv net, torch.optim.SGD, tensors in memory
+  backward    an MLP with a manual SGD update (steps found from backward())
+  transforms  a DataLoader whose Dataset runs an nn.Module transform per sample (num_workers=0)
+
+    flock /tmp/gpulab-cpu.lock env PYTHONPATH=src .venv/bin/python benchmarks/profile_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPTS = {
+    "optimizer": '''
+import time, torch
+from torch import nn
+torch.manual_seed(0); torch.set_num_threads(1)
+model = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.Sigmoid(), nn.AvgPool2d(2), nn.Conv2d(6, 16, 5), nn.Sigmoid(),
+                      nn.AvgPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.Sigmoid(), nn.Linear(120, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+X, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+t0 = time.perf_counter()
+for _ in range(STEPS):
+    loss = nn.functional.cross_entropy(model(X), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+print(f"loop_s={time.perf_counter() - t0:.6f}")
+''',
+    "backward": '''
+import time, torch
+from torch import nn
+torch.manual_seed(0); torch.set_num_threads(1)
+model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+X, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
+t0 = time.perf_counter()
+for _ in range(STEPS):
+    loss = nn.functional.cross_entropy(model(X), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.01); p.grad = None
+print(f"loop_s={time.perf_counter() - t0:.6f}")
+''',
+    "transforms": '''
+import time, torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+torch.manual_seed(0); torch.set_num_threads(1)
+class Normalize(nn.Module):
+    def forward(self, x): return (x - 0.5) / 0.25
+class Images(Dataset):
+    def __init__(self): self.x, self.t = torch.randn(STEPS * 32, 1, 28, 28), Normalize()
+    def __len__(self): return len(self.x)
+    def __getitem__(self, i): return self.t(self.x[i]), i % 10
+model = nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+t0 = time.perf_counter()
+for X, y in DataLoader(Images(), batch_size=32):
+    loss = nn.functional.cross_entropy(model(X), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+print(f"loop_s={time.perf_counter() - t0:.6f}")
+''',
+}
+
+
+def run(argv: list[str], out: Path) -> tuple[float, float | None]:
+    """Wall seconds of the whole command, and the loop seconds the script printed (if any)."""
+    t0 = time.perf_counter()
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=out)
+    wall = time.perf_counter() - t0
+    if result.returncode != 0:
+        sys.exit(f"failed: {' '.join(argv)}\n{result.stderr[-2000:]}")
+    loop = re.search(r"loop_s=(\S+)", result.stdout)
+    return wall, float(loop.group(1)) if loop else None
+
+
+def profiled(argv: list[str], out: Path) -> list[str]:
+    return [sys.executable, "-m", "gpulab", "profile", "--out", str(out / "prof"), "--", *argv]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300, help="training steps per script run")
+    args = parser.parse_args()
+    env_python = [sys.executable]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        print(f"gpulab profile overhead: {args.rounds} rounds, plain and profiled alternating, {os.cpu_count()} cores")
+        fixed = []
+        for _ in range(args.rounds):
+            plain, _ = run([*env_python, "-c", "import torch"], out)
+            prof, _ = run(profiled([*env_python, "-c", "import torch"], out), out)
+            fixed.append(prof - plain)
+        print(f"\nfixed cost (python -c 'import torch'): +{statistics.median(fixed):.2f} s median "
+              f"[{min(fixed):.2f} .. {max(fixed):.2f}] over {args.rounds} pairs (goal 0.5 s, accepted 1.0 s)")
+        print(f"\n{'script':<12} {'loop plain':>11} {'loop prof.':>11} {'in-loop':>9} {'wall added':>11}")
+        for name, source in SCRIPTS.items():
+            script = out / f"{name}.py"
+            script.write_text(source.replace("STEPS", str(args.steps)))
+            ratios, added = [], []
+            for _ in range(args.rounds):
+                wall_plain, loop_plain = run([*env_python, str(script)], out)
+                wall_prof, loop_prof = run(profiled([*env_python, str(script)], out), out)
+                ratios.append(loop_prof / loop_plain)
+                added.append(wall_prof - wall_plain)
+                last = (loop_plain, loop_prof)
+            ratio = statistics.median(ratios)
+            print(f"{name:<12} {last[0]:>10.2f}s {last[1]:>10.2f}s {100 * (ratio - 1):>+8.1f}% "
+                  f"{statistics.median(added):>+10.2f}s   (in-loop range {100 * (min(ratios) - 1):+.1f}% .. "
+                  f"{100 * (max(ratios) - 1):+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
