@@ -100,6 +100,16 @@ def _flush_on_termination(recorder) -> None:
             signal.signal(signum, flush_and_die)
 
 
+def block_signals_in_this_thread() -> None:
+    """Leave signals to the script's main thread (for gpulab's helper threads in the script). A
+    signal the kernel hands to a helper thread does not interrupt the main thread's blocking call
+    (time.sleep, a join), so the script's own handler would wait for it - for ever, in a process
+    sleeping in a child."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                                                  signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD})
+
+
 def _stop_the_job_if_gpulab_dies(directory: str) -> None:
     """The script's main process: if `gpulab profile` is killed outright (SIGKILL, OOM killer),
     stop the whole job rather than leave it running, holding a GPU, with nobody to report to,
@@ -107,6 +117,7 @@ def _stop_the_job_if_gpulab_dies(directory: str) -> None:
     parent = os.getppid()
 
     def watch():
+        block_signals_in_this_thread()
         while os.getppid() == parent:
             time.sleep(_PARENT_POLL_S)
         import psutil

@@ -54,6 +54,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from gpulab.errors import UserError
 from gpulab.monitor import phases
+from gpulab.monitor.attach import block_signals_in_this_thread
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.cuda_hooks import CudaHooks
 from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX
@@ -106,6 +107,7 @@ class Recorder:
         self.error: str | None = None  # an uncaught exception, noted by attach.py's excepthook
         self._ident: int | None = None
         self._detached = False
+        self._stopping = False
         self._undo: list = []
         self._transform_sites: dict[int, str] = {}  # id(transform) -> where the user built it
         self._reset_run_state()
@@ -199,14 +201,16 @@ class Recorder:
     def stop_in_any_process(self, exit_code: int | None = None, error: str | None = None) -> None:
         """stop(), if this process's recording is still running (atexit, signals, multiprocessing
         children: whichever comes first)."""
-        if _active is self and not self._detached and self._pid == os.getpid():
+        if _active is self and not self._detached and not self._stopping and self._pid == os.getpid():
             self.stop(exit_code=exit_code, error=error)
 
     def stop(self, exit_code: int | None = None, error: str | None = None) -> None:
         """End the session: close the open step as the run's tail, restore torch, flush."""
         global _active
-        if _active is not self:
+        if _active is not self or self._stopping:
             return
+        # A signal can arrive while stopping (SIGTERM during the atexit flush): stop only once.
+        self._stopping = True
         if self._ident is not None:
             self._end_step_after_backward()  # the last step of the backward rule ends with the run
         now = time.perf_counter()
@@ -215,7 +219,7 @@ class Recorder:
             self._emit({"type": "tail", "t0": self._step_t0, "t1": now, **self._step_fields()})
         self._stop_sampling.set()
         if self._stack_thread is not None:
-            self._stack_thread.join()
+            self._stack_thread.join(timeout=1.0)  # never hang an exiting process on the profiler
         with self.cuda.suppressed():
             self.cuda.finish(self._step_index)
         self._uninstall()
@@ -398,6 +402,7 @@ class Recorder:
     def _sample_stacks(self) -> None:
         """Every few ms, note the innermost user line the training thread is on, per category."""
         interval = self.cfg.stack_interval_s
+        block_signals_in_this_thread()
         while not self._stop_sampling.wait(interval):
             ident = self._ident
             frame = sys._current_frames().get(ident) if ident is not None else None
