@@ -50,7 +50,7 @@ def samples() -> list[dict]:
 def test_gpu_run_outputs_render(tmp_path):
     rec = recording()
     report = build_report(rec, samples(), [GPU], {"interval_s": 0.05}, ProfileConfig(), exit_code=0)
-    write_outputs(tmp_path, report, rec, samples(), [GPU], title="train.py")
+    write_outputs(tmp_path, report, [rec], samples(), [GPU], title="train.py")
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     counters = {e["name"] for e in events if e["ph"] == "C"}
@@ -63,5 +63,5 @@ def test_gpu_run_outputs_render(tmp_path):
 
 
 def test_time_origin_is_the_earliest_clock_reading():
-    assert timeline.time_origin(recording(), samples()) == 10.0
-    assert trace.build(recording(), [], [], 10.0)["traceEvents"][0]["ph"] == "M"
+    assert timeline.time_origin([recording()], samples()) == 10.0
+    assert trace.build([recording()], [], [], 10.0)["traceEvents"][0]["ph"] == "M"

@@ -506,3 +506,68 @@ def _finding(cause: str, share: float, evidence: str, where: str | None, fix_key
         "where": where,
         "fix": fix if fix is not None else FIXES[fix_key],
     }
+
+
+# ----------------------------------------------------------------------------- across ranks
+
+
+RANK_FIXES = {
+    "data_wait": "make its input as fast as the others': the same DataLoader settings on every rank, "
+                 "its slow samples cheaper (decode once and cache), or more workers where cores are spare",
+    "sync": "remove the per-step host syncs on that rank (.item(), print(tensor), .cpu()): read values every N steps",
+    "h2d": "copy from pinned memory without waiting on that rank: pin_memory=True and .to(device, non_blocking=True)",
+    "other": "move that rank's extra per-step Python out of the loop (logging, metrics, checks every N steps)",
+}
+
+
+def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
+    """Findings about a multi-rank job as a whole: a straggler, and ranks that ran unequal steps.
+
+    With synchronous data parallelism every rank waits for the slowest at each collective (for
+    DDP: inside backward, where the allreduce is waited for), so step times come out equal and
+    the straggler shows in *what* its step is made of: more time than the other ranks in one
+    host-side phase, while theirs grows in compute (waiting)."""
+    ranks = sorted((r for r in lanes if r.start.get("rank") is not None and r.trained), key=lambda r: r.start["rank"])
+    if len(ranks) < 2:
+        return []
+    findings = []
+    counts = {r.start["rank"]: len(r.steps) for r in ranks}
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"rank {k}: {v}" for k, v in counts.items())
+        findings.append(_finding(
+            "unbalanced_data", 1.0, f"the ranks ran different numbers of steps ({listing}): in a synchronous job "
+            f"the ranks with more batches wait in a collective for ranks that have stopped (a hang until the timeout)",
+            None, fix="give every rank the same number of batches: DistributedSampler(drop_last=True), or the same "
+                      "global batches split per rank (gpulab train does this)"))
+        findings[-1]["support"] = f"the step counts of {len(ranks)} ranks"
+    steps = {r.start["rank"]: _Step(select_steady(r.steps, warmup_steps)[0] or r.steps) for r in ranks}
+    S = statistics.median(s.S for s in steps.values())
+    per_category = {"data_wait": "D", "sync": "Y", "h2d": "H", "other": "O"}
+    worst = None
+    for category, attr in per_category.items():
+        values = {k: getattr(s, attr) for k, s in steps.items()}
+        rank = max(values, key=values.get)
+        others = statistics.median(v for k, v in values.items() if k != rank)
+        excess = values[rank] - others
+        if worst is None or excess > worst[0]:
+            worst = (excess, category, rank, others)
+    excess, category, rank, others = worst
+    if S <= 0 or excess / S < MIN_SHARE:
+        return findings
+    lane = next(r for r in ranks if r.start["rank"] == rank)
+    waiting = [k for k in steps if k != rank]
+    extra_compute = statistics.median(steps[k].C for k in waiting) - steps[rank].C
+    evidence = (f"rank {rank} spends {excess * 1e3:.1f} ms more per step in {PHASE_NAMES[category]} than the other "
+                f"ranks ({getattr(steps[rank], per_category[category]) * 1e3:.1f} ms vs a median of {others * 1e3:.1f} ms; "
+                f"{excess / S:.0%} of the {S * 1e3:.1f} ms step)")
+    if extra_compute > 0:
+        evidence += (f"; rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'} "
+                     f"for it: {extra_compute * 1e3:.1f} ms more per step in compute, where the gradient allreduce "
+                     f"is waited for")
+    where = _hottest(lane, category)
+    finding = _finding("straggler", excess / S, evidence, where,
+                       fix=f"rank {rank} holds every rank back: " + RANK_FIXES[category])
+    finding["rank"] = rank
+    _add_support(lane, steps[rank], finding)
+    findings.append(finding)
+    return findings

@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from gpulab.monitor import timeline, trace
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.diagnose import PHASE_NAMES, diagnose, lane_summary
+from gpulab.monitor.diagnose import PHASE_NAMES, diagnose, lane_summary, rank_findings
 from gpulab.monitor.events import Recording
 from gpulab.io import atomic_write_bytes, atomic_write_json
 
@@ -42,28 +42,40 @@ def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler:
 
 
 def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict], gpus: list[dict], sampler: dict,
-                     cfg: ProfileConfig, exit_code: int | None) -> tuple[dict, Recording]:
-    """The report of a job of one or more processes, and the process it diagnoses.
+                     cfg: ProfileConfig, exit_code: int | None) -> tuple[dict, list[Recording]]:
+    """The report of a job of one or more processes, and the processes to draw (the diagnosed
+    one first, then the other processes that trained).
 
     That is the script's own process when it trained, else the child that trained most (a
     trainer started with multiprocessing): the parent's evaluation loop is not the verdict.
     """
     main = next((r for r in lanes if r.pid == main_pid), None)
     trainers = [r for r in lanes if r.trained and not r.is_dataloader_worker]
+    ranks = sorted((r for r in trainers if r.start.get("rank") is not None), key=lambda r: r.start["rank"])
     if main is not None and main.trained:
         shown = main
+    elif ranks:
+        shown = ranks[0]
     else:
         shown = max(trainers, key=lambda r: len(r.steps), default=main) or Recording([])
     report = build_report(shown, samples, gpus, sampler, cfg, exit_code)
     report["diagnosed_pid"] = shown.pid
     report["processes"] = [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
                            for r in lanes if r.recorded and not r.is_dataloader_worker]
-    if shown is not main and shown.pid is not None:
+    across = rank_findings(lanes, cfg.warmup_steps)
+    if across:
+        report["findings"] = sorted(across + [f for f in report["findings"] if f["cause"] != "none"],
+                                    key=lambda f: f["share"], reverse=True)
+    if ranks and shown is ranks[0]:
+        report["note"] = (f"{len(ranks)} ranks trained; below, rank {shown.start['rank']}'s steps, then findings "
+                          f"across ranks (straggler, unbalanced data) and rank {shown.start['rank']}'s own")
+    elif shown is not main and shown.pid is not None:
         report["note"] = (f"the training ran in {len(trainers)} child process(es); the diagnosis is of pid "
                           f"{shown.pid} ({len(shown.steps)} steps), the others are listed under processes")
     elif not shown.recorded:
         report["findings"][0]["evidence"], report["findings"][0]["fix"] = _why_nothing_was_recorded(main)
-    return report, shown
+    return report, [shown] + sorted((r for r in trainers if r is not shown),
+                                    key=lambda r: (r.start.get("rank") is None, r.start.get("rank") or 0))
 
 
 def _role(rec: Recording, main_pid: int) -> str:
@@ -90,12 +102,13 @@ def _fields(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "type"}
 
 
-def write_outputs(out: Path, report: dict, rec: Recording, samples: list[dict], gpus: list[dict], title: str) -> None:
+def write_outputs(out: Path, report: dict, lanes: list[Recording], samples: list[dict], gpus: list[dict],
+                  title: str) -> None:
     """Write the three outputs atomically (a reader never sees half a file)."""
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "report.json", report)
-    atomic_write_bytes(out / "timeline.png", timeline.render(rec, samples, gpus, report, title))
-    events = trace.build(rec, samples, gpus, timeline.time_origin(rec, samples))
+    atomic_write_bytes(out / "timeline.png", timeline.render(lanes, samples, gpus, report, title))
+    events = trace.build(lanes, samples, gpus, timeline.time_origin(lanes, samples))
     atomic_write_bytes(out / "trace.json", json.dumps(events, separators=(",", ":")).encode())
 
 
@@ -118,7 +131,8 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
     lines.append(head)
     if report.get("note"):
         lines.append(f"  [dim]{escape(report['note'])}[/]")
-    trainers = [p for p in report.get("processes", []) if p["steps"]]
+    trainers = sorted((p for p in report.get("processes", []) if p["steps"]),
+                      key=lambda p: (p["rank"] is None, p["rank"] or 0))
     if len(trainers) > 1:
         for p in trainers:
             shares = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in (p["phases"] or {}).items())
@@ -138,7 +152,8 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
             lines.append(f"  [bold green]no bottleneck stands out[/]: {escape(f['evidence'])}")
             lines.append(f"     [dim]next:[/]  {escape(f['fix'])}")
             continue
-        lines.append(f"  [bold]{n}. {f['cause']}[/] [red]{f['share']:.0%}[/] of step time")
+        lines.append(f"  [bold]{n}. {f['cause']}[/] [red]{f['share']:.0%}[/] of step time"
+                     + (f" (rank {f['rank']})" if f.get("rank") is not None else ""))
         lines.append(f"     [dim]evidence:[/] {escape(f['evidence'])}")
         if f["where"]:
             lines.append(f"     [dim]where:[/]    {escape(f['where'])}")

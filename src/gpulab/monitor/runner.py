@@ -57,8 +57,8 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) ->
     job = run_job([interpreter, *options, *target], cfg, out)
     from gpulab.monitor.report import build_job_report, print_report, write_outputs
 
-    report, shown = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code)
-    write_outputs(out, report, shown, job.samples, job.gpus, title=" ".join(target[:2]))
+    report, lanes = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code)
+    write_outputs(out, report, lanes, job.samples, job.gpus, title=" ".join(target[:2]))
     print_report(report, out)
     return job.exit_code
 
@@ -199,10 +199,16 @@ def stop_leftovers(pgid: int, grace_s: float = 2.0) -> None:
 
 
 def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]:
-    """`python [options] (script.py | -m module | -c code) [args]` -> interpreter, options, target."""
+    """`python [options] (script.py | -m module | -c code) [args]` -> interpreter, options, target;
+    `torchrun [args]` as it is."""
     if not command:
         raise UserError(f"nothing to profile: give the command after --, e.g. {_USAGE}")
     interpreter = command[0]
+    if os.path.basename(interpreter) == "torchrun":  # a Python program: every rank is recorded
+        if shutil.which(interpreter) is None:
+            raise UserError(f"'{interpreter}' not found: install torch in this environment, or use "
+                            f"gpulab profile -- python -m torch.distributed.run ...")
+        return interpreter, [], command[1:]
     named_python = _PYTHON.match(os.path.basename(interpreter))
     if not named_python and os.path.realpath(interpreter) != os.path.realpath(sys.executable):
         hint = f"gpulab profile -- python {' '.join(command)}" if interpreter.endswith(".py") else _USAGE

@@ -60,7 +60,7 @@ class Profile:
         rec = Recording(self._recorder.records)
         gpus = self._sampler.gpu.gpus
         self.report = build_report(rec, self._sampler.samples, gpus, self._sampler.summary(), self.cfg, exit_code)
-        write_outputs(self.out, self.report, rec, self._sampler.samples, gpus, title=_program_name())
+        write_outputs(self.out, self.report, [rec], self._sampler.samples, gpus, title=_program_name())
         if not self.quiet:
             print_report(self.report, self.out, self.console)
         return False  # never swallow the exception

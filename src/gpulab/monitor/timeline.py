@@ -33,14 +33,17 @@ LABELS = {
 _MAX_STEP_LINES = 300
 
 
-def render(rec: Recording, samples: list[dict], gpus: list[dict], report: dict, title: str) -> bytes:
-    origin = time_origin(rec, samples)
+def render(lanes: list[Recording], samples: list[dict], gpus: list[dict], report: dict, title: str) -> bytes:
+    """The first lane is the diagnosed process; every lane gets a row of steps."""
+    rec = lanes[0]
+    origin = time_origin(lanes, samples)
     fig = Figure(figsize=(11, 8.5), dpi=110)
-    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [0.8, 2, 1.5, 1.5]})
+    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [0.8 * min(len(lanes), 4), 2, 1.5, 1.5]})
     ax_steps, ax_device, ax_memory, ax_cpu = axes
     steps = rec.steps + ([rec.tail] if rec.tail else [])
 
-    _plot_steps(ax_steps, steps, origin)
+    names = [f"rank {r.start['rank']}" if r.start.get("rank") is not None else f"pid {r.pid}" for r in lanes]
+    _plot_steps(ax_steps, [steps] + [r.steps for r in lanes[1:]], names, origin)
     if gpus and any(s["gpus"] for s in samples):
         _plot_gpu_activity(ax_device, samples, gpus, origin)
     else:
@@ -68,11 +71,12 @@ def render(rec: Recording, samples: list[dict], gpus: list[dict], report: dict, 
     return buf.getvalue()
 
 
-def time_origin(rec: Recording, samples: list[dict]) -> float:
-    """Time zero of the plots and the trace: when the script (or the sampler) started."""
-    candidates = [t for t in (rec.t_start, samples[0]["t"] if samples else None) if t is not None]
-    if not candidates and rec.steps:
-        candidates = [rec.steps[0]["t0"]]
+def time_origin(lanes: list[Recording], samples: list[dict]) -> float:
+    """Time zero of the plots and the trace: when the first process (or the sampler) started."""
+    starts = [r.t_start for r in lanes] + [samples[0]["t"] if samples else None]
+    candidates = [t for t in starts if t is not None]
+    if not candidates:
+        candidates = [r.steps[0]["t0"] for r in lanes if r.steps]
     return min(candidates) if candidates else 0.0
 
 
@@ -86,22 +90,28 @@ def _headline(report: dict, title: str) -> str:
     return line
 
 
-def _plot_steps(ax, steps: list[dict], origin: float) -> None:
-    """Each step as a bar from its start, split into its phases in a fixed order."""
-    bars: dict[str, list[tuple[float, float]]] = {c: [] for c in COLORS}
-    for s in steps:
-        x = s["t0"] - origin
-        for category in COLORS:
-            width = s["excl"].get(category, 0.0)
-            if width > 0:
-                bars[category].append((x, width))
-                x += width
-    for category, xranges in bars.items():
-        if xranges:
-            ax.broken_barh(xranges, (0, 1), facecolors=COLORS[category], linewidth=0, label=LABELS[category])
-    ax.set_yticks([])
+def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float) -> None:
+    """Each step as a bar from its start, split into its phases in a fixed order; one row per
+    training process (the ranks of a torchrun job: a straggler's row looks different)."""
+    for row, steps in enumerate(reversed(lanes)):
+        bars: dict[str, list[tuple[float, float]]] = {c: [] for c in COLORS}
+        for s in steps:
+            x = s["t0"] - origin
+            for category in COLORS:
+                width = s["excl"].get(category, 0.0)
+                if width > 0:
+                    bars[category].append((x, width))
+                    x += width
+        for category, xranges in bars.items():
+            if xranges:
+                ax.broken_barh(xranges, (row + 0.05, 0.9), facecolors=COLORS[category], linewidth=0,
+                               label=LABELS[category] if row == 0 else None)
+    if len(lanes) > 1:
+        ax.set_yticks([row + 0.5 for row in range(len(lanes))], list(reversed(names)), fontsize=7)
+    else:
+        ax.set_yticks([])
     ax.set_ylabel("steps", fontsize=8)
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, len(lanes))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, 1.55), ncol=5, fontsize=7, frameon=False)
 
@@ -147,7 +157,7 @@ def _plot_cpu(ax, samples: list[dict], cores: int | None, origin: float) -> None
     procs = [s["proc"] for s in samples if s.get("proc")]
     _line(ax, t, [p["cpu_pct"] for p in procs], "training process", "-")
     if any(p["workers"] for p in procs):
-        _line(ax, t, [p["workers_cpu_pct"] for p in procs], "DataLoader workers", "--")
+        _line(ax, t, [p["workers_cpu_pct"] for p in procs], "child processes (DataLoader workers, ranks)", "--")
     ax.set_ylim(bottom=0)
     ax.set_ylabel(f"CPU %\n(100 = 1 of {cores} cores)" if cores else "CPU %\n(100 = 1 core)", fontsize=8)
 

@@ -1,46 +1,65 @@
 """trace.json: a Chrome trace-event file (open it in ui.perfetto.dev or chrome://tracing).
 
-One process track for the training script (steps; the spans inside each step: data waits,
-forward, backward, optimizer, syncs and copies) and one for the sampled devices, whose readings
-are counter tracks (GPU utilization, memory, CPU %). Times are microseconds since the script
-started, on the same clock as timeline.png.
+One process track per training process - the script, each rank of a torchrun job, each child
+that trained (steps; the spans inside each step: data waits, transforms, forward, backward,
+optimizer, syncs and copies) - and one for the sampled devices, whose readings are counter
+tracks (GPU utilization, memory, CPU %). Times are microseconds since the script started, on the
+same clock as timeline.png (every process's perf_counter is the machine's monotonic clock).
 """
 
 from __future__ import annotations
 
 from gpulab.monitor.events import Recording
 
-_SCRIPT, _DEVICES = 1, 2
+_DEVICES, _FIRST_LANE = 1, 2
 _STEPS_TID, _SPANS_TID = 1, 2
 
 
-def build(rec: Recording, samples: list[dict], gpus: list[dict], origin: float) -> dict:
+def build(lanes: list[Recording], samples: list[dict], gpus: list[dict], origin: float) -> dict:
+    events: list[dict] = [_meta("process_name", _DEVICES, 0, "sampled: GPUs and process")]
+    for n, rec in enumerate(lanes):
+        events += _lane_events(rec, _FIRST_LANE + n, origin)
+    events += _sample_events(samples, gpus, origin)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _lane_events(rec: Recording, track: int, origin: float) -> list[dict]:
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 1)
 
+    rank = rec.start.get("rank")
+    name = f"rank {rank}" if rank is not None else "training process"
     events: list[dict] = [
-        _meta("process_name", _SCRIPT, 0, f"training script (pid {rec.start.get('pid', '?')})"),
-        _meta("thread_name", _SCRIPT, _STEPS_TID, "steps"),
-        _meta("thread_name", _SCRIPT, _SPANS_TID, "phases (host)"),
-        _meta("process_name", _DEVICES, 0, "sampled: GPUs and process"),
+        _meta("process_name", track, 0, f"{name} (pid {rec.pid or '?'})"),
+        _meta("process_sort_index", track, 0, track),
+        _meta("thread_name", track, _STEPS_TID, "steps"),
+        _meta("thread_name", track, _SPANS_TID, "phases (host)"),
     ]
     for s in rec.steps:
         events.append({
-            "name": f"step {s['i']}", "cat": "step", "ph": "X", "pid": _SCRIPT, "tid": _STEPS_TID,
+            "name": f"step {s['i']}", "cat": "step", "ph": "X", "pid": track, "tid": _STEPS_TID,
             "ts": us(s["t0"]), "dur": round((s["t1"] - s["t0"]) * 1e6, 1),
             "args": {f"{k} ms": round(v * 1e3, 3) for k, v in s["excl"].items()} | {"excluded": bool(s.get("profiled"))},
         })
     if rec.tail:
         events.append({
-            "name": "after the last step", "cat": "step", "ph": "X", "pid": _SCRIPT, "tid": _STEPS_TID,
+            "name": "after the last step", "cat": "step", "ph": "X", "pid": track, "tid": _STEPS_TID,
             "ts": us(rec.tail["t0"]), "dur": round((rec.tail["t1"] - rec.tail["t0"]) * 1e6, 1),
         })
     for s in [*rec.steps, *([rec.tail] if rec.tail else [])]:
         for name, category, t0, t1 in s.get("spans", []):
             events.append({
-                "name": name, "cat": category, "ph": "X", "pid": _SCRIPT, "tid": _SPANS_TID,
+                "name": name, "cat": category, "ph": "X", "pid": track, "tid": _SPANS_TID,
                 "ts": us(t0), "dur": round((t1 - t0) * 1e6, 1),
             })
+    return events
+
+
+def _sample_events(samples: list[dict], gpus: list[dict], origin: float) -> list[dict]:
+    def us(t: float) -> float:
+        return round((t - origin) * 1e6, 1)
+
+    events: list[dict] = []
     for sample in samples:
         ts = us(sample["t"])
         for position, info in enumerate(gpus):
@@ -62,11 +81,12 @@ def build(rec: Recording, samples: list[dict], gpus: list[dict], origin: float) 
             cpu = {"training process": proc["cpu_pct"], "workers": proc["workers_cpu_pct"]}
             _counter(events, "CPU % (100 = one core)", ts, cpu)
             _counter(events, "RSS MiB", ts, {"training process": proc["rss_mib"], "workers": proc["workers_rss_mib"]})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return events
 
 
-def _meta(kind: str, pid: int, tid: int, name: str) -> dict:
-    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+def _meta(kind: str, pid: int, tid: int, value) -> dict:
+    key = "sort_index" if kind.endswith("sort_index") else "name"
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
 
 
 def _counter(events: list[dict], name: str, ts: float, values: dict) -> None:
