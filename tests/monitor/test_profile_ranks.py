@@ -39,7 +39,7 @@ def test_a_planted_straggler_is_named_with_its_rank_phase_and_line(tmp_path, mod
     assert {k: p["steps"] for k, p in ranks(report).items()} == {0: 40, 1: 40}
     top = report["findings"][0]
     assert top["cause"] == "straggler" and top["rank"] == 1, top
-    assert f"rank 1 spends" in top["evidence"] and f"in {category} than the other ranks" in top["evidence"]
+    assert "rank 1 spends" in top["evidence"] and f"in {category} than the other ranks" in top["evidence"]
     assert "rank 0 waits for it" in top["evidence"]  # rank 0's extra time is inside backward (DDP)
     lines = (SCRIPTS / "ddp_ranks.py").read_text().splitlines()
     planted = next(i for i, line in enumerate(lines, 1) if "# planted:" in line and (

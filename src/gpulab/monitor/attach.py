@@ -35,43 +35,54 @@ def install(directory: str) -> None:
     cfg = ProfileConfig(**json.loads(os.environ.get("GPULAB_PROFILE_CONFIG") or "{}"))
     if str(os.getppid()) == os.environ.get("GPULAB_PROFILE_PARENT"):
         _stop_the_job_if_gpulab_dies(directory)
-    starter = _RecordWhenTorchLoads(cfg, directory)
-    if "torch" in sys.modules:
-        starter.start()
-    else:
-        sys.meta_path.insert(0, starter)
+    after_import("torch", lambda torch: _start_recording(cfg, directory))
 
 
-class _RecordWhenTorchLoads:
-    """A finder at the head of sys.meta_path that starts the recorder once `torch` has executed."""
+def after_import(name: str, callback):
+    """callback(module) once module `name` has been imported and executed (now, if it already
+    has been); returns an undo that drops the hook if it has not fired yet.
 
-    def __init__(self, cfg: ProfileConfig, directory: str):
-        self.cfg, self.directory = cfg, directory
+    A finder at the head of sys.meta_path waits for the import of `name`, finds the real spec
+    with the finders after it, and runs `callback` right after the module's own code."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return lambda: None
 
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)  # the real one, from the finders after us
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+    class Finder:
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                callback(module)
+
+            spec.loader.exec_module = exec_module
             return spec
-        execute = spec.loader.exec_module
 
-        def exec_module(module):
-            execute(module)
-            self.start()
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
 
-        spec.loader.exec_module = exec_module
-        return spec
+    def undo():
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
 
-    def start(self) -> None:
-        from gpulab.monitor.recorder import Recorder
+    return undo
 
-        recorder = Recorder(self.cfg, events_path=events_file(self.directory, os.getpid()))
-        recorder.start(command=list(getattr(sys, "orig_argv", sys.argv)))
-        atexit.register(recorder.stop_in_any_process)
-        _note_uncaught_exceptions(recorder)
-        _flush_on_termination(recorder)
+
+def _start_recording(cfg: ProfileConfig, directory: str) -> None:
+    from gpulab.monitor.recorder import Recorder
+
+    recorder = Recorder(cfg, events_path=events_file(directory, os.getpid()))
+    recorder.start(command=list(getattr(sys, "orig_argv", sys.argv)))
+    atexit.register(recorder.stop_in_any_process)
+    _note_uncaught_exceptions(recorder)
+    _flush_on_termination(recorder)
 
 
 def _note_uncaught_exceptions(recorder) -> None:

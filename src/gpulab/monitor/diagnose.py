@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX, Recording
+from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX, Recording, trainers
 
 PHASE_NAMES = {
     "data_wait": "data wait", "compute": "compute", "sync": "host syncs", "h2d": "copies", "other": "other Python",
@@ -108,7 +108,7 @@ def select_steady(steps: list[dict], warmup_steps: int) -> tuple[list[dict], dic
     }
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
         return 0.0
@@ -221,7 +221,7 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         return report
     durations = [step_seconds(s) for s in steady]
     if not whole_run:
-        median, p90 = statistics.median(durations), _percentile(durations, 0.9)
+        median, p90 = statistics.median(durations), percentile(durations, 0.9)
         report["step_time_s"] = {"median": round(median, 6), "p90": round(p90, 6)}
     step = _Step(steady)
     report["phases"] = step.shares()
@@ -267,7 +267,7 @@ def steps_found(rec: Recording) -> str:
 def lane_summary(rec: Recording, warmup_steps: int) -> dict:
     """One process of the job in a few numbers: steps, how they were found, step time, phase shares."""
     steady, _ = select_steady(rec.steps, warmup_steps)
-    summary = {"pid": rec.pid, "ppid": rec.start.get("ppid") or rec.process.get("ppid"), "rank": rec.start.get("rank"),
+    summary = {"pid": rec.pid, "ppid": rec.start.get("ppid") or rec.process.get("ppid"), "rank": rec.rank,
                "steps": len(rec.steps), "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
     if steady:
         summary["median_step_s"] = round(statistics.median(step_seconds(s) for s in steady), 6)
@@ -527,11 +527,11 @@ def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
     DDP: inside backward, where the allreduce is waited for), so step times come out equal and
     the straggler shows in *what* its step is made of: more time than the other ranks in one
     host-side phase, while theirs grows in compute (waiting)."""
-    ranks = sorted((r for r in lanes if r.start.get("rank") is not None and r.trained), key=lambda r: r.start["rank"])
+    ranks = [r for r in trainers(lanes) if r.rank is not None]
     if len(ranks) < 2:
         return []
     findings = []
-    counts = {r.start["rank"]: len(r.steps) for r in ranks}
+    counts = {r.rank: len(r.steps) for r in ranks}
     if len(set(counts.values())) > 1:
         listing = ", ".join(f"rank {k}: {v}" for k, v in counts.items())
         findings.append(_finding(
@@ -540,7 +540,7 @@ def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
             None, fix="give every rank the same number of batches: DistributedSampler(drop_last=True), or the same "
                       "global batches split per rank (gpulab train does this)"))
         findings[-1]["support"] = f"the step counts of {len(ranks)} ranks"
-    steps = {r.start["rank"]: _Step(select_steady(r.steps, warmup_steps)[0] or r.steps) for r in ranks}
+    steps = {r.rank: _Step(select_steady(r.steps, warmup_steps)[0] or r.steps) for r in ranks}
     S = statistics.median(s.S for s in steps.values())
     per_category = {"data_wait": "D", "sync": "Y", "h2d": "H", "other": "O"}
     worst = None
@@ -554,7 +554,7 @@ def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
     excess, category, rank, others = worst
     if S <= 0 or excess / S < MIN_SHARE:
         return findings
-    lane = next(r for r in ranks if r.start["rank"] == rank)
+    lane = next(r for r in ranks if r.rank == rank)
     waiting = [k for k in steps if k != rank]
     extra_compute = statistics.median(steps[k].C for k in waiting) - steps[rank].C
     evidence = (f"rank {rank} spends {excess * 1e3:.1f} ms more per step in {PHASE_NAMES[category]} than the other "

@@ -110,6 +110,11 @@ class Recording:
         return self.process.get("pid") or self.start.get("pid")
 
     @property
+    def rank(self) -> int | None:
+        """The torchrun rank of this process (RANK in its environment), if it has one."""
+        return self.start.get("rank")
+
+    @property
     def recorded(self) -> bool:
         """Did the recorder run in this process (it imported torch)?"""
         return bool(self.start)
@@ -140,3 +145,25 @@ def _merged(earlier: list[dict], step: dict) -> dict:
         for key, n in r["counts"].items():
             merged["counts"][key] = merged["counts"].get(key, 0) + n
     return merged
+
+
+def by_rank(lanes: list[Recording]) -> list[Recording]:
+    """Ranks first, in rank order; other processes after them, in the order given."""
+    return sorted(lanes, key=lambda r: (r.rank is None, r.rank or 0))
+
+
+def trainers(lanes: list[Recording]) -> list[Recording]:
+    """The processes that ran training steps (DataLoader workers never do), ranks in rank order."""
+    return by_rank([r for r in lanes if r.trained and not r.is_dataloader_worker])
+
+
+def diagnosed_lane(lanes: list[Recording], main_pid: int) -> Recording | None:
+    """The process a job's report is about: the script's own process when it trained, else rank 0
+    of a torchrun job, else the child that trained most (hogwild-style trainers), else the script."""
+    main = next((r for r in lanes if r.pid == main_pid), None)
+    trained = trainers(lanes)
+    if main is not None and main.trained:
+        return main
+    if trained and trained[0].rank is not None:
+        return trained[0]
+    return max(trained, key=lambda r: len(r.steps), default=main)

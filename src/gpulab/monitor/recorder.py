@@ -34,7 +34,6 @@ JSON-lines file about once a second, so a process that crashes still leaves most
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import multiprocessing.process
@@ -54,7 +53,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from gpulab.errors import UserError
 from gpulab.monitor import phases
-from gpulab.monitor.attach import block_signals_in_this_thread
+from gpulab.monitor.attach import after_import, block_signals_in_this_thread
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.cuda_hooks import CudaHooks
 from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX
@@ -336,7 +335,7 @@ class Recorder:
     def _charge(self, now: float) -> None:
         if self._stack:
             name, category, _ = self._stack[-1]
-            if name.startswith(TRANSFORM_PREFIX):
+            if category == "data_wait" and name.startswith(TRANSFORM_PREFIX):
                 self._counts[name] += now - self._t_last  # "transform: Normalize": seconds this step
         else:
             category = "other"
@@ -635,7 +634,7 @@ class Recorder:
         """Time each member of torchvision's Compose (v1 members need not be nn.Modules) and note
         the line that built it. torchvision loads after torch: hook it when it does."""
         for module, members_call in (("torchvision.transforms.transforms", True), ("torchvision.transforms.v2._container", False)):
-            self._undo.append(_after_import(module, lambda m, c=members_call: self._patch_compose(m.Compose, c)))
+            self._undo.append(after_import(module, lambda m, c=members_call: self._patch_compose(m.Compose, c)))
 
     def _patch_compose(self, compose, members_call: bool) -> None:
         rec = self
@@ -712,39 +711,6 @@ def _wrap_process_bootstrap(original):
                 _active.stop_in_any_process()
 
     return _bootstrap
-
-
-def _after_import(name: str, callback):
-    """callback(module) once module `name` is imported (now, if it already is); returns an undo."""
-    if name in sys.modules:
-        callback(sys.modules[name])
-        return lambda: None
-
-    class Finder:
-        def find_spec(self, fullname, path=None, target=None):
-            if fullname != name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return spec
-            execute = spec.loader.exec_module
-
-            def exec_module(module):
-                execute(module)
-                callback(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    finder = Finder()
-    sys.meta_path.insert(0, finder)
-
-    def undo():
-        if finder in sys.meta_path:
-            sys.meta_path.remove(finder)
-
-    return undo
 
 
 def _env_int(name: str) -> int | None:

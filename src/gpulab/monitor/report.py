@@ -11,7 +11,7 @@ from rich.markup import escape
 from gpulab.monitor import timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.diagnose import PHASE_NAMES, diagnose, lane_summary, rank_findings
-from gpulab.monitor.events import Recording
+from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
 from gpulab.io import atomic_write_bytes, atomic_write_json
 
 OUTPUTS = ("report.json", "timeline.png", "trace.json")
@@ -50,37 +50,31 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
     trainer started with multiprocessing): the parent's evaluation loop is not the verdict.
     """
     main = next((r for r in lanes if r.pid == main_pid), None)
-    trainers = [r for r in lanes if r.trained and not r.is_dataloader_worker]
-    ranks = sorted((r for r in trainers if r.start.get("rank") is not None), key=lambda r: r.start["rank"])
-    if main is not None and main.trained:
-        shown = main
-    elif ranks:
-        shown = ranks[0]
-    else:
-        shown = max(trainers, key=lambda r: len(r.steps), default=main) or Recording([])
+    trained = trainers(lanes)
+    shown = diagnosed_lane(lanes, main_pid) or Recording([])
     report = build_report(shown, samples, gpus, sampler, cfg, exit_code)
     report["diagnosed_pid"] = shown.pid
     report["processes"] = [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
-                           for r in lanes if r.recorded and not r.is_dataloader_worker]
+                           for r in by_rank(lanes) if r.recorded and not r.is_dataloader_worker]
     across = rank_findings(lanes, cfg.warmup_steps)
     if across:
         report["findings"] = sorted(across + [f for f in report["findings"] if f["cause"] != "none"],
                                     key=lambda f: f["share"], reverse=True)
-    if ranks and shown is ranks[0]:
-        report["note"] = (f"{len(ranks)} ranks trained; below, rank {shown.start['rank']}'s steps, then findings "
-                          f"across ranks (straggler, unbalanced data) and rank {shown.start['rank']}'s own")
+    if shown is not main and shown.rank is not None:
+        ranks = sum(r.rank is not None for r in trained)
+        report["note"] = (f"{ranks} ranks trained; below, rank {shown.rank}'s steps, then findings "
+                          f"across ranks (straggler, unbalanced data) and rank {shown.rank}'s own")
     elif shown is not main and shown.pid is not None:
-        report["note"] = (f"the training ran in {len(trainers)} child process(es); the diagnosis is of pid "
+        report["note"] = (f"the training ran in {len(trained)} child process(es); the diagnosis is of pid "
                           f"{shown.pid} ({len(shown.steps)} steps), the others are listed under processes")
     elif not shown.recorded:
         report["findings"][0]["evidence"], report["findings"][0]["fix"] = _why_nothing_was_recorded(main)
-    return report, [shown] + sorted((r for r in trainers if r is not shown),
-                                    key=lambda r: (r.start.get("rank") is None, r.start.get("rank") or 0))
+    return report, [shown] + [r for r in trained if r is not shown]
 
 
 def _role(rec: Recording, main_pid: int) -> str:
-    if rec.start.get("rank") is not None:
-        return f"rank {rec.start['rank']}"
+    if rec.rank is not None:
+        return f"rank {rec.rank}"
     return "main" if rec.pid == main_pid else f"child of {rec.start.get('ppid')}"
 
 
@@ -131,10 +125,9 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
     lines.append(head)
     if report.get("note"):
         lines.append(f"  [dim]{escape(report['note'])}[/]")
-    trainers = sorted((p for p in report.get("processes", []) if p["steps"]),
-                      key=lambda p: (p["rank"] is None, p["rank"] or 0))
-    if len(trainers) > 1:
-        for p in trainers:
+    trained = [p for p in report.get("processes", []) if p["steps"]]  # ranks already in rank order
+    if len(trained) > 1:
+        for p in trained:
             shares = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in (p["phases"] or {}).items())
             median = f", median {p['median_step_s'] * 1e3:.1f} ms" if p["median_step_s"] else ""
             lines.append(f"  [dim]pid {p['pid']} ({p['role']}): {p['steps']} steps{median}  {shares}[/]")

@@ -42,7 +42,7 @@ def render(lanes: list[Recording], samples: list[dict], gpus: list[dict], report
     ax_steps, ax_device, ax_memory, ax_cpu = axes
     steps = rec.steps + ([rec.tail] if rec.tail else [])
 
-    names = [f"rank {r.start['rank']}" if r.start.get("rank") is not None else f"pid {r.pid}" for r in lanes]
+    names = [f"rank {r.rank}" if r.rank is not None else f"pid {r.pid}" for r in lanes]
     _plot_steps(ax_steps, [steps] + [r.steps for r in lanes[1:]], names, origin)
     if gpus and any(s["gpus"] for s in samples):
         _plot_gpu_activity(ax_device, samples, gpus, origin)

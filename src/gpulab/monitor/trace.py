@@ -27,7 +27,7 @@ def _lane_events(rec: Recording, track: int, origin: float) -> list[dict]:
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 1)
 
-    rank = rec.start.get("rank")
+    rank = rec.rank
     name = f"rank {rank}" if rank is not None else "training process"
     events: list[dict] = [
         _meta("process_name", track, 0, f"{name} (pid {rec.pid or '?'})"),

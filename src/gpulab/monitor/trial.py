@@ -17,6 +17,8 @@ from rich.console import Console
 from gpulab.errors import UserError
 from gpulab.io import atomic_write_json, check_writable
 from gpulab.monitor.config import ProfileConfig
+from gpulab.monitor.diagnose import percentile, step_seconds
+from gpulab.monitor.events import diagnosed_lane
 from gpulab.monitor.runner import default_out_dir, run_job, split_python_command
 
 TRYABLE = {"num_workers": int, "prefetch_factor": int, "pin_memory": bool, "persistent_workers": bool}
@@ -68,16 +70,14 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
 
 
 def _step_times(lanes, main_pid: int, warmup: int) -> list[float]:
-    trainers = [r for r in lanes if r.trained and not r.is_dataloader_worker]
-    main = next((r for r in trainers if r.pid == main_pid), None)
-    lane = main or max(trainers, key=lambda r: len(r.steps), default=None)
-    return [s["t1"] - s["t0"] for s in lane.steps[warmup:]] if lane else []
+    """Step times after the warm-up of the process the profile would diagnose."""
+    lane = diagnosed_lane(lanes, main_pid)
+    return [step_seconds(s) for s in lane.steps[warmup:]] if lane else []
 
 
 def _distribution(times: list[float]) -> dict:
-    ordered = sorted(times)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"steps": len(times), "median_s": statistics.median(times), "p10_s": pick(0.1), "p90_s": pick(0.9)}
+    return {"steps": len(times), "median_s": statistics.median(times), "p10_s": percentile(times, 0.1),
+            "p90_s": percentile(times, 0.9)}
 
 
 def _print(result: dict, out: Path) -> None:
