@@ -106,11 +106,15 @@ def test_transforms_that_are_modules_count_as_data_time(tmp_path, capfd):
 
 
 def test_no_more_workers_advised_when_the_compute_uses_every_core(tmp_path):
+    """Workers are not advised when torch's threads take every core; the fix says how to measure
+    whether one would pay (it did for this script on an idle 2-core VM, 1.96x, and did not for
+    pytorch/examples' vae, 0.86x: no rule from the recording tells them apart)."""
     code, report = profile(tmp_path, "saturated_cpu.py")
     assert code == 0
     finding = report["findings"][0]
     assert finding["cause"] == "input_pipeline"
-    assert "would not help" in finding["fix"] and "num_workers=" not in finding["fix"]
+    assert "no sure win" in finding["fix"] and "load batches in parallel" not in finding["fix"]
+    assert "--try num_workers=1 --steps 30" in finding["fix"]
 
 
 def test_spare_cores_get_the_workers_advice_with_a_try_command(tmp_path):
@@ -119,9 +123,9 @@ def test_spare_cores_get_the_workers_advice_with_a_try_command(tmp_path):
     cores = os.cpu_count()
     fix = report["findings"][0]["fix"]
     if cores > 1:
-        assert f"--try num_workers={cores - 1}" in fix
+        assert f"--try num_workers={cores - 1} --steps 30" in fix
     else:
-        assert "would not help" in fix
+        assert "no sure win" in fix
 
 
 def test_try_measures_the_change_on_the_first_steps(tmp_path, capsys):
@@ -133,6 +137,7 @@ def test_try_measures_the_change_on_the_first_steps(tmp_path, capsys):
     before, after = result["runs"]["as it is"], result["runs"]["with num_workers=1"]
     assert before["steps"] == after["steps"] == 5
     assert result["speedup"] == pytest.approx(before["median_s"] / after["median_s"], rel=1e-3)
+    assert result["verdict"] in ("faster", "slower") or result["verdict"].startswith("within the spread")
     assert "the change makes each step" in capsys.readouterr().err
     assert not list(out.glob(".events-*"))
 
@@ -222,3 +227,19 @@ def test_a_script_without_torch_is_said_to_be_one(tmp_path):
     assert main(["profile", "--out", str(out), "--", sys.executable, "-c", "print('no torch here')"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert "never imported torch" in report["findings"][0]["evidence"]
+
+
+def test_try_calls_a_difference_inside_the_spread_no_change():
+    from gpulab.monitor.trial import verdict
+
+    before = {"median_s": 0.010, "p10_s": 0.009, "p90_s": 0.012}
+    assert verdict(before, {"median_s": 0.008}) == "faster"
+    assert verdict(before, {"median_s": 0.013}) == "slower"
+    assert verdict(before, {"median_s": 0.0095}).startswith("within the spread")
+
+
+def test_importing_torch_and_nothing_else_is_not_called_inference(tmp_path):
+    out = tmp_path / "prof"
+    assert main(["profile", "--out", str(out), "--", sys.executable, "-c", "import torch"]) == 0
+    evidence = json.loads((out / "report.json").read_text())["findings"][0]["evidence"]
+    assert "nothing ran" in evidence and "inference" not in evidence

@@ -103,6 +103,6 @@ def test_ranks_with_unequal_step_counts_are_called_unbalanced():
                           *steps, {"type": "facts", "step_rule": "optimizer"}])
 
     report, lanes = build_job_report([rank(0, 8), rank(1, 6)], 99, [], [], {}, ProfileConfig(), exit_code=1)
-    assert report["findings"][0]["cause"] == "unbalanced_data"
+    assert report["findings"][0]["cause"] == "unbalanced_data" and report["findings"][0]["share"] == 0.25
     assert "rank 0: 8, rank 1: 6" in report["findings"][0]["evidence"]
     assert [r.start["rank"] for r in lanes] == [0, 1]

@@ -145,7 +145,7 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
             lines.append(f"  [bold green]no bottleneck stands out[/]: {escape(f['evidence'])}")
             lines.append(f"     [dim]next:[/]  {escape(f['fix'])}")
             continue
-        lines.append(f"  [bold]{n}. {f['cause']}[/] [red]{f['share']:.0%}[/] of step time"
+        lines.append(f"  [bold]{n}. {f['cause']}[/] [red]{f['share']:.0%}[/] of {f.get('share_of', 'step time')}"
                      + (f" (rank {f['rank']})" if f.get("rank") is not None else ""))
         lines.append(f"     [dim]evidence:[/] {escape(f['evidence'])}")
         if f["where"]:

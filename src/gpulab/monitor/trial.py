@@ -63,10 +63,21 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
         runs[label] = _distribution(times)
     result = {"overrides": overrides, "steps": steps, "warmup_steps": cfg.warmup_steps, "runs": runs}
     before, after = runs.values()
-    result["speedup"] = round(before["median_s"] / after["median_s"], 3) if after["median_s"] else None
+    result["speedup"] = round(before["median_s"] / after["median_s"], 3)
+    result["verdict"] = verdict(before, after)
     atomic_write_json(out / "try.json", result)
     _print(result, out)
     return 0
+
+
+def verdict(before: dict, after: dict) -> str:
+    """"faster" or "slower" only when the change moves the median out of the other run's p10-p90
+    range; a difference inside the step-to-step spread is no measured effect."""
+    if after["median_s"] < before["p10_s"]:
+        return "faster"
+    if after["median_s"] > before["p90_s"]:
+        return "slower"
+    return "within the spread of the steps: no clear change"
 
 
 def _step_times(lanes, main_pid: int, warmup: int) -> list[float]:
@@ -86,6 +97,5 @@ def _print(result: dict, out: Path) -> None:
                   f"{result['warmup_steps']} of warm-up (median \\[p10 .. p90])")
     for label, d in result["runs"].items():
         console.print(f"  {label:<32} {d['median_s'] * 1e3:8.2f} ms  \\[{d['p10_s'] * 1e3:.2f} .. {d['p90_s'] * 1e3:.2f}]")
-    speedup = result["speedup"]
-    verdict = "faster" if speedup and speedup > 1 else "slower"
-    console.print(f"  the change makes each step [bold]{speedup:.2f}x[/] ({verdict}); wrote {out}/try.json")
+    console.print(f"  the change makes each step [bold]{result['speedup']:.2f}x[/] ({result['verdict']}); "
+                  f"wrote {out}/try.json")
