@@ -53,6 +53,14 @@ class _ThreadState(threading.local):
     synced = False  # torch reported a sync during the current timed call
 
 
+def _asks_non_blocking(args: tuple, kwargs: dict) -> bool:
+    """Whether a Tensor.to / Tensor.cuda call asked for non_blocking (keyword, or the positional
+    bool that follows the device/dtype in `to(device, dtype, non_blocking)` / `cuda(device, non_blocking)`)."""
+    if "non_blocking" in kwargs:
+        return bool(kwargs["non_blocking"])
+    return any(isinstance(a, bool) and a for a in args[:3])
+
+
 class CudaHooks:
     def __init__(self, recorder, window_after_step: int, window_steps: int):
         self.rec = recorder
@@ -110,7 +118,11 @@ class CudaHooks:
             return
         try:
             self._previous_debug_mode = torch._C._cuda_get_sync_debug_mode()
-            torch._C._cuda_set_sync_debug_mode(1)  # 1 = warn
+            # Turning the mode on warns once that it "is a prototype feature": a note to gpulab,
+            # not to the user, whose stderr it would otherwise reach.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+                torch._C._cuda_set_sync_debug_mode(1)  # 1 = warn
             self.sync_debug = self.sync_debug_used = True
         except (AttributeError, RuntimeError):
             self.sync_debug = False
@@ -183,7 +195,12 @@ class CudaHooks:
             if isinstance(out, torch.Tensor) and out is not tensor and out.is_cuda != from_cuda:
                 where = user_site(sys._getframe(1))
                 if out.is_cuda:
-                    rec.add_h2d(op, t0, t1, tensor.nbytes, tensor.is_pinned(), where)
+                    # Pinned memory only lets a copy run asynchronously; without non_blocking=True
+                    # the host still waits for it. Torch's sync debug mode reports exactly those
+                    # copies (measured on an H100, torch 2.11: pinned+blocking warns,
+                    # pinned+non_blocking does not); without that mode, read the argument.
+                    blocking = state.synced if hooks.sync_debug else not _asks_non_blocking(args, kwargs)
+                    rec.add_h2d(op, t0, t1, tensor.nbytes, tensor.is_pinned(), blocking, where)
                 elif state.synced or not hooks.sync_debug:
                     rec.add_sync(f"{op}(cpu)", t0, t1, where)
             return out
@@ -283,10 +300,19 @@ class KernelWindow:
         self.active = False
         self.done = True
         steps = steps_done - self._started_at
+        # The window's steps end now. Leaving the profiler synchronizes the device; that wait, and
+        # the one below, are gpulab's, so runtime syncs that start after this instant are not
+        # counted (kineto's timestamps are wall-clock ns, like time.time_ns()).
+        steps_end_ns = time.time_ns()
         try:
             with _kineto_logs_hidden():
+                # Let every GPU finish the window's kernels while the profiler still records them:
+                # leaving the profiler synchronizes only the current device.
+                for index in range(torch.cuda.device_count()):
+                    if torch.cuda.memory_allocated(index):
+                        torch.cuda.synchronize(index)
                 self._prof.stop()
-            record = kernel_statistics(self._prof.profiler.kineto_results.events(), steps)
+            record = kernel_statistics(self._prof.profiler.kineto_results.events(), steps, steps_end_ns)
         except Exception as e:
             self._give_up(e)
             return
@@ -318,23 +344,32 @@ def _kineto_logs_hidden():
         os.close(devnull)
 
 
-def kernel_statistics(events, steps: int) -> dict | None:
-    """Kernels per step, their durations, and device-busy time per step, from kineto events."""
+def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,
+                      device_type=torch.autograd.DeviceType.CUDA) -> dict | None:
+    """Kernels per step, their durations, and device-busy time per step, from kineto events.
+
+    `record_function` ranges (user annotations, and the `Optimizer.step#...` one torch opens every
+    step) appear on the GPU track too, spanning their first to last kernel: they are not kernels,
+    and counted as such they would fill the idle gaps. Runtime syncs that start after
+    `steps_end_ns` are the profiler's own drain, not the user's. `device_type` is CUDA except in
+    tests, which replay the same logic on the CPU profiler's events.
+    """
     if steps <= 0:
         return None
-    cuda = torch.autograd.DeviceType.CUDA
     kernels: dict[int, list[tuple[int, int]]] = {}  # per device: (start, end) in ns
     memcpy_ns = pageable = sync_ns = 0
     for e in events:
         name = e.name()
         start, end = e.start_ns(), e.end_ns()
-        if e.device_type() == cuda:
+        if _is_user_annotation(e):
+            continue
+        if e.device_type() == device_type:
             if name.startswith("Memcpy"):
                 memcpy_ns += end - start
                 pageable += "Pageable" in name
             elif not name.startswith("Memset"):
                 kernels.setdefault(e.device_index(), []).append((start, end))
-        elif name in _RUNTIME_SYNCS:
+        elif name in _RUNTIME_SYNCS and (steps_end_ns is None or start < steps_end_ns):
             sync_ns += end - start
     # "Busy" means computing: a copy engine moving a batch leaves the SMs idle (NVML agrees:
     # its utilization counts kernels only).
@@ -352,6 +387,13 @@ def kernel_statistics(events, steps: int) -> dict | None:
         "memcpy_pageable_per_step": pageable / steps,
         "runtime_sync_s_per_step": sync_ns / 1e9 / steps,
     }
+
+
+def _is_user_annotation(event) -> bool:
+    is_annotation = getattr(event, "is_user_annotation", None)  # torch >= 2.3
+    if is_annotation is not None:
+        return bool(is_annotation())
+    return event.name().startswith(("Optimizer.step#", "Optimizer.zero_grad#", "ProfilerStep#"))
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:

@@ -376,9 +376,13 @@ class Recorder:
         self._counts["sync_untimed"] += 1
         self._site("sync", "untimed", where, untimed=1)
 
-    def add_h2d(self, op: str, t0: float, t1: float, nbytes: int, pinned: bool, where: str | None) -> None:
-        kind = "h2d_pinned" if pinned else "h2d_pageable"
-        self.add_closed_span(f"copy: {op} ({'pinned' if pinned else 'pageable'})", "h2d", t0, t1)
+    def add_h2d(self, op: str, t0: float, t1: float, nbytes: int, pinned: bool, blocking: bool,
+                where: str | None) -> None:
+        """A host-to-device copy. Kinds: h2d_pageable (staged through a driver buffer),
+        h2d_pinned_blocking (pinned, but the host waited: no non_blocking=True), h2d_pinned (async)."""
+        kind = "h2d_pageable" if not pinned else "h2d_pinned_blocking" if blocking else "h2d_pinned"
+        label = "pageable" if not pinned else "pinned, blocking" if blocking else "pinned"
+        self.add_closed_span(f"copy: {op} ({label})", "h2d", t0, t1)
         self._counts[kind] += 1
         self._counts[kind + "_bytes"] += nbytes
         self._site(kind, op, where, seconds=t1 - t0, nbytes=nbytes)
