@@ -131,6 +131,50 @@ def test_cuda_pageable_copies_are_h2d_copy():
     assert "pin_memory=True" in report["findings"][0]["fix"]
 
 
+def test_cuda_blocking_copies_from_pinned_memory_are_h2d_copy_with_the_non_blocking_fix():
+    # pin_memory=True without non_blocking=True: the host waits for every copy, as from pageable
+    # memory (torch's sync debug mode reports these copies; pinned + non_blocking is not reported).
+    sites = {"type": "sites", "sites": [{"kind": "h2d_pinned_blocking", "where": "train.py:41", "ops": ["Tensor.to"],
+                                         "count": 40, "seconds": 0.24, "untimed": 0, "bytes": 40 * 2**26}]}
+    kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 30, "kernel_median_us": 100.0,
+               "kernel_p90_us": 200.0, "device_busy_s_per_step": 0.002, "memcpy_pageable_per_step": 0,
+               "runtime_sync_s_per_step": 0.0}
+    rec = recording(steps(20, h2d=6, compute=2, other=0.5, h2d_pinned_blocking=1, h2d_pinned_blocking_bytes=2**26),
+                    cuda=True, extra=[sites, kernels])
+    top = diagnose(rec, [], [GPU], warmup_steps=2)["findings"][0]
+    assert (top["cause"], top["where"]) == ("h2d_copy", "train.py:41")
+    assert "without non_blocking=True" in top["evidence"]
+    assert "pinned already" in top["fix"] and "non_blocking=True" in top["fix"]
+
+
+def test_async_copies_from_pinned_memory_are_no_finding():
+    kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 30, "kernel_median_us": 300.0,
+               "kernel_p90_us": 600.0, "device_busy_s_per_step": 0.0085, "memcpy_pageable_per_step": 0,
+               "runtime_sync_s_per_step": 0.0}
+    rec = recording(steps(20, h2d=0.05, compute=8.5, other=0.5, h2d_pinned=1, h2d_pinned_bytes=2**26),
+                    cuda=True, extra=[kernels])
+    assert "h2d_copy" not in causes(diagnose(rec, [], [GPU], warmup_steps=2))
+
+
+def _nvml_rows(**per_gpu) -> list[dict]:
+    return [{"t": 100.0 + i, "gpus": [dict(per_gpu)], "proc": None} for i in range(20)]
+
+
+def test_without_a_kernel_window_the_job_s_own_nvml_share_is_preferred_to_the_device_wide_one():
+    # A shared GPU: another process keeps it 90% busy; this job's processes use 30% of its SMs.
+    rec = recording(steps(20, compute=5, other=5), cuda=True)
+    report = diagnose(rec, _nvml_rows(kernel_active_pct=90.0, process_sm_pct=30.0), [GPU], warmup_steps=2)
+    assert report["device_busy"]["share"] == pytest.approx(0.30, abs=0.01)
+    assert report["device_busy"]["source"].startswith("NVML per-process")
+
+
+def test_the_device_wide_nvml_share_says_it_is_device_wide():
+    rec = recording(steps(20, compute=5, other=5), cuda=True)
+    report = diagnose(rec, _nvml_rows(kernel_active_pct=90.0), [GPU], warmup_steps=2)
+    assert report["device_busy"]["share"] == pytest.approx(0.90, abs=0.01)
+    assert "device-wide" in report["device_busy"]["source"]
+
+
 def test_gpu_present_but_unused_is_cpu_only_torch():
     report = diagnose(recording(steps(20, compute=40, other=1)), [], [GPU], warmup_steps=2)
     assert causes(report)[0] == "cpu_only_torch"

@@ -55,6 +55,10 @@ FIXES = {
         "copy from pinned memory without waiting: DataLoader(pin_memory=True) and "
         "x.to(device, non_blocking=True); better still, keep the dataset on the device"
     ),
+    "h2d_copy_pinned": (
+        "the memory is pinned already: add non_blocking=True to the copy (x.to(device, non_blocking=True)) "
+        "so the host queues it and runs ahead; better still, keep the dataset on the device"
+    ),
     "launch_overhead": (
         "give each kernel more work or launch fewer: a larger batch, fuse the small ops with "
         "torch.compile, or replay the step as a CUDA graph (torch.compile(mode='reduce-overhead')); "
@@ -287,9 +291,14 @@ def _device_busy(rec: Recording, step: _Step, samples, gpus, used, window) -> tu
     chosen = _samples_between(samples, *window) if window else samples
     positions = [p for p, g in enumerate(gpus) if g["index"] in used]
     rows = [s["gpus"][p] for s in chosen for p in positions if p < len(s["gpus"])]
+    # NVML's per-process SM share counts this job alone; the device-wide kernel-active share also
+    # counts every other process on a shared GPU, so it is the fallback, and says so.
+    util = _mean(r.get("process_sm_pct") for r in rows)
+    if util is not None:
+        return util / 100 * step.S, "NVML per-process SM share of this job's processes"
     util = _mean(r.get("kernel_active_pct") for r in rows)
     if util is not None:
-        return util / 100 * step.S, "NVML kernel-active share"
+        return util / 100 * step.S, "NVML kernel-active share, device-wide (other processes on the GPU count too)"
     return step.C, "unknown (no kernel window, no NVML): host compute time used instead"
 
 
@@ -458,15 +467,26 @@ def _sync_finding(rec: Recording, step: _Step, b: _Budget) -> dict | None:
 
 
 def _h2d_finding(rec: Recording, step: _Step, b: _Budget) -> dict | None:
+    """Copies the host waited for: from pageable memory, or from pinned memory without
+    non_blocking=True (pinning alone does not make a copy asynchronous)."""
     pageable = step.counts.get("h2d_pageable", 0)
-    if not pageable:
+    pinned_blocking = step.counts.get("h2d_pinned_blocking", 0)
+    if not pageable and not pinned_blocking:
         return None
-    sites = sorted((s for s in rec.sites if s["kind"] == "h2d_pageable"), key=lambda s: s["seconds"], reverse=True)
-    mb = step.counts.get("h2d_pageable_bytes", 0) / 1e6
-    evidence = (f"{pageable:.1f} host-to-device copies per step from pageable memory ({mb:.1f} MB), "
-                f"{step.H * 1e3:.1f} ms per step in the copy calls")
+    kinds = ("h2d_pageable", "h2d_pinned_blocking")
+    sites = sorted((s for s in rec.sites if s["kind"] in kinds), key=lambda s: s["seconds"], reverse=True)
+    parts = []
+    if pageable:
+        mb = step.counts.get("h2d_pageable_bytes", 0) / 1e6
+        parts.append(f"{pageable:.1f} host-to-device copies per step from pageable memory ({mb:.1f} MB)")
+    if pinned_blocking:
+        mb = step.counts.get("h2d_pinned_blocking_bytes", 0) / 1e6
+        parts.append(f"{pinned_blocking:.1f} per step from pinned memory without non_blocking=True, so the "
+                     f"host waited anyway ({mb:.1f} MB)")
+    evidence = "; ".join(parts) + f", {step.H * 1e3:.1f} ms per step in the copy calls"
     where = sites[0]["where"] if sites else None
-    return _finding("h2d_copy", min(step.H, b.idle) / step.S, evidence + b.idle_text(step.S), where, "h2d_copy")
+    fix = "h2d_copy" if pageable else "h2d_copy_pinned"
+    return _finding("h2d_copy", min(step.H, b.idle) / step.S, evidence + b.idle_text(step.S), where, fix)
 
 
 def _launch_finding(rec: Recording, step: _Step, b: _Budget) -> dict | None:

@@ -46,17 +46,31 @@ class _Unsupported(Exception):
     """A metric this GPU or driver will never give; stop asking."""
 
 
+# NVML's GPM documentation asks for samples more than 100 ms apart; the sampler's own interval may
+# be shorter (--interval), so a GPM pair spans at least this long, whatever the interval.
+GPM_MIN_GAP_S = 0.15
+# One GPM read where every metric fails can be a transient (a busy driver, a clock change): give
+# up on GPM only after this many in a row.
+GPM_FAILURES_BEFORE_OFF = 3
+
+
 class GpuReader:
     """Per-GPU readings from NVML. `status` says why there are none, when there are none."""
 
-    def __init__(self):
+    def __init__(self, job_pids=None):
         self.gpus: list[dict] = []  # static facts: index, name, uuid, memory_total_mib, gpm
+        # The pids whose GPU use is "the job's" (the training process and its children), for NVML's
+        # per-process utilization; device-wide figures also count other users of a shared GPU.
+        self._job_pids = job_pids
+        self._process_ts: dict[int, int] = {}  # index -> NVML timestamp (us) of the last sample seen
         self.status = "ok"
         self._nvml = None
         self._handles: list = []
         self._unsupported: set[tuple[int, str]] = set()
         self._pcie_last: dict[int, tuple[float, int, int]] = {}
-        self._gpm: dict[int, list] = {}  # index -> [previous sample, current sample]
+        self._gpm: dict[int, list] = {}  # index -> [previous sample, current sample, have previous]
+        self._gpm_taken_at: dict[int, float] = {}
+        self._gpm_failures: dict[int, int] = {}
         try:
             import pynvml
         except ImportError:
@@ -113,7 +127,9 @@ class GpuReader:
         self._try(index, "power_w", row, lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000)
         self._try(index, "sm_clock_mhz", row, lambda: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)))
         self._try(index, "pcie", row, lambda: self._pcie(index, h))
-        if index in self._gpm:
+        if self._job_pids is not None:
+            self._try(index, "process_utilization", row, lambda: self._process_sm(index, h))
+        if index in self._gpm and self._gpm_due(index):
             self._try(index, "gpm", row, lambda: self._gpm_metrics(index, h))
         return row
 
@@ -161,6 +177,32 @@ class GpuReader:
             "pcie_rx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * 1e3 / 1e6,
         }
 
+    def _process_sm(self, index: int, h) -> dict:
+        """The job's own SM share on this GPU: NVML's per-process samples since the last read,
+        averaged per process and summed over the job's processes (0 when NVML saw none of them)."""
+        nv = self._nvml
+        try:
+            found = nv.nvmlDeviceGetProcessUtilization(h, self._process_ts.get(index, 0))
+        except nv.NVMLError as e:
+            if getattr(e, "value", None) == nv.NVML_ERROR_NOT_FOUND:  # no process used the GPU lately
+                return {"process_sm_pct": 0.0}
+            raise
+        if found:
+            self._process_ts[index] = max(s.timeStamp for s in found)
+        pids = self._job_pids()
+        per_pid: dict[int, list[float]] = {}
+        for s in found:
+            if s.pid in pids:
+                per_pid.setdefault(s.pid, []).append(float(s.smUtil))
+        return {"process_sm_pct": sum(sum(v) / len(v) for v in per_pid.values())}
+
+    def _gpm_due(self, index: int) -> bool:
+        now = time.monotonic()
+        if now - self._gpm_taken_at.get(index, -GPM_MIN_GAP_S) < GPM_MIN_GAP_S:
+            return False
+        self._gpm_taken_at[index] = now
+        return True
+
     def _gpm_metrics(self, index: int, h) -> dict:
         """GPM metrics over the interval between the previous sample and this one."""
         nv = self._nvml
@@ -183,7 +225,11 @@ class GpuReader:
             m = request.metrics[i]
             out[name] = float(m.value) if m.nvmlReturn == nv.NVML_SUCCESS else None
         if all(v is None for v in out.values()):
-            raise _Unsupported
+            self._gpm_failures[index] = self._gpm_failures.get(index, 0) + 1
+            if self._gpm_failures[index] >= GPM_FAILURES_BEFORE_OFF:
+                raise _Unsupported
+            return out
+        self._gpm_failures[index] = 0
         return out
 
     def unsupported(self) -> dict[int, list[str]]:
@@ -260,6 +306,9 @@ class ProcessReader:
         self._slow_read_at = time.monotonic()
         self._children_cpu_s = self._reaped_cpu_s()
 
+    def child_pids(self) -> list[int]:
+        return list(self._children)
+
     def read(self) -> dict | None:
         try:
             with self.proc.oneshot():
@@ -320,12 +369,17 @@ class Sampler:
             raise ValueError(f"sampling interval must be positive, got {interval_s}")
         self.interval_s = interval_s
         self.pid = pid if pid is not None else os.getpid()
-        self.gpu = GpuReader()
+        self.gpu = GpuReader(job_pids=self._job_pids)
         self.samples: list[dict] = []
         self.cost_s: list[float] = []
         self._proc: ProcessReader | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _job_pids(self) -> set[int]:
+        """The sampled process and its children (DataLoader workers, ranks under torchrun)."""
+        proc = self._proc
+        return {self.pid, *proc.child_pids()} if proc else {self.pid}
 
     def start(self) -> "Sampler":
         try:
