@@ -75,11 +75,21 @@ def test_cpu_only_says_which_rows_were_skipped_and_why(tiny_run):
     assert "skipped" in text
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without GPUs only: with them the devices are real")
 def test_multi_device_benchmarks_say_replicas_share_cores(tiny_run):
     code, out, text = tiny_run
     for name in ("concurrency", "allreduce", "scaling"):
         notes = " ".join(json.loads((out / f"{name}.json").read_text())["notes"])
         assert "same cores" in notes, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_scaling_on_gpus_says_what_it_measured(tiny_run):
+    code, out, text = tiny_run
+    notes = " ".join(json.loads((out / "scaling.json").read_text())["notes"])
+    assert "same cores" not in notes  # GPUs are separate devices, not replicas on shared cores
+    if torch.cuda.device_count() == 1:
+        assert "only one device (cuda:0)" in notes
 
 
 def test_busbw_follows_the_ring_formula(tiny_run):

@@ -172,26 +172,29 @@ def _time_steps(cfg: Config, name: str, devices: list[torch.device], batch: int)
 
 
 def _check_parity(cfg: Config, result: Result, name: str, devices: list[torch.device]) -> None:
-    """One step on all k devices == one step on the first device alone (same start, same batch).
+    """One data-parallel step on the k devices == one plain PyTorch step (one model, the whole batch,
+    `loss.backward(); opt.step()`) from the same start. Checked for k = 1 too: a lone GPU still
+    goes through gpulab's replicate/scatter/update path.
 
     In float64: the k-device step sums in a different order (per shard, then the allreduce),
     and on a small batch twenty BatchNorm layers amplify float32's last-bit differences to
     ~1e-4 relative, which would hide a real error. In float64 the two agree to ~1e-15.
     """
     k = len(devices)
-    if k == 1:
-        return
     channels_last = devices[0].type == "cpu"
     sync_bn = any(isinstance(m, nn.BatchNorm2d) for m in _model(name, False).modules())
     X, y = _batch(max(cfg.parity_batch, k), devices[0], channels_last, seed=1)
-    after = []
-    for devs in ([devices[0]], devices):
-        model = _model(name, channels_last).double()
-        dp = DataParallel(model, devs, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), sync_bn=sync_bn)
-        dp.train_step(X.double(), y, nn.CrossEntropyLoss())
-        after.append([p.detach() for p in dp.module.parameters()])
-    what = f"{name}: one float64 step on {format_devices(devices)} == on {devices[0]}"
-    result.check(what, after[1], after[0], rtol=1e-9, atol=1e-12)
+    X = X.double()
+    reference = _model(name, channels_last).double().to(devices[0])
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.CrossEntropyLoss()(reference(X), y).backward()
+    opt.step()
+    model = _model(name, channels_last).double()
+    dp = DataParallel(model, devices, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), sync_bn=sync_bn)
+    dp.train_step(X, y, nn.CrossEntropyLoss())
+    what = f"{name}: one float64 step on {format_devices(devices)} == plain PyTorch on {devices[0]}"
+    result.check(what, [p.detach() for p in dp.module.parameters()], [p.detach() for p in reference.parameters()],
+                 rtol=1e-9, atol=1e-12)
 
 
 def summarize(rows: list[dict]) -> dict:
