@@ -12,7 +12,6 @@ times, so data-parallel logic can be exercised and tested on a machine without G
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gpulab import install_check as check
 from gpulab.errors import UserError
 
 # ----------------------------------------------------------------------------- naming
@@ -240,72 +240,6 @@ def check_same_device(*tensors: torch.Tensor) -> torch.device:
 # ----------------------------------------------------------------------------- describing
 
 
-def _nvml_gpus() -> tuple[list[dict], dict]:
-    """Per-GPU facts from NVML, plus driver facts. Empty when NVML is unavailable."""
-    try:
-        import pynvml
-    except ImportError:
-        return [], {"nvml": "nvidia-ml-py not installed"}
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # no driver, no GPU: NVML raises its own error types
-        return [], {"nvml": f"unavailable ({type(e).__name__})"}
-    try:
-        info = {"driver": _str(pynvml.nvmlSystemGetDriverVersion())}
-        try:
-            v = pynvml.nvmlSystemGetCudaDriverVersion_v2()
-            info["cuda_driver"] = f"{v // 1000}.{(v % 1000) // 10}"
-        except Exception:
-            pass
-        gpus = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            row = {
-                "index": i,
-                "name": _str(pynvml.nvmlDeviceGetName(h)),
-                "memory_used_mib": mem.used / 2**20,
-                "memory_total_mib": mem.total / 2**20,
-            }
-            for key, read in (
-                ("utilization_pct", lambda: pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
-                ("temperature_c", lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
-                ("power_w", lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000),
-                ("power_limit_w", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000),
-            ):
-                try:
-                    row[key] = read()
-                except Exception:  # a metric this GPU or driver does not support
-                    row[key] = None
-            gpus.append(row)
-        return gpus, info
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _str(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def _torch_gpus() -> list[dict]:
-    rows = []
-    for i in range(num_gpus()):
-        free, total = torch.cuda.mem_get_info(i)
-        rows.append(
-            {
-                "index": i,
-                "name": torch.cuda.get_device_name(i),
-                "memory_used_mib": (total - free) / 2**20,
-                "memory_total_mib": total / 2**20,
-                "utilization_pct": None,
-                "temperature_c": None,
-                "power_w": None,
-                "power_limit_w": None,
-            }
-        )
-    return rows
-
-
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -318,19 +252,25 @@ def _cpu_model() -> str:
 
 
 def describe() -> dict:
-    """Everything `gpulab devices` shows, as plain data (also its --json output)."""
+    """Everything `gpulab devices` shows, as plain data (also its --json output).
+
+    Never raises for a GPU problem: a missing NVML, a lost GPU or a refused call becomes a line
+    in `warnings` (or the `verdict`), so `gpulab devices` and `gpulab bench` still report the rest.
+    """
     import psutil
 
-    nvml_gpus, driver = _nvml_gpus()
-    torch_sees = num_gpus()
-    gpus = nvml_gpus or _torch_gpus()
-    report = {
+    torch_facts = check.read_torch()
+    nvml = check.read_nvml()
+    gpus = check.match_gpus(nvml, torch_facts)
+    visible = check.cuda_visible_devices()
+    verdict = check.judge(torch_facts, nvml, visible)
+    return {
         "torch": torch.__version__,
         "torch_cuda_build": torch.version.cuda,  # None on a CPU-only build
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "torch_sees_gpus": torch_sees,
-        "driver": driver,
-        "gpus": gpus,
+        "torch_sees_gpus": len(torch_facts.devices),
+        "driver": _driver_facts(nvml),
+        "gpus": [g.to_dict() for g in gpus],
         "cpu": {
             "model": _cpu_model(),
             "logical_cores": psutil.cpu_count(logical=True),
@@ -339,18 +279,29 @@ def describe() -> dict:
             "memory_total_gib": psutil.virtual_memory().total / 2**30,
             "memory_available_gib": psutil.virtual_memory().available / 2**30,
         },
-        "warnings": [],
+        "verdict": verdict.to_dict(),
+        "warnings": _warnings(nvml, gpus, torch_facts),
+        "notes": check.notes(gpus, torch_facts, visible),
     }
-    if nvml_gpus and torch.version.cuda is None:
-        report["warnings"].append(
-            f"{len(nvml_gpus)} NVIDIA GPU(s) found but this torch ({torch.__version__}) is a CPU-only build: "
-            "reinstall torch for your CUDA driver, e.g. `pip install torch --index-url "
-            "https://download.pytorch.org/whl/cu126` (pick the cuXYZ that matches `nvidia-smi`)"
+
+
+def _driver_facts(nvml) -> dict:
+    """{'driver': '580.159.04', 'cuda_driver': '13.0'}, or {'nvml': why NVML said nothing}."""
+    if nvml.unavailable:
+        return {"nvml": nvml.why}
+    facts = {"driver": nvml.driver}
+    if nvml.cuda_driver:
+        facts["cuda_driver"] = f"{nvml.cuda_driver[0]}.{nvml.cuda_driver[1]}"
+    return facts
+
+
+def _warnings(nvml, gpus, torch_facts) -> list[str]:
+    """Problems besides the verdict: GPUs NVML could not read, NVML missing while torch has GPUs."""
+    lines = [*nvml.problems, *check.gpu_problems(gpus)]
+    if nvml.unavailable and torch_facts.devices:
+        fix = check.nvml_fix(nvml)
+        lines.append(
+            f"GPU details (utilization, temperature, power, memory in use) unavailable: {nvml.why}"
+            + (f"; fix: {fix}" if fix else "")
         )
-    elif nvml_gpus and torch_sees == 0:
-        report["warnings"].append(
-            "NVIDIA GPU(s) found but torch cannot use them: check CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')} and that the driver supports CUDA "
-            f"{torch.version.cuda}"
-        )
-    return report
+    return lines

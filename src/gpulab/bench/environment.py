@@ -29,7 +29,8 @@ def environment() -> dict:
         "cudnn": report["cudnn"],
         "driver": report["driver"],
         "gpus": [
-            {"index": g["index"], "name": g["name"], "memory_total_mib": round(g["memory_total_mib"])}
+            {"index": g["index"], "name": g["name"],
+             "memory_total_mib": round(g["memory_total_mib"]) if g["memory_total_mib"] is not None else None}
             for g in report["gpus"]
         ],
         "torch_sees_gpus": report["torch_sees_gpus"],
@@ -76,7 +77,7 @@ def _git_commit() -> str | None:
 def machine_slug(env: dict) -> str:
     """A folder name for results: 'cpu-amd-epyc-2core', or the first GPU's name ('nvidia-h100-80gb-hbm3')."""
     if env["gpus"]:
-        name = env["gpus"][0]["name"]
+        name = env["gpus"][0]["name"] or "unreadable-gpu"  # a GPU NVML could not read
         count = len(env["gpus"])
         return _slug(name) + (f"-x{count}" if count > 1 else "")
     return f"cpu-{_slug(env['cpu']['model'])}-{env['cpu']['logical_cores']}core"
