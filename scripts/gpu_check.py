@@ -27,7 +27,6 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "monitor" / "scripts"
-FIXTURE = ROOT / "tests" / "monitor" / "fixtures" / "kineto_h100_annotated_step.json"
 
 
 @dataclass
@@ -315,50 +314,6 @@ def _gpu_pids() -> set[int]:
         pynvml.nvmlShutdown()
 
 
-WINDOW_CAPTURE = textwrap.dedent("""
-    # One kernel window as the profiler records it on this GPU: a step wrapped in record_function
-    # (as users do), host sleep inside it, then leaving the profiler (which synchronizes).
-    import json, sys, time, torch
-    from torch import nn
-    from torch.profiler import ProfilerActivity, profile, record_function
-    SLEEP = 0.004
-    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)).cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(256, 1024, device="cuda"); y = torch.randint(0, 10, (256,), device="cuda")
-    def step():
-        with record_function("train_step"):
-            time.sleep(SLEEP)
-            loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad(); loss.backward(); opt.step()
-            loss.item()
-    for _ in range(3): step()
-    torch.cuda.synchronize()
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]); prof.start()
-    t0 = time.time_ns()
-    for _ in range(3): step()
-    t1 = time.time_ns()
-    prof.stop()
-    cuda = torch.autograd.DeviceType.CUDA
-    events = [{"name": e.name(), "device_type": "CUDA" if e.device_type() == cuda else "CPU",
-               "device_index": e.device_index(), "start_ns": e.start_ns(), "end_ns": e.end_ns(),
-               "is_user_annotation": bool(e.is_user_annotation())} for e in prof.profiler.kineto_results.events()]
-    json.dump({"recorded_on": torch.cuda.get_device_name(0), "torch": torch.__version__, "steps": 3,
-               "host_sleep_s": SLEEP, "steps_start_ns": t0, "steps_end_ns": t1, "events": events},
-              open(sys.argv[1], "w"), indent=0)
-""")
-
-
-def check_window_fixture(check: Check, out: Path) -> str:
-    target = out / FIXTURE.name
-    done = run([sys.executable, "-c", WINDOW_CAPTURE, str(target)], out / "window-fixture.log", timeout=60)
-    if done.returncode != 0:
-        raise Failed(f"exit {done.returncode}; see window-fixture.log")
-    data = json.loads(target.read_text())
-    annotations = sum(e["is_user_annotation"] and e["device_type"] == "CUDA" for e in data["events"])
-    return (f"{len(data['events'])} events, {annotations} user annotations on the GPU track; "
-            f"copy {target.name} to {FIXTURE.relative_to(ROOT)} to replay it in the CPU tests")
-
-
 def check_gpu_tests(check: Check, out: Path) -> str:
     tests = ["tests/monitor/test_gpu.py", "tests/test_devices.py", "tests/monitor/test_kernel_window.py",
              "tests/bench/test_bench_cli.py"]
@@ -398,8 +353,6 @@ CHECKS = [
           check_sampler_gpm),
     Check("kill-frees-gpu", "gpu", "kill -9 of gpulab profile: the job ends and leaves the GPU within 30 s",
           check_kill_frees_gpu),
-    Check("window-fixture", "gpu", "records one kernel window (annotations, closing sync) for the CPU tests",
-          check_window_fixture),
     Check("gpu-tests", "gpu", "pytest of the GPU tests: no failure", check_gpu_tests),
 ]
 

@@ -2,16 +2,14 @@
 
 On CPU the events come from torch.profiler itself: `record_function` produces the same user
 annotation events (is_user_annotation() is True) that appear on the GPU track on a CUDA run, so
-the filter runs on the real structure. The GPU-only shapes (a kernel track with annotations, the
-profiler's closing cudaDeviceSynchronize) are replayed from a window recorded on an H100
-(fixtures/kineto_h100_annotated_step.json, written by .gpu-style capture in scripts/gpu_check.py).
+the filter runs on the real structure. The GPU-only shapes (annotations on the kernel track, the
+profiler's closing cudaDeviceSynchronize) were recorded on an H100 and are laid out by hand here;
+tests/monitor/test_gpu.py checks the same on a real GPU.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from gpulab.monitor.cuda_hooks import _asks_non_blocking, kernel_statistics
 
-FIXTURE = Path(__file__).parent / "fixtures" / "kineto_h100_annotated_step.json"
 CPU = torch.autograd.DeviceType.CPU
 
 
@@ -41,61 +38,65 @@ def test_an_annotation_around_idle_time_is_not_device_work():
     assert stats["kernels_per_step"] == len(ops)
 
 
-class RecordedEvent:
-    """One kineto event as recorded on a GPU: the methods kernel_statistics reads."""
+class Event:
+    """A kineto event with the methods kernel_statistics reads."""
 
-    def __init__(self, row: dict):
-        self.row = row
+    def __init__(self, name, device, start_us, dur_us, annotation=False):
+        self._name, self._device, self._annotation = name, device, annotation
+        self._start, self._end = int(start_us * 1e3), int((start_us + dur_us) * 1e3)
 
     def name(self):
-        return self.row["name"]
+        return self._name
 
     def device_type(self):
-        return torch.autograd.DeviceType.CUDA if self.row["device_type"] == "CUDA" else CPU
+        return self._device
 
     def device_index(self):
-        return self.row["device_index"]
+        return 0
 
     def start_ns(self):
-        return self.row["start_ns"]
+        return self._start
 
     def end_ns(self):
-        return self.row["end_ns"]
+        return self._end
 
     def is_user_annotation(self):
-        return self.row["is_user_annotation"]
+        return self._annotation
 
 
-@pytest.fixture
-def h100_window():
-    if not FIXTURE.exists():
-        pytest.skip(f"{FIXTURE.name} not recorded yet (scripts/gpu_check.py writes it on a GPU)")
-    data = json.loads(FIXTURE.read_text())
-    return data, [RecordedEvent(r) for r in data["events"]]
+def h100_like_window(steps: int = 3):
+    """A window laid out by hand with the event shapes recorded on an H100 (torch 2.11, see
+    benchmarks/results/h100-2026-11-24-before-fixes/facts.json): per step, the user's
+    `train_step` annotation and torch's `Optimizer.step#SGD.step` on the GPU track
+    (DeviceType.CUDA, is_user_annotation() True) spanning their kernels, a blocking copy's
+    cudaStreamSynchronize on the CPU track; after the last step, the cudaDeviceSynchronize that
+    leaving the profiler records. Each step: 3 kernels of 100 us with 2 ms of host work between
+    the forward's and the backward's (the device idles), 4 ms of host sleep before the next."""
+    cuda = torch.autograd.DeviceType.CUDA
+    events, t = [], 0.0
+    for _ in range(steps):
+        k = [(t + 4000, 100), (t + 6100, 100), (t + 6300, 100)]
+        events += [Event("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n", cuda, s, d) for s, d in k]
+        events.append(Event("train_step", cuda, k[0][0], k[-1][0] + k[-1][1] - k[0][0], annotation=True))
+        events.append(Event("Optimizer.step#SGD.step", cuda, k[-1][0], 100, annotation=True))
+        events.append(Event("cudaStreamSynchronize", CPU, t + 3900, 25))
+        t += 6500
+    steps_end_us = t
+    events.append(Event("cudaDeviceSynchronize", CPU, steps_end_us + 50, 27))
+    return events, steps_end_us * 1000
 
 
-def test_recorded_gpu_window_annotations_do_not_fill_the_idle_gaps(h100_window):
-    data, events = h100_window
-    annotations = [e for e in events if e.is_user_annotation() and e.device_type() == torch.autograd.DeviceType.CUDA]
-    assert {e.name() for e in annotations} >= {"train_step"}  # the shape the fix is about
-    stats = kernel_statistics(events, data["steps"], data["steps_end_ns"])
-    kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and not e.is_user_annotation()
-               and not e.name().startswith(("Memcpy", "Memset"))]
-    assert stats["kernels_per_step"] == pytest.approx(len(kernels) / data["steps"])
-    # Each step sleeps data["host_sleep_s"] on the host with nothing queued: at least that much idle.
-    step_s = (data["steps_end_ns"] - data["steps_start_ns"]) / 1e9 / data["steps"]
-    assert stats["device_busy_s_per_step"] < step_s - data["host_sleep_s"]
+def test_annotations_on_the_gpu_track_do_not_fill_its_idle_gaps():
+    events, end_ns = h100_like_window()
+    stats = kernel_statistics(events, 3, end_ns)
+    assert stats["kernels_per_step"] == 3
+    assert stats["device_busy_s_per_step"] == pytest.approx(300e-6)  # not the annotation's 2.4 ms span
 
 
-def test_recorded_gpu_window_the_profiler_s_closing_sync_is_not_the_user_s(h100_window):
-    data, events = h100_window
-    closing = [e for e in events if e.name() == "cudaDeviceSynchronize" and e.start_ns() >= data["steps_end_ns"]]
-    assert closing  # leaving the profiler synchronizes the device: the shape the fix is about
-    user = sum(e.end_ns() - e.start_ns() for e in events
-               if e.name() in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-               and e.start_ns() < data["steps_end_ns"])
-    stats = kernel_statistics(events, data["steps"], data["steps_end_ns"])
-    assert stats["runtime_sync_s_per_step"] == pytest.approx(user / 1e9 / data["steps"])
+def test_the_profiler_s_closing_sync_is_not_the_user_s():
+    events, end_ns = h100_like_window()
+    stats = kernel_statistics(events, 3, end_ns)
+    assert stats["runtime_sync_s_per_step"] == pytest.approx(25e-6)  # the copy's sync only, not the 27 us drain
 
 
 @pytest.mark.parametrize(("args", "kwargs", "expected"), [
