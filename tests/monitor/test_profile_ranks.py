@@ -56,6 +56,29 @@ def test_a_balanced_job_has_no_straggler(tmp_path):
     assert "unbalanced_data" not in [f["cause"] for f in report["findings"]]
 
 
+def test_a_communication_bound_ddp_job_is_named_from_ddp_s_own_timers(tmp_path):
+    # 4M parameters on batches of 2: the 16 MB allreduce outlasts each step's computation on both
+    # ranks alike. DDP waits for it inside backward (C++); its own timers move that wait to collectives.
+    report = profile_job(tmp_path, "comm-bound")
+    top = report["findings"][0]
+    assert top["cause"] == "communication_bound", [(f["cause"], f["share"]) for f in report["findings"]]
+    assert "straggler" not in [f["cause"] for f in report["findings"]]
+    assert report["collectives"]["ddp_backward_wait_ms_per_step"] > 0
+    for lane in ranks(report).values():
+        assert lane["phases"]["collective"] >= 0.25
+
+
+def test_explicit_all_reduce_calls_are_collective_time_at_their_line(tmp_path):
+    report = profile_job(tmp_path, "manual-allreduce")
+    lines = (SCRIPTS / "ddp_ranks.py").read_text().splitlines()
+    planted = next(i for i, line in enumerate(lines, 1) if "# planted: the gradient average" in line)
+    for lane in ranks(report).values():
+        assert lane["phases"]["collective"] > 0.1
+    assert "ddp_backward_wait_ms_per_step" not in report["collectives"]  # no DDP in this job
+    comm = next(f for f in report["findings"] if f["cause"] == "communication_bound")
+    assert comm["where"].endswith(f"ddp_ranks.py:{planted}")
+
+
 def test_the_torchrun_command_itself_can_be_profiled(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.exists():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX, Recording, trainers
 
 PHASE_NAMES = {
-    "data_wait": "data wait", "compute": "compute", "sync": "host syncs", "h2d": "copies", "other": "other Python",
+    "data_wait": "data wait", "compute": "compute", "collective": "collectives", "sync": "host syncs", "h2d": "copies", "other": "other Python",
 }
 MIN_SHARE = 0.10
 OUTLIER_FACTOR = 10.0  # a step 10x the median is an epoch boundary (evaluation, checkpoint), not a step
@@ -181,22 +181,32 @@ def _round(x, digits: int = 3):
 
 
 class _Step:
-    """Mean seconds per steady step of each quantity in the model above."""
+    """Mean seconds per steady step of each quantity in the model above.
 
-    def __init__(self, steady: list[dict]):
+    `ddp`: DDP's own runtime timers (recorder.ddp_runtime_stats). DDP waits for its gradient
+    buckets inside backward, in C++, so the recorder sees that wait as compute; DDP measures the
+    part of its allreduce not hidden behind the backward computation (at iterations it samples),
+    and that mean moves from compute to collective."""
+
+    def __init__(self, steady: list[dict], ddp: dict | None = None):
         n = len(steady)
         self.n = n
         total = {c: sum(s["excl"].get(c, 0.0) for s in steady) for c in CATEGORIES}
         self.S = sum(step_seconds(s) for s in steady) / n
-        self.D, self.H, self.C, self.Y, self.O = (total[c] / n for c in ("data_wait", "h2d", "compute", "sync", "other"))
+        self.D, self.H, self.C, self.K, self.Y, self.O = (
+            total[c] / n for c in ("data_wait", "h2d", "compute", "collective", "sync", "other"))
         counts: dict[str, float] = {}
         for s in steady:
             for k, v in s.get("counts", {}).items():
                 counts[k] = counts.get(k, 0) + v
         self.counts = {k: v / n for k, v in counts.items()}
+        self.ddp_exposed = min(ddp["exposed_comm_s"], self.C) if ddp else 0.0
+        self.C -= self.ddp_exposed
+        self.K += self.ddp_exposed
 
     def shares(self) -> dict[str, float]:
-        values = {"data_wait": self.D, "compute": self.C, "sync": self.Y, "h2d": self.H, "other": self.O}
+        values = {"data_wait": self.D, "compute": self.C, "collective": self.K, "sync": self.Y, "h2d": self.H,
+                  "other": self.O}
         return {k: round(v / self.S, 4) if self.S > 0 else 0.0 for k, v in values.items()}
 
 
@@ -213,7 +223,7 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         "steps": len(rec.steps),
         "steps_found": steps_found(rec),
         "step_time_s": {"median": 0.0, "p90": 0.0},
-        "phases": dict.fromkeys(("data_wait", "compute", "sync", "h2d", "other"), 0.0),
+        "phases": dict.fromkeys(("data_wait", "compute", "collective", "sync", "h2d", "other"), 0.0),
         "devices": summarize_devices(samples, gpus, used, window, rec.start),
         "findings": [],
         "steady_steps": 0 if whole_run else len(steady),
@@ -227,8 +237,10 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     if not whole_run:
         median, p90 = statistics.median(durations), percentile(durations, 0.9)
         report["step_time_s"] = {"median": round(median, 6), "p90": round(p90, 6)}
-    step = _Step(steady)
+    step = _Step(steady, rec.facts.get("ddp"))
     report["phases"] = step.shares()
+    if step.K > 0:
+        report["collectives"] = _collectives_summary(step, rec.facts.get("ddp"))
     busy, busy_source = _device_busy(rec, step, samples, gpus, used, window)
     report["device_busy"] = {"share": round(min(busy / step.S, 1.0), 4) if step.S else 0.0, "source": busy_source}
     findings = _findings(rec, step, busy, busy_source, gpus, used)
@@ -277,7 +289,7 @@ def lane_summary(rec: Recording, warmup_steps: int) -> dict:
                "steps": len(rec.steps), "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
     if steady:
         summary["median_step_s"] = round(statistics.median(step_seconds(s) for s in steady), 6)
-        summary["phases"] = _Step(steady).shares()
+        summary["phases"] = _Step(steady, rec.facts.get("ddp")).shares()
     return summary
 
 
@@ -546,6 +558,18 @@ RANK_FIXES = {
 }
 
 
+def _collectives_summary(step: _Step, ddp: dict | None) -> dict:
+    summary = {"ms_per_step": round(step.K * 1e3, 3), "share": round(step.K / step.S, 4) if step.S else 0.0,
+               "source": "torch.distributed calls and waits timed by gpulab"}
+    if ddp:
+        summary["ddp_backward_wait_ms_per_step"] = round(step.ddp_exposed * 1e3, 3)
+        summary["ddp_allreduce_ms_per_step"] = round(ddp["avg_backward_comm_s"] * 1e3, 3)
+        summary["ddp_overlapped_ms_per_step"] = round(ddp["avg_overlap_s"] * 1e3, 3)
+        summary["source"] += ("; DDP's wait for its buckets inside backward from DDP's own timers (the mean over "
+                              "the iterations DDP samples), moved from compute")
+    return summary
+
+
 def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
     """Findings about a multi-rank job as a whole: a straggler, and ranks that ran unequal steps.
 
@@ -570,7 +594,7 @@ def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
         finding["share_of"] = "steps"  # the steps only some ranks ran, not a share of step time
         findings.append(finding)
         findings[-1]["support"] = f"the step counts of {len(ranks)} ranks"
-    steps = {r.rank: _Step(select_steady(r.steps, warmup_steps)[0] or r.steps) for r in ranks}
+    steps = {r.rank: _Step(select_steady(r.steps, warmup_steps)[0] or r.steps, r.facts.get("ddp")) for r in ranks}
     S = statistics.median(s.S for s in steps.values())
     per_category = {"data_wait": "D", "sync": "Y", "h2d": "H", "other": "O"}
     worst = None
@@ -582,18 +606,21 @@ def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
         if worst is None or excess > worst[0]:
             worst = (excess, category, rank, others)
     excess, category, rank, others = worst
-    if S <= 0 or excess / S < MIN_SHARE:
+    if S <= 0:
         return findings
+    if excess / S < MIN_SHARE:  # no rank is late: is every rank waiting on the network instead?
+        comm = _communication_bound(ranks, steps, S)
+        return findings + ([comm] if comm else [])
     lane = next(r for r in ranks if r.rank == rank)
     waiting = [k for k in steps if k != rank]
-    extra_compute = statistics.median(steps[k].C for k in waiting) - steps[rank].C
+    extra_wait = statistics.median(steps[k].C + steps[k].K for k in waiting) - (steps[rank].C + steps[rank].K)
     evidence = (f"rank {rank} spends {excess * 1e3:.1f} ms more per step in {PHASE_NAMES[category]} than the other "
                 f"ranks ({getattr(steps[rank], per_category[category]) * 1e3:.1f} ms vs a median of {others * 1e3:.1f} ms; "
                 f"{excess / S:.0%} of the {S * 1e3:.1f} ms step)")
-    if extra_compute > 0:
+    if extra_wait > 0:
         evidence += (f"; rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'} "
-                     f"for it: {extra_compute * 1e3:.1f} ms more per step in compute, where the gradient allreduce "
-                     f"is waited for")
+                     f"for it: {extra_wait * 1e3:.1f} ms more per step in compute and collectives, where the gradient "
+                     f"allreduce is waited for")
     where = _hottest(lane, category)
     finding = _finding("straggler", excess / S, evidence, where,
                        fix=f"rank {rank} holds every rank back: " + RANK_FIXES[category])
@@ -601,3 +628,27 @@ def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
     _add_support(lane, steps[rank], finding)
     findings.append(finding)
     return findings
+
+
+# Every rank spends at least this share of its step in collectives, and none is late: the job is
+# bound by communication rather than by one rank (below it, communication is a cost, not the cause).
+COMM_BOUND_SHARE = 0.25
+
+
+def _communication_bound(ranks: list[Recording], steps: dict[int, "_Step"], S: float) -> dict | None:
+    shares = {k: s.K / s.S for k, s in steps.items() if s.S > 0}
+    if not shares or min(shares.values()) < COMM_BOUND_SHARE:
+        return None
+    share = statistics.median(shares.values())
+    listing = ", ".join(f"rank {k} {v:.0%}" for k, v in sorted(shares.items()))
+    evidence = (f"every rank spends a large part of its step in collectives ({listing} of a {S * 1e3:.1f} ms step) "
+                f"and none is late (no rank spends {MIN_SHARE:.0%} of the step more than the others in any host-side "
+                f"phase): the gradients' allreduce itself is the cost")
+    busiest = max(ranks, key=lambda r: steps[r.rank].K)
+    finding = _finding("communication_bound", share, evidence, _hottest(busiest, "collective"), fix=(
+        "communicate less per sample: a larger per-rank batch, or several micro-batches per allreduce (gradient "
+        "accumulation with DDP's no_sync(), gpulab train --accumulate N); larger buckets so fewer, bigger messages "
+        "(DDP(bucket_cap_mb=...)); bf16/fp16 gradient compression (DDP comm hooks) - or fewer ranks, when one "
+        "machine's link is the limit (measure it: gpulab bench allreduce)"))
+    finding["support"] = f"the collective share of {len(shares)} ranks"
+    return finding

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CATEGORIES = ("data_wait", "h2d", "compute", "sync", "other")
+CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "other")
 EVENTS_PREFIX = "events-"
 TRANSFORM_PREFIX = "transform: "  # a step's count of seconds in one transform inside a DataLoader fetch
 

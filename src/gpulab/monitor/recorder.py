@@ -1,13 +1,17 @@
 """Recording what a training loop does, from outside the user's code.
 
 The recorder patches a handful of PyTorch entry points for the duration of a session and puts
-every moment of the training thread into one of five categories:
+every moment of the training thread into one of six categories:
 
     data_wait  blocked in a DataLoader (creating its iterator, or fetching the next batch) -
                everything that runs inside the fetch: Dataset.__getitem__, transforms (also
                those that are nn.Modules, like torchvision's), collate
     h2d        copying a batch host -> device (CUDA), or the trainer's scatter to its devices
     compute    inside a module's forward, autograd's backward, an optimizer's step or zero_grad
+    collective inside a torch.distributed call (all_reduce, broadcast, barrier, ...) or waiting
+               for an asynchronous one (Work.wait), and gpulab's own wait for its gradient
+               buckets; DDP waits for its buckets inside backward, in C++: that time is moved
+               from compute to collective with DDP's own timers (diagnose.py)
     sync       blocked in a host sync on CUDA (`.item()`, `print(t)`, `.cpu()`, synchronize, ...)
     other      anything else: the user's Python between those calls (and torch ops called
                outside any nn.Module, e.g. a functional loss or a manual SGD update)
@@ -65,11 +69,21 @@ PHASE_CATEGORY = {
     "data": "data_wait",
     "scatter": "h2d",
     "forward_backward": "compute",
-    "allreduce": "compute",
+    "allreduce": "collective",
     "optimizer": "compute",
 }
 
+# torch.distributed calls that block until the collective is done (unless async_op=True, when the
+# wait comes later, in Work.wait). Each is timed as "collective".
+DISTRIBUTED_CALLS = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "barrier", "monitored_barrier",
+    "all_to_all", "all_to_all_single", "gather", "scatter", "gather_object", "scatter_object_list",
+    "send", "recv",
+)
+
 _FLUSH_EVERY_S = 1.0
+_DDP_READ_EVERY_S = 0.2
 # The stack sampler needs the GIL to look at the training thread. A thread running pure Python
 # only hands the GIL over every `sys.getswitchinterval()` (5 ms by default), so samples would
 # land on the next torch call instead of inside the Python loop that holds the GIL; a 1 ms
@@ -109,6 +123,10 @@ class Recorder:
         self._stopping = False
         self._undo: list = []
         self._transform_sites: dict[int, str] = {}  # id(transform) -> where the user built it
+        self._ddp_class: type = type(None)  # DistributedDataParallel once torch.distributed is hooked
+        self._ddp_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self._ddp_stats: dict | None = None
+        self._ddp_read_at = float("-inf")
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -317,6 +335,8 @@ class Recorder:
             record["spans"] = self._spans
         self._emit(record)
         self._step_index += 1
+        if self._ddp_modules:
+            self.ddp_runtime_stats()
         if self.cuda.enabled:
             with self.cuda.suppressed():  # our own bookkeeping (kernel window) is no sync of the user's
                 self.cuda.on_step_end(self._step_index)
@@ -437,7 +457,7 @@ class Recorder:
             {"type": "facts", "step_rule": self._step_rule, "backward_calls": self._counts_total["backward"],
              "optimizer_steps": self._counts_total["optimizer_step"], "dataloader_worker": _in_dataloader_worker(),
              "torch_threads": torch.get_num_threads(),
-             "transforms": self.transforms},
+             "transforms": self.transforms, "ddp": self.ddp_runtime_stats()},
         ]
 
     def flush(self, final: bool = False) -> None:
@@ -477,7 +497,68 @@ class Recorder:
             phases.span_hook = previous_hook
 
         self._undo.append(restore_phase_hook)
+        self._hook_distributed()
         self.cuda.install(self._patch)
+
+    def _hook_distributed(self) -> None:
+        """Time torch.distributed's collectives and waits as their own category. DDP's bucket waits
+        happen inside backward in C++, out of reach: DDP's own runtime timers report them
+        (ddp_runtime_stats, read at each flush)."""
+        if not torch.distributed.is_available():
+            return
+        import torch.distributed.distributed_c10d as c10d
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._ddp_class = DistributedDataParallel
+        for name in DISTRIBUTED_CALLS:
+            if not hasattr(c10d, name):
+                continue
+            original = getattr(c10d, name)
+            wrapper = self._wrap_collective(original, f"dist.{name}")
+            # `dist.all_reduce` and `c10d.all_reduce` are one function under two names: patch both.
+            for owner in (c10d, torch.distributed):
+                if getattr(owner, name, None) is original:
+                    self._patch(owner, name, lambda orig, w=wrapper: w)
+        self._patch(torch._C._distributed_c10d.Work, "wait", lambda orig: self._wrap_collective(orig, "Work.wait"))
+
+    def _wrap_collective(self, original, name: str):
+        rec = self
+
+        def wrapper(*args, **kwargs):
+            if not rec.here():
+                return original(*args, **kwargs)
+            token = rec.enter(name, "collective")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                rec.exit(token)
+
+        wrapper.__wrapped__ = original
+        return wrapper
+
+    def ddp_runtime_stats(self) -> dict | None:
+        """DDP's own timers for its backward (it samples some iterations): how long its bucket
+        allreduces ran and how much of that overlapped the backward computation. The rest, the
+        exposed part, is time backward spent waiting for communication. Read while the DDP module
+        lives (at step ends, at most every _DDP_READ_EVERY_S) and kept: a script's DDP is often
+        gone by the time the recorder stops."""
+        ddp = next(iter(self._ddp_modules), None)
+        if ddp is None or time.perf_counter() - self._ddp_read_at < _DDP_READ_EVERY_S:
+            return self._ddp_stats
+        self._ddp_read_at = time.perf_counter()
+        try:
+            data = ddp._get_ddp_logging_data()
+        except Exception:  # a private API: gone or changed in this torch
+            return None
+        comm_ns = data.get("avg_backward_comm_time") or 0
+        if comm_ns <= 0:
+            return self._ddp_stats  # no iteration sampled yet
+        overlap_ns = data.get("avg_backward_compute_comm_overlap_time") or 0
+        self._ddp_stats = {"avg_backward_comm_s": comm_ns / 1e9, "avg_overlap_s": overlap_ns / 1e9,
+                "exposed_comm_s": max(comm_ns - overlap_ns, 0) / 1e9,
+                "avg_backward_compute_s": (data.get("avg_backward_compute_time") or 0) / 1e9,
+                "bucket_cap_bytes": data.get("bucket_cap_bytes"), "backend": data.get("backend_name")}
+        return self._ddp_stats
 
     def _uninstall(self) -> None:
         self.cuda.uninstall()
@@ -540,6 +621,8 @@ class Recorder:
             if rec.loading_data():  # a transform inside the fetch (torchvision's are nn.Modules)
                 return rec.call_transform(module, original, module, *args, **kwargs)
             rec._end_step_after_backward()
+            if isinstance(module, rec._ddp_class):
+                rec._ddp_modules.add(module)
             rec._in_forward = True
             token = rec.enter(type(module).__name__, "compute")
             try:

@@ -63,7 +63,7 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
     if shown is not main and shown.rank is not None:
         ranks = sum(r.rank is not None for r in trained)
         report["note"] = (f"{ranks} ranks trained; below, rank {shown.rank}'s steps, then findings "
-                          f"across ranks (straggler, unbalanced data) and rank {shown.rank}'s own")
+                          f"across ranks (straggler, communication-bound, unbalanced data) and rank {shown.rank}'s own")
     elif shown is not main and shown.pid is not None:
         report["note"] = (f"the training ran in {len(trained)} child process(es); the diagnosis is of pid "
                           f"{shown.pid} ({len(shown.steps)} steps), the others are listed under processes")

@@ -20,6 +20,7 @@ COLORS = {
     "data_wait": "#f28e2b",
     "h2d": "#b07aa1",
     "compute": "#59a14f",
+    "collective": "#4e79a7",
     "sync": "#e15759",
     "other": "#bab0ac",
 }
@@ -27,6 +28,7 @@ LABELS = {
     "data_wait": "data wait",
     "h2d": "host-to-device copy",
     "compute": "compute",
+    "collective": "collectives (allreduce, ...)",
     "sync": "host sync",
     "other": "other (Python)",
 }

@@ -1,9 +1,12 @@
 """Planted for the multi-rank profile: a 2-rank DDP job (gloo) of 40 steps.
 
-usage (under torchrun): ddp_ranks.py balanced | slow-data | item
-  balanced   both ranks alike: no straggler
-  slow-data  rank 1's __getitem__ sleeps: rank 1 straggles by data wait, rank 0 waits in backward
-  item       rank 1 calls .item() and sleeps a little every step (a host-side straggler)
+usage (under torchrun): ddp_ranks.py balanced | slow-data | item | comm-bound | manual-allreduce
+  balanced          both ranks alike: no straggler
+  slow-data         rank 1's __getitem__ sleeps: rank 1 straggles by data wait, rank 0 waits in backward
+  item              rank 1 calls .item() and sleeps a little every step (a host-side straggler)
+  comm-bound        a 4M-parameter model on batches of 2: each step's 16 MB gradient allreduce
+                    outlasts its computation on both ranks alike (communication-bound, no straggler)
+  manual-allreduce  no DDP: the gradients are averaged with dist.all_reduce after backward
 """
 
 import os
@@ -22,7 +25,7 @@ RANK = int(os.environ.get("RANK", "0"))
 
 class Samples(Dataset):
     def __len__(self):
-        return 40 * 8
+        return 40 * (2 if MODE == "comm-bound" else 8)
 
     def __getitem__(self, i):
         if MODE == "slow-data" and RANK == 1:
@@ -34,12 +37,21 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4)))
+    if MODE == "comm-bound":
+        net = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), *(m for _ in range(3) for m in (nn.Linear(1024, 1024), nn.ReLU())),
+                            nn.Linear(1024, 4))
+    else:
+        net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    model = net if MODE == "manual-allreduce" else DDP(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for X, y in DataLoader(Samples(), batch_size=8):
+    for X, y in DataLoader(Samples(), batch_size=2 if MODE == "comm-bound" else 8):
         loss = nn.functional.cross_entropy(model(X), y)
         optimizer.zero_grad()
         loss.backward()
+        if MODE == "manual-allreduce":
+            for p in net.parameters():
+                dist.all_reduce(p.grad)  # planted: the gradient average, one collective per parameter
+                p.grad /= dist.get_world_size()
         optimizer.step()
         if MODE == "item" and RANK == 1:
             time.sleep(0.01 + 0 * loss.item())  # planted: per-step host work on rank 1
