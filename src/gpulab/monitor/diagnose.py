@@ -180,6 +180,11 @@ def _round(x, digits: int = 3):
 # ----------------------------------------------------------------------------- the diagnosis
 
 
+def shown_phases(shares: dict[str, float]) -> list[tuple[str, float]]:
+    """The phases worth a word in a one-line summary: collectives only in a job that had any."""
+    return [(name, value) for name, value in shares.items() if name != "collective" or value > 0]
+
+
 class _Step:
     """Mean seconds per steady step of each quantity in the model above.
 
@@ -456,7 +461,7 @@ def _unexplained_idle(rec: Recording, step: _Step, b: _Budget, findings: list[di
 
 def _nothing_stands_out(step: _Step, b: _Budget) -> dict:
     S = step.S
-    parts = ", ".join(f"{PHASE_NAMES[name]} {value:.0%}" for name, value in step.shares().items() if name != "compute")
+    parts = ", ".join(f"{PHASE_NAMES[name]} {value:.0%}" for name, value in shown_phases(step.shares()) if name != "compute")
     if b.on_cuda:
         head = f"the device was busy {min(b.busy / S, 1):.0%} of the step ({b.source})"
     else:

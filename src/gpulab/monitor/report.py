@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from gpulab.monitor import timeline, trace
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.diagnose import PHASE_NAMES, diagnose, lane_summary, rank_findings
+from gpulab.monitor.diagnose import PHASE_NAMES, diagnose, lane_summary, rank_findings, shown_phases
 from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
 from gpulab.io import atomic_write_bytes, atomic_write_json
 
@@ -128,10 +128,10 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
     trained = [p for p in report.get("processes", []) if p["steps"]]  # ranks already in rank order
     if len(trained) > 1:
         for p in trained:
-            shares = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in (p["phases"] or {}).items())
+            shares = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in shown_phases(p["phases"] or {}))
             median = f", median {p['median_step_s'] * 1e3:.1f} ms" if p["median_step_s"] else ""
             lines.append(f"  [dim]pid {p['pid']} ({p['role']}): {p['steps']} steps{median}  {shares}[/]")
-    phases = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in report["phases"].items())
+    phases = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in shown_phases(report["phases"]))
     busy = report.get("device_busy")
     if busy:
         phases += f"   device busy {busy['share']:.0%} ({escape(busy['source'])})"
