@@ -1,5 +1,9 @@
 """Writing files so that a crash never leaves half of one: write to a temporary name in the
-same folder, then rename it into place. A reader sees the old version or the new one.
+same folder, fsync it, rename it into place, then fsync the folder. A reader sees the old
+version or the new one, and after a power cut the new one is either whole on disk or not there
+(without the first fsync a journalling file system may commit the rename before the data,
+leaving an empty or short file under the final name; without the second, the rename itself may
+be lost).
 
 Used by every part of gpulab that writes results (run directories, profiles, benchmarks), so
 it sits below them all and imports nothing of gpulab but errors.
@@ -7,6 +11,7 @@ it sits below them all and imports nothing of gpulab but errors.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -25,10 +30,29 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in `folder` durable. Where folders cannot be opened or synced
+    (some file systems, Windows), there is nothing more to do."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)
 
 
 def atomic_write_json(path: Path, obj) -> None:

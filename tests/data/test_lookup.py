@@ -1,4 +1,5 @@
-"""Where gpulab finds Fashion-MNIST: --data-dir > $GPULAB_DATA > cache dir > Debian's path.
+"""Where gpulab finds Fashion-MNIST: --data-dir (only there, when given); else $GPULAB_DATA >
+cache dir > Debian's path.
 
 Every test points all four places at temporary folders; nothing is ever downloaded
 (`find(..., download=False)`).
@@ -62,8 +63,22 @@ def test_env_wins_over_cache_and_debian(places):
     for name in ("env", "cache", "debian"):
         fill(places[name])
     assert found_in(fashion_mnist.find()) == places["env"]
-    # an explicit data_dir without the files falls through to the next place
-    assert found_in(fashion_mnist.find(places["arg"])) == places["env"]
+
+
+@pytest.mark.parametrize("skip", [None, "test_labels"])
+def test_an_explicit_data_dir_without_the_files_never_falls_through(places, skip):
+    """--data-dir names the data to train on: other data elsewhere must not stand in for it."""
+    for name in ("env", "cache", "debian"):
+        fill(places[name])
+    if skip:
+        fill(places["arg"], skip=skip)
+    with pytest.raises(UserError) as info:
+        fashion_mnist.find(places["arg"], download=True)
+    message = str(info.value)
+    assert "\n" not in message and f"--data-dir {places['arg']} lacks" in message
+    missing = [FILES[skip]] if skip else list(FILES.values())
+    assert all(stem in message for stem in missing)
+    assert all(stem not in message for stem in FILES.values() if stem not in missing)
 
 
 def test_cache_wins_over_debian(places):
@@ -93,11 +108,11 @@ def test_raw_files_are_found_and_gz_preferred(places):
 
 def test_missing_everywhere_lists_three_ways(places):
     with pytest.raises(UserError) as info:
-        fashion_mnist.find(places["arg"], download=False)
+        fashion_mnist.find(download=False)
     message = str(info.value)
     assert "\n" not in message
     assert "Fashion-MNIST not found" in message
-    for name in ("arg", "env", "cache", "debian"):
+    for name in ("env", "cache", "debian"):
         assert str(places[name]) in message  # every searched folder
     assert "(1) sudo apt-get install dataset-fashion-mnist" in message
     assert "(2)" in message and "--data-dir" in message and "GPULAB_DATA" in message

@@ -104,7 +104,7 @@ def test_build():
 
 
 def test_build_unknown_model():
-    with pytest.raises(UserError, match="unknown model 'vgg': choose one of lenet, resnet18"):
+    with pytest.raises(UserError, match="--model vgg: unknown model; choose one of lenet, resnet18, or give your own as package.module:factory"):
         models.build("vgg")
 
 

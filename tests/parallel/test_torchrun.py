@@ -76,7 +76,9 @@ def test_two_ranks_train_like_one_process_and_only_rank_0_speaks(tiny_data, tmp_
     assert len(re.findall(r"^epoch +\d/2 ", out, re.M)) == 2
     assert out.count("test acc:") == 1
     (two,) = list((tmp_path / "runs").iterdir())  # one directory, named once for both ranks
-    assert sorted(p.name for p in two.iterdir()) == ["checkpoint.pt", "config.json", "curves.png", "metrics.csv", "metrics.json"]
+    assert sorted(p.name for p in two.iterdir()) == [
+        ".gpulab.lock", "checkpoint.pt", "config.json", "curves.png", "metrics.csv", "metrics.json"
+    ]
     one = tmp_path / "one"
     for a, b in zip(metrics(one), metrics(two)):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4)

@@ -14,7 +14,7 @@ import torch
 from gpulab.errors import UserError
 from gpulab.train import RECIPES, TrainConfig, train
 from gpulab.train.loop import lr_at
-from gpulab.train.rundir import CHECKPOINT, RunDir, check_writable, default_run_dir
+from gpulab.train.rundir import CHECKPOINT, LOCK, RunDir, check_writable, default_run_dir
 
 TIMING_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds"}
 
@@ -78,11 +78,12 @@ def test_run_dir_contents(tiny_data, tmp_path):
     out = tmp_path / "run"
     final = train(config(out, epochs=2))
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["config.json", "metrics.json", "metrics.csv", "curves.png", CHECKPOINT]
+        ["config.json", "metrics.json", "metrics.csv", "curves.png", CHECKPOINT, LOCK]
     )
     saved = json.loads((out / "config.json").read_text())
-    assert saved == config(out, epochs=2).to_dict()
-    assert TrainConfig.from_dict(saved) == config(out, epochs=2)
+    expected = config(out, epochs=2, input_shape=[1, 28, 28])  # the input shape is learnt from the data
+    assert saved == expected.to_dict()
+    assert TrainConfig.from_dict(saved) == expected
 
     rows = metrics(out)
     assert [r["epoch"] for r in rows] == [1, 2]

@@ -1,10 +1,11 @@
 """Fashion-MNIST: where to find it, how to load it, and what to say when it is missing.
 
-Lookup order (first directory that holds all four files wins):
-  1. `--data-dir` / the `data_dir` argument
-  2. `$GPULAB_DATA`
-  3. the user cache dir (`$XDG_CACHE_HOME/gpulab/fashion-mnist`, default `~/.cache/...`)
-  4. `/usr/share/datasets/fashion-mnist` (Debian's `dataset-fashion-mnist` package)
+An explicit `--data-dir` (the `data_dir` argument) is the only place looked at: without all
+four files there it is an error naming the missing ones, never a silent fall-back to other
+data. Without one, the lookup order is (first directory that holds all four files wins):
+  1. `$GPULAB_DATA`
+  2. the user cache dir (`$XDG_CACHE_HOME/gpulab/fashion-mnist`, default `~/.cache/...`)
+  3. `/usr/share/datasets/fashion-mnist` (Debian's `dataset-fashion-mnist` package)
 When none has it, gpulab downloads into the cache dir if `download=True` and the network
 allows; otherwise it stops with an error listing the ways to get the data.
 """
@@ -70,9 +71,10 @@ def _file_in(directory: Path, stem: str) -> Path | None:
 
 
 def find(data_dir: str | os.PathLike | None = None, download: bool = False) -> dict[str, Path]:
-    """Paths of the four IDX files, searched in lookup order."""
-    if data_dir is not None and not Path(data_dir).is_dir():
-        raise UserError(f"--data-dir {data_dir} does not exist; point it at a folder with the Fashion-MNIST IDX files")
+    """Paths of the four IDX files: in `data_dir` when given (and only there), else searched in
+    lookup order."""
+    if data_dir is not None:
+        return find_in(Path(data_dir))
     for d in candidate_dirs(data_dir):
         found = {k: _file_in(d, stem) for k, stem in FILES.items()}
         if all(found.values()):
@@ -89,6 +91,20 @@ def find(data_dir: str | os.PathLike | None = None, download: bool = False) -> d
         "(2) put the four *-ubyte.gz files in a folder and pass --data-dir DIR or set GPULAB_DATA=DIR, "
         f"(3) run once with network access to download into {cache_dir()}"
     )
+
+
+def find_in(data_dir: Path) -> dict[str, Path]:
+    """The four files in the folder the user named, or an error naming the missing ones."""
+    if not data_dir.is_dir():
+        raise UserError(f"--data-dir {data_dir} does not exist; point it at a folder with the Fashion-MNIST IDX files")
+    found = {key: _file_in(data_dir, stem) for key, stem in FILES.items()}
+    missing = [FILES[key] for key, path in found.items() if path is None]
+    if missing:
+        raise UserError(
+            f"--data-dir {data_dir} lacks {', '.join(f'{stem}(.gz)' for stem in missing)}: put the four Fashion-MNIST "
+            "IDX files there, or leave out --data-dir to use $GPULAB_DATA, the cache or Debian's dataset-fashion-mnist"
+        )
+    return found
 
 
 def _download(target: Path) -> dict[str, Path]:
@@ -120,6 +136,13 @@ def load(data_dir: str | os.PathLike | None = None, download: bool = False) -> t
     for part in ("train", "test"):
         images = read_idx(paths[f"{part}_images"], expect_ndim=3)
         labels = read_idx(paths[f"{part}_labels"], expect_ndim=1)
+        if len(images) == 0:
+            raise UserError(f"{paths[f'{part}_images']} holds no images: the {part} split is empty; use the full dataset")
+        if images.shape[1:] != (28, 28):
+            raise UserError(
+                f"{paths[f'{part}_images']}: images are {images.shape[1]}x{images.shape[2]}, but Fashion-MNIST's are "
+                "28x28: wrong files? (other images: pass them to gpulab.train.train() as train_data/test_data)"
+            )
         if len(images) != len(labels):
             raise UserError(
                 f"{paths[f'{part}_images']} has {len(images)} images but {paths[f'{part}_labels']} has "

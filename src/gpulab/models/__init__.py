@@ -1,4 +1,14 @@
-"""Models gpulab trains: the textbook's LeNet and a ResNet-18 for 28x28 images."""
+"""Models gpulab trains: the textbook's LeNet, a ResNet-18 for 28x28 images, or the user's own.
+
+A model is named by a spec: `lenet`, `resnet18`, or `package.module:factory` - a callable that
+takes no arguments and returns an nn.Module (what `gpulab train --model` takes). A model passed to
+`gpulab.train.train(model=...)` as an object is recorded as `custom`: it cannot be rebuilt from
+the run directory, so resuming such a run takes the object again.
+"""
+
+import importlib
+import os
+import sys
 
 from torch import nn
 
@@ -7,13 +17,48 @@ from gpulab.models.lenet import LeNet
 from gpulab.models.resnet import ResNet18
 
 MODELS = {"lenet": LeNet, "resnet18": ResNet18}
+OBJECT = "custom"  # the spec recorded for a model passed as an nn.Module
 
 
-def build(name: str, num_classes: int = 10) -> nn.Module:
+def is_factory(spec: str) -> bool:
+    module, sep, attr = spec.partition(":")
+    return bool(sep and module and attr)
+
+
+def check_spec(spec: str) -> None:
+    if spec not in MODELS and spec != OBJECT and not is_factory(spec):
+        raise UserError(f"--model {spec}: unknown model; choose one of {', '.join(MODELS)}, "
+                        "or give your own as package.module:factory")
+
+
+def build(spec: str, num_classes: int = 10) -> nn.Module:
+    check_spec(spec)
+    if spec in MODELS:
+        return MODELS[spec](num_classes=num_classes)
+    if spec == OBJECT:
+        raise UserError("this run's model was passed to gpulab.train.train() as an object, so it cannot be rebuilt "
+                        "from the run directory: pass it again (train(..., model=...))")
+    return from_factory(spec)
+
+
+def from_factory(spec: str) -> nn.Module:
+    """`package.module:factory()`. The working directory is searched last, as `python -m` would."""
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
-        return MODELS[name](num_classes=num_classes)
-    except KeyError:
-        raise UserError(f"unknown model '{name}': choose one of {', '.join(MODELS)}") from None
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(f"--model {spec}: cannot import {module_name} ({e}); run from the folder that holds it, "
+                        "or put it on PYTHONPATH") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"--model {spec}: {module_name} has no callable {attr}; name a function or class that "
+                        "returns an nn.Module")
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise UserError(f"--model {spec}: {attr}() returned an object of type {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
-__all__ = ["MODELS", "LeNet", "ResNet18", "build"]
+__all__ = ["MODELS", "OBJECT", "LeNet", "ResNet18", "build", "check_spec", "is_factory"]

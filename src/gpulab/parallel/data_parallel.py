@@ -28,7 +28,7 @@ from torch import nn
 from gpulab.devices import device_of, place
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose, weak_hook
-from gpulab.parallel.meter import Meter
+from gpulab.parallel.meter import Meter, correct_count
 from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
 from gpulab.parallel.sync_bn import convert_to_sync, exchanges
 
@@ -151,7 +151,7 @@ class DataParallel:
             loss = sum(place(l.detach(), first) for l in losses)
             total = total + loss
             if meter is not None:
-                correct = sum(place((o.argmax(1) == t).sum(), first) for o, t in zip(outputs, y_shards))
+                correct = sum(place(correct_count(o, t), first) for o, t in zip(outputs, y_shards))
                 meter.add(loss * n, correct, len(y_micro))
         with self.phase("allreduce"):
             if len(self.devices) > 1:

@@ -33,7 +33,7 @@ from torch import nn
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, FIRST_BUCKET_BYTES, Buckets, weak_hook
 from gpulab.parallel.data_parallel import micro_batches, no_phase
-from gpulab.parallel.meter import Meter, summarize
+from gpulab.parallel.meter import Meter, correct_count, summarize
 from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
 from gpulab.parallel.sync_bn import convert_across_ranks
 from gpulab.parallel.world import World
@@ -188,7 +188,7 @@ class Distributed:
                     (loss * scale).backward()
                 total = total + loss.detach()
                 if meter is not None:
-                    meter.add(loss.detach() * self.batch_size, (out.argmax(1) == y_micro).sum(), len(y_micro))
+                    meter.add(loss.detach() * self.batch_size, correct_count(out, y_micro), len(y_micro))
             with self.phase("allreduce"):  # the exchange not hidden behind backward
                 unused = self.grad_sync.finish() if self.grad_sync else []
         # Parameters no rank used are skipped, as plain PyTorch skips a parameter whose .grad is None.

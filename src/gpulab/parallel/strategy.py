@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from gpulab.parallel.meter import Meter
+from gpulab.parallel.meter import Meter, correct_count
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -78,4 +78,4 @@ def eval_batch(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn
     with autocast(X.device, dtype):
         out = model(X)
         loss_sum = loss_fn(out, y) * len(y) if loss_fn is not None else torch.zeros((), device=X.device)
-    return loss_sum, (out.argmax(1) == y).sum()
+    return loss_sum, correct_count(out, y)

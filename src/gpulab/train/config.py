@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 
 from gpulab.errors import UserError
+
+
+MAX_SEED = 2**32 - 1
+"""Seeds are 32-bit, as in NumPy (the sampling order is drawn from seed x 1000003 + epoch, which must fit in 64 bits)."""
 
 
 @dataclass(kw_only=True)
@@ -51,11 +56,14 @@ RECIPES = {
 @dataclass(kw_only=True)
 class TrainConfig:
     model: str = "lenet"
-    """lenet | resnet18"""
+    """lenet | resnet18 | package.module:factory (your own nn.Module) | custom (an nn.Module passed to train())"""
+    input_shape: list[int] | None = None
+    """One sample's input shape (no batch dimension), recorded from the training data for export."""
     data: str = "fashion-mnist"
     """fashion-mnist, or custom when train() is given the caller's own Dataset/DataLoader."""
     data_dir: str | None = None
-    """Folder with the four IDX files; default: $GPULAB_DATA, the cache dir, then Debian's path."""
+    """Folder with the four IDX files (stored absolute, so a resumed run finds it from any working
+    directory); default: $GPULAB_DATA, the cache dir, then Debian's path."""
     devices: str = "auto"
     """auto | cpu | cpu*K | cuda:0,cuda:1 | gpu:N"""
     epochs: int = 10
@@ -91,16 +99,19 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        from gpulab.models import MODELS
+        from gpulab.models import check_spec
 
-        if self.model not in MODELS:
-            raise UserError(f"--model {self.model}: unknown model; choose one of {', '.join(MODELS)}")
+        check_spec(self.model)
         if self.data not in ("fashion-mnist", "custom"):  # custom: Dataset/DataLoader passed to train()
             raise UserError(f"--data {self.data}: unknown dataset; gpulab train supports fashion-mnist")
         if self.recipe not in RECIPES:
             raise UserError(f"--recipe {self.recipe}: unknown recipe; choose one of {', '.join(RECIPES)}")
         if self.epochs < 1:
             raise UserError(f"--epochs {self.epochs}: train for at least 1 epoch")
+        if not (isinstance(self.seed, int) and abs(self.seed) <= MAX_SEED):
+            raise UserError(f"--seed {self.seed}: out of range; use a whole number from 0 to {MAX_SEED}")
+        if self.data_dir is not None:
+            self.data_dir = os.path.abspath(os.path.expanduser(self.data_dir))
         if self.batch_size < 1:
             raise UserError(f"--batch-size {self.batch_size}: the batch size must be >= 1")
         if self.eval_batch_size < 1:

@@ -1,6 +1,6 @@
 """The training loop: build everything from a TrainConfig, then epoch after epoch, batch ->
 strategy step (forward, backward, gradient exchange, update), with the running metrics on the
-device and one collective read per epoch.
+device and one collective read per epoch (plus, every CHECK_EVERY steps, the non-finite flag).
 
 The same loop runs in one process over k devices (`DataParallel`) and as every rank of a
 torchrun job (`Distributed`); the `World` decides who prints and writes (rank 0) and stops every
@@ -25,18 +25,27 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gpulab import data, models
 from gpulab.devices import for_rank, format_devices, resolve
 from gpulab.errors import UserError
+from gpulab.io import check_writable as check_folder_writable
 from gpulab.monitor import profile
 from gpulab.monitor.phases import PhaseTimer
 from gpulab.parallel import DataParallel, Meter, World
 from gpulab.parallel.distributed import Distributed
+from gpulab.parallel.meter import FiniteWatch, classifies
 from gpulab.parallel.strategy import Strategy
 from gpulab.parallel.world import PeerLost, SharedError, Terminated, choose_backend, from_environment
 from gpulab.train.config import Recipe, TrainConfig
-from gpulab.train.rundir import RunDir, check_writable, default_run_dir
+from gpulab.train.rundir import CHECKPOINT, RunDir, check_writable, claims, default_run_dir
+
+CHECK_EVERY = 50
+"""Steps between reads of the running non-finite flag (FiniteWatch): a diverged run stops within
+its epoch, without a host sync per step."""
+DIVERGENCE_FACTOR = 100.0
+"""An epoch whose training or test loss exceeds this many times the first epoch's training loss
+has exploded (see `divergence`)."""
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """The run diverged: a non-finite loss, or an epoch that exploded (`divergence`)."""
 
 
 def lr_at(step: int, total_steps: int, peak: float, recipe: Recipe, warmup_steps: int = 0) -> float:
@@ -104,6 +113,8 @@ class Run:
     batch_size: int
     peak_lr: float
     warmup_steps: int
+    schedule_lr: bool = True
+    """The recipe's schedule sets the learning rate each step; a caller's own optimizer keeps its own."""
     position: str = "set-up"
     """Where the loop is ("epoch 2, step 37"), for the message when another rank fails."""
 
@@ -158,12 +169,25 @@ def make_loaders(cfg: TrainConfig, world: World, device: torch.device, batch_siz
     )
 
 
-def check_image_shape(source, model: str) -> None:
-    """Fail with one line, not a shape error deep inside forward, when images do not fit the model."""
+def sample_shape(source) -> tuple[int, ...] | None:
+    """One input's shape (no batch dimension), from the first sample; None when it cannot be read
+    without consuming the user's iterator."""
+    if isinstance(source, data.Split):
+        return tuple(source.images.shape[1:])
     dataset = source if isinstance(source, torch.utils.data.Dataset) else getattr(source, "dataset", None)
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or len(dataset) == 0:
-        return  # nothing to look at without consuming the user's iterator
-    shape = tuple(torch.as_tensor(dataset[0][0]).shape)
+        return None
+    return tuple(torch.as_tensor(dataset[0][0]).shape)
+
+
+def check_image_shape(source, model: str) -> None:
+    """Fail with one line, not a shape error deep inside forward, when images do not fit a built-in
+    model (the user's own model takes whatever its data holds)."""
+    if model not in models.MODELS:
+        return
+    shape = sample_shape(source)
+    if shape is None:
+        return
     fits = len(shape) == 3 and shape[0] == 1 and (model != "lenet" or shape[1:] == (28, 28))
     if not fits:
         want = "1x28x28" if model == "lenet" else "1xHxW"
@@ -208,8 +232,8 @@ def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int,
 
 
 def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, devices: list[torch.device],
-                  batch_size: int, lr: float, timer: PhaseTimer | None = None) -> Strategy:
-    optimizer = make_optimizer(cfg.recipe_spec, lr)
+                  batch_size: int, lr: float, timer: PhaseTimer | None = None, optimizer=None) -> Strategy:
+    optimizer = optimizer or make_optimizer(cfg.recipe_spec, lr)
     autocast = autocast_dtype(cfg, devices)
     if world.world_size > 1:
         return Distributed(
@@ -222,10 +246,55 @@ def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, device
     )
 
 
-def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_data=None) -> Run:
-    """Everything a run needs. `train_data`/`test_data`: a Dataset or DataLoader of (image, label)
-    to train on instead of Fashion-MNIST (the built-in data is loaded only when they are None)."""
+def check_own_model(model: torch.nn.Module) -> None:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) > 1:
+        listing = ", ".join(sorted(str(d) for d in devices))
+        raise UserError(f"the model's parameters are on several devices ({listing}): gpulab places one whole copy "
+                        "per device itself - pass the model on one device (e.g. model.cpu())")
+
+
+class CheckedLoss:
+    """The loss function, checked on its first call: one-line errors instead of a broadcast error or
+    a silently wrong gradient deep in the step. Also learns whether accuracy applies (class scores
+    for integer labels), from shapes alone."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn = loss_fn
+        self.checked = False
+        self.classifies = True
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.checked:
+            return self.loss_fn(outputs, targets)
+        if not isinstance(outputs, torch.Tensor):
+            raise UserError(f"the model returned a {type(outputs).__name__}: gpulab trains models whose forward "
+                            "returns one tensor (wrap the model to return the one the loss takes)")
+        if outputs.shape[:1] != targets.shape[:1]:
+            raise UserError(f"the model's outputs have batch size {outputs.shape[0] if outputs.dim() else 'none'} "
+                            f"(shape {tuple(outputs.shape)}) but the labels have {targets.shape[0] if targets.dim() else 'none'}: "
+                            "the first dimension of both must be the batch")
+        loss = self.loss_fn(outputs, targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UserError(f"the loss returned {shape}, not one number: gpulab needs the batch's mean loss "
+                            "(e.g. reduction='mean', PyTorch's default)")
+        self.classifies = classifies(outputs, targets)
+        self.checked = True
+        return loss
+
+
+def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_data=None,
+          model: torch.nn.Module | None = None, loss_fn=None, optimizer=None) -> Run:
+    """Everything a run needs. `train_data`/`test_data`: a Dataset or DataLoader of (input, label)
+    to train on instead of Fashion-MNIST (the built-in data is loaded only when they are None).
+    `model`: your own nn.Module instead of `cfg.model`; `loss_fn(outputs, labels)`: the batch's
+    mean loss (default: cross-entropy); `optimizer`: a factory `params -> torch.optim.Optimizer`
+    (default: the recipe's, with its learning-rate schedule; yours keeps its own learning rate)."""
     world = world or World()
+    if model is not None:
+        check_own_model(model)
+        cfg = dataclasses.replace(cfg, model=models.OBJECT)  # the run's config must not claim LeNet
     # Every check that needs no data runs before the first collective, on every rank together.
     devices = world.all_or_none(lambda: choose_devices(cfg, world))
     replicas = len(devices) * world.world_size
@@ -234,16 +303,21 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     peak_lr = (cfg.lr or recipe.lr) * (replicas if cfg.scale_batch else 1)
     world.all_or_none(lambda: check_inputs(cfg, world, batch_size, replicas, train_data, test_data))
     world.connect(devices[0], cfg.backend, cfg.timeout)
-    channels_last = use_channels_last(cfg, devices)
     if train_data is None:
         # One rank per machine finds (or downloads) the files first; the others then read them.
         train_data, test_data = world.local_main_first(lambda: data.load(cfg.data_dir, download=True))
+    shape = sample_shape(train_data)
+    if shape is not None:
+        cfg = dataclasses.replace(cfg, input_shape=list(shape))  # for gpulab export
+    # channels_last is a layout of images (C, H, W); other inputs keep theirs.
+    channels_last = use_channels_last(cfg, devices) and (shape is None or len(shape) == 3)
     train_loader, test_loader = world.all_or_none(
         lambda: make_loaders(cfg, world, devices[0], batch_size, channels_last, train_data, test_data)
     )
 
     torch.manual_seed(cfg.seed)
-    model = models.build(cfg.model)
+    if model is None:
+        model = models.build(cfg.model)
     if recipe.init == "textbook":
         model.init_textbook()
     if channels_last:
@@ -252,7 +326,7 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
 
     timer = PhaseTimer(devices)
-    strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, timer)
+    strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, timer, optimizer)
     # Linear scaling needs a warm-up: a k-times larger lr from step 0 diverges (Goyal et al. 2017).
     warmup_steps = len(train_loader) if cfg.scale_batch and replicas > 1 else 0
     return Run(
@@ -261,23 +335,41 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
         strategy=strategy,
         train_loader=train_loader,
         test_loader=test_loader,
-        loss_fn=torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing),
+        loss_fn=CheckedLoss(loss_fn or torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)),
         timer=timer,
         batch_size=batch_size,
         peak_lr=peak_lr,
         warmup_steps=warmup_steps,
+        schedule_lr=optimizer is None,
     )
 
 
 # ----------------------------------------------------------------------------- one epoch
 
 
+def rank_sum(world: World) -> Callable[[torch.Tensor], None] | None:
+    """Under torchrun: sum a tensor in place over every rank (a collective on the training group)."""
+    if world.world_size == 1:
+        return None
+
+    def combine(t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        with world.collectives():
+            dist.all_reduce(t, group=world.group)
+
+    return combine
+
+
 def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
-    """One pass over the training set. Reads the device once, at the end (with every rank's totals)."""
+    """One pass over the training set. Reads the device once, at the end (with every rank's totals),
+    and every CHECK_EVERY steps the running non-finite flag (FiniteWatch: no per-step sync, and
+    on a GPU no wait), so that a diverged run stops within the epoch."""
     cfg, loader = run.cfg, run.train_loader
     loader.set_epoch(epoch)
     total_steps = cfg.epochs * len(loader)
     meter = Meter(run.devices[0])
+    watch = FiniteWatch(meter, rank_sum(run.world))
     run.timer.reset()
     task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
     synchronize(run.devices)
@@ -287,10 +379,16 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
         run.position = f"epoch {epoch + 1}, step {step + 1}/{len(loader)}"
         with run.timer.phase("data"):
             X, y = next(batches)
-        run.strategy.set_lr(lr_at(epoch * len(loader) + step, total_steps, run.peak_lr, cfg.recipe_spec, run.warmup_steps))
+        if run.schedule_lr:
+            run.strategy.set_lr(lr_at(epoch * len(loader) + step, total_steps, run.peak_lr, cfg.recipe_spec,
+                                      run.warmup_steps))
         run.strategy.train_step(X, y, run.loss_fn, meter)
         if progress:
             progress.advance(task)
+        if (step + 1) % CHECK_EVERY == 0 and step + 1 < len(loader):  # the last step: reduce reads it all
+            seen = watch.poll(step + 1)
+            if seen:  # every rank reads the same sum at the same step: all stop together
+                raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {seen[0]} by step {seen[1]}/{len(loader)}")
     stats = run.strategy.reduce(meter)  # also waits for the device: the epoch's time is complete
     synchronize(run.devices)
     seconds = time.perf_counter() - t0
@@ -301,7 +399,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
     phases = {name: [round(s, 4) for s in per_device] for name, per_device in run.timer.summary().items()}
     return {
         "train_loss": stats["loss"],
-        "train_acc": stats["accuracy"],
+        "train_acc": stats["accuracy"] if run.loss_fn.classifies else None,
         "train_seconds": seconds,
         "samples_per_s": stats["count"] / seconds,
         "phases_s": phases,
@@ -312,41 +410,88 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
 def evaluate(run: Run) -> dict:
     t0 = time.perf_counter()
     result = run.strategy.evaluate(run.test_loader, run.loss_fn)
-    return {"test_loss": result["loss"], "test_acc": result["accuracy"], "eval_seconds": time.perf_counter() - t0}
+    accuracy = result["accuracy"] if run.loss_fn.classifies else None
+    return {"test_loss": result["loss"], "test_acc": accuracy, "eval_seconds": time.perf_counter() - t0}
 
 
 def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:
-    line = (
-        f"epoch {row['epoch']:>2}/{epochs}  loss {row['train_loss']:.4f}  train acc {row['train_acc']:.3f}  "
-        f"test acc {row['test_acc']:.3f}  {row['train_seconds']:.1f} s  {row['samples_per_s']:,.0f} samples/s"
-    )
+    if row["train_acc"] is None:  # not a classifier: the losses say it all
+        metrics = f"loss {row['train_loss']:.4f}  test loss {row['test_loss']:.4f}"
+    else:
+        metrics = f"loss {row['train_loss']:.4f}  train acc {row['train_acc']:.3f}  test acc {row['test_acc']:.3f}"
+    line = (f"epoch {row['epoch']:>2}/{epochs}  {metrics}  {row['train_seconds']:.1f} s  "
+            f"{row['samples_per_s']:,.0f} samples/s")
     if strategy.num_replicas > 1:
         shares = "/".join(f"{s:.0%}" for s in row["allreduce_share"])
         line += f"  waiting for gradients {shares}"
     return line
 
 
+def divergence(row: dict, history: list[dict]) -> str | None:
+    """Why this epoch diverged (so it must not be kept as good), or None.
+
+    The rule: an epoch is good when its training loss and its test loss are both finite and
+    neither exceeds DIVERGENCE_FACTOR (100) x the run's first-epoch training loss; for the first
+    epoch that is its own training loss. The first epoch's mean loss lies between the untrained
+    model's and what it learnt, and a healthy run stays below it (overfitting raises the test loss
+    a few times, not a hundred), so 100x means the run exploded. A reference <= 0 (a loss of the
+    user's that can be negative) leaves only the finiteness rule."""
+    reference = history[0]["train_loss"] if history else row["train_loss"]
+    for key, name in (("train_loss", "training loss"), ("test_loss", "test loss")):
+        value = row[key]
+        if not math.isfinite(value):
+            return f"the {name} became {value}"
+        if math.isfinite(reference) and reference > 0 and value > DIVERGENCE_FACTOR * reference:
+            return (f"the {name} became {value:.4g}, over {DIVERGENCE_FACTOR:g}x the first epoch's training loss "
+                    f"({reference:.4g})")
+    return None
+
+
+def save_epoch(run_dir: RunDir, state: dict, history: list[dict]) -> None:
+    """The checkpoint, then the metrics. A write that fails (a full disk, a folder gone) is one
+    line that says what is intact: the file being replaced is, by atomic_write_bytes."""
+    epoch = history[-1]["epoch"]
+    try:
+        run_dir.save_checkpoint({"strategy": state, "history": history, "epoch": epoch})
+    except OSError as e:
+        if len(history) > 1:
+            kept = (f"the checkpoint of epoch {history[-2]['epoch']} is intact: free space, then gpulab train "
+                    f"--resume {run_dir.path}")
+        else:
+            kept = f"no checkpoint was saved yet: free space, then start over with gpulab train --out {run_dir.path}"
+        raise UserError(f"could not write epoch {epoch}'s checkpoint to {run_dir.path} ({e.strerror or e}); {kept}") from None
+    try:
+        run_dir.write_metrics(history)
+    except OSError as e:
+        raise UserError(f"epoch {epoch}'s checkpoint is saved in {run_dir.path} but its metrics could not be written "
+                        f"({e.strerror or e}): free space, then gpulab train --resume {run_dir.path}") from None
+
+
 def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, history: list[dict]) -> dict:
-    """Train and evaluate one epoch, then checkpoint and write the metrics (appends to `history`)."""
+    """Train and evaluate one epoch, then checkpoint and write the metrics (appends to `history`).
+    An epoch that diverged (`divergence`) is not kept: the last good checkpoint stays."""
     try:
         row = {"epoch": epoch + 1, **train_epoch(run, epoch, progress)}
         run.position = f"end of epoch {epoch + 1} (evaluation and checkpoint)"
         row.update(evaluate(run))
+        why = divergence(row, history)  # the same numbers on every rank: all stop together
+        if why:
+            raise NonFiniteLoss(f"epoch {epoch + 1}: {why}")
     except NonFiniteLoss as e:
         # A checkpoint exists only once an epoch has finished; if the first one diverged
         # there is nothing to keep, and saying "epoch 0" would promise a file that isn't there.
         if history:
-            kept = f"last good checkpoint (epoch {history[-1]['epoch']}) kept in {run_dir.path}"
+            kept = f"last good checkpoint (epoch {history[-1]['epoch']}) kept in {run_dir.path}: lower --lr"
         else:
-            kept = f"no checkpoint saved in {run_dir.path} (no epoch finished with a finite loss)"
-        raise SharedError(f"{e}; stopped, {kept}: lower --lr", printed_by=0) from None
+            kept = (f"no checkpoint saved in {run_dir.path} (no epoch finished without diverging): start over there "
+                    f"with a lower --lr (gpulab train --out {run_dir.path} ...)")
+        raise SharedError(f"{e}; stopped, {kept}", printed_by=0) from None
     row["lr_peak"] = run.peak_lr
     row["replicas"] = run.strategy.num_replicas
     history.append(row)
     state = run.strategy.state_dict()  # collective: every rank takes part, rank 0 writes
     if run.world.is_main:
-        run_dir.save_checkpoint({"strategy": state, "history": history, "epoch": epoch + 1})
-        run_dir.write_metrics(history)
+        save_epoch(run_dir, state, history)
     # The others wait here for rank 0's writes (within --timeout), so a failure meanwhile is
     # reported at the epoch's end, not as step 1 of the next.
     run.world.barrier()
@@ -365,18 +510,49 @@ def placement(run: Run) -> str:
 def banner(run: Run, run_dir: RunDir) -> str:
     cfg, strategy = run.cfg, run.strategy
     per = "rank" if run.world.world_size > 1 else "device"
+    model = "your model" if cfg.model == models.OBJECT else cfg.model
+    schedule = f"recipe {cfg.recipe}, lr {run.peak_lr:g}" if run.schedule_lr else "your optimizer and its lr"
     return (
-        f"training {cfg.model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
-        f"(~{run.batch_size // strategy.num_replicas} per {per}), recipe {cfg.recipe}, lr {run.peak_lr:g}, "
+        f"training {model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
+        f"(~{run.batch_size // strategy.num_replicas} per {per}), {schedule}, "
         f"{'bf16 autocast' if strategy.autocast else 'fp32'}, {strategy.description} -> {run_dir.path}"
     )
 
 
 def new_run_dir(cfg: TrainConfig) -> Path:
     """The main process picks the directory (a timestamp by default) and checks it is usable."""
-    path = Path(cfg.out) if cfg.out else default_run_dir(cfg.model)
-    check_writable(path)
+    # A factory spec (package.module:factory) names the folder by its factory: no ':' in paths.
+    path = Path(cfg.out) if cfg.out else default_run_dir(cfg.model.rpartition(":")[2])
+    if cfg.out:
+        check_writable(path)  # usable, not the user's other files, not a run with a checkpoint or in use
+    else:
+        check_folder_writable(path)  # the name itself is made unique when the run claims it
     return path
+
+
+def check_data_sizes(run: Run) -> None:
+    """Nothing to train or test on stops here, before the directory is written: not after an
+    "epoch" of 0 samples saved as a result."""
+    if len(run.train_loader) == 0:
+        raise UserError(
+            f"no training batches: the training data is empty or smaller than one batch of {run.batch_size} "
+            "(the short last batch is dropped): use more data or a smaller --batch-size"
+        )
+    if len(run.test_loader) == 0:
+        raise UserError("the test set is empty: pass test data with at least one sample")
+
+
+def load_weights(run: Run, checkpoint: dict, run_dir: RunDir) -> None:
+    """The checkpoint's state into the run, or one line when it was saved by another model."""
+    try:
+        run.strategy.load_state_dict(checkpoint["strategy"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        detail = " ".join(str(e).split()) or type(e).__name__
+        detail = detail if len(detail) <= 200 else detail[:200] + "..."
+        raise SharedError(
+            f"--resume {run_dir.path}: {CHECKPOINT} does not fit the model {run.cfg.model} ({detail}); it was "
+            "saved by another model: resume a run of this model, or start a new run"
+        ) from None
 
 
 def check_resumable(cfg: TrainConfig, history: list[dict], replicas: int) -> None:
@@ -392,8 +568,10 @@ def check_resumable(cfg: TrainConfig, history: list[dict], replicas: int) -> Non
 
 def resume_hint(run_dir: RunDir, history: list[dict], world: World) -> str:
     launcher = "the same torchrun command with " if world.world_size > 1 else ""
-    done = f"epoch {history[-1]['epoch']}" if history else "none yet"
-    return f"Last checkpoint: {done}, in {run_dir.path}; continue with {launcher}gpulab train --resume {run_dir.path}"
+    if not history:  # nothing to resume: the same --out starts the run over in place
+        again = "the same torchrun command" if world.world_size > 1 else f"gpulab train --out {run_dir.path}"
+        return f"No checkpoint yet in {run_dir.path}; start over with {again}"
+    return f"Last checkpoint: epoch {history[-1]['epoch']}, in {run_dir.path}; continue with {launcher}gpulab train --resume {run_dir.path}"
 
 
 def train(
@@ -403,23 +581,32 @@ def train(
     on_epoch_end: Callable[[dict], None] | None = None,
     train_data=None,
     test_data=None,
+    model: torch.nn.Module | None = None,
+    loss_fn=None,
+    optimizer=None,
+    data_dir: str | None = None,
 ) -> dict:
-    """Train as configured, or continue the run in directory `resume` with its saved config.
+    """Train as configured, or continue the run in directory `resume` with its saved config
+    (`data_dir`: where its data is now, when it moved; it replaces the saved one).
 
     Under torchrun (WORLD_SIZE > 1) this is one rank of the job: only rank 0 prints and writes.
-    `train_data`/`test_data` (a Dataset or DataLoader each) replace Fashion-MNIST; a resumed run
-    needs them again. Returns the final epoch's metrics row.
+    `train_data`/`test_data` (a Dataset or DataLoader each) replace Fashion-MNIST; `model` (an
+    nn.Module), `loss_fn(outputs, labels) -> mean loss` and `optimizer` (params -> Optimizer)
+    replace the built-in ones (see build()); a resumed run needs the same objects again. Returns
+    the final epoch's metrics row.
     """
     world = from_environment()
+    own = {"model": model, "loss_fn": loss_fn, "optimizer": optimizer}
     try:
-        return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data)
+        with claims():  # the run directory is this run's until it ends, however it ends
+            return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data, own, data_dir)
     except (PeerLost, Terminated) as e:  # before training began (the loop reports its own)
         raise world.failure(e, "set-up", "Nothing was trained yet") from None
     finally:
         world.close()
 
 
-def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_data) -> dict:
+def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_data, own: dict, data_dir=None) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
     if not world.is_main:
         console = Console(quiet=True)
@@ -430,7 +617,10 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
         def read_saved_run() -> dict:
             nonlocal checkpoint  # read before build: a run with nothing to resume says so before loading data
             config = run_dir.read_config()
+            run_dir.claim_for_resume()  # this run's from here on: a second one is refused
             checkpoint = run_dir.load_checkpoint()
+            if data_dir is not None:
+                config["data_dir"] = data_dir  # the data moved (made absolute by TrainConfig)
             return config
 
         # Validated on rank 0 (a damaged config.json is said once); the others get the checked dict.
@@ -439,8 +629,13 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
         cfg = cfg or TrainConfig()
         if train_data is not None:
             cfg = dataclasses.replace(cfg, data="custom")  # config.json must not claim Fashion-MNIST
-        run_dir = RunDir(world.share("run-dir", lambda: new_run_dir(cfg)))
-    run = build(cfg, world, train_data, test_data)  # validates devices and data before anything is written
+        if own["model"] is not None:
+            cfg = dataclasses.replace(cfg, model=models.OBJECT)  # nor LeNet (nor the folder name)
+        if data_dir is not None:
+            cfg = dataclasses.replace(cfg, data_dir=data_dir)
+        run_dir = RunDir(world.share("run-dir", lambda: new_run_dir(cfg)), unique=not cfg.out)
+    run = build(cfg, world, train_data, test_data, **own)  # validates devices and data before anything is written
+    world.all_or_none(lambda: check_data_sizes(run))
 
     history: list[dict] = []
     start_epoch = 0
@@ -448,10 +643,20 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
         checkpoint = world.broadcast(checkpoint)  # only rank 0's machine needs to hold the run directory
         history, start_epoch = checkpoint["history"], checkpoint["epoch"]
         check_resumable(cfg, history, run.strategy.num_replicas)
-        run.strategy.load_state_dict(checkpoint["strategy"])
-    elif world.is_main:
-        run_dir.create()
-        run_dir.write_config(cfg.to_dict())
+        load_weights(run, checkpoint, run_dir)
+        if world.is_main:
+            try:
+                if data_dir is not None:
+                    run_dir.write_config(run.cfg.to_dict())  # later resumes find the data where it is now
+                if history and run_dir.metrics_epochs() != [r["epoch"] for r in history]:
+                    run_dir.write_metrics(history)  # a disk that filled up after the last checkpoint
+            except OSError as e:
+                raise UserError(f"--resume {run_dir.path}: cannot write there ({e.strerror or e}); free space or "
+                                "fix the folder's permissions, then resume again") from None
+    else:
+        # Only now, everything built, is the directory written: claimed (locked for the run's life,
+        # a default name made unique), then config.json with what build() learnt (input shape).
+        run_dir.path = Path(world.share("run-dir-claimed", lambda: run_dir.start(run.cfg.to_dict())))
 
     console.print(escape(banner(run, run_dir)))
     progress = Progress(
@@ -468,8 +673,12 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
                 if on_epoch_end:
                     on_epoch_end(row)
         except KeyboardInterrupt:
-            done = history[-1]["epoch"] if history else 0
-            console.print(escape(f"interrupted after epoch {done}: continue with gpulab train --resume {run_dir.path}"))
+            if history:
+                done = history[-1]["epoch"]
+                console.print(escape(f"interrupted after epoch {done}: continue with gpulab train --resume {run_dir.path}"))
+            else:  # no checkpoint: nothing to resume, but the same --out starts over in place
+                console.print(escape(f"interrupted before the first checkpoint: start over with gpulab train --out "
+                                     f"{run_dir.path} (and the same options)"))
             raise
         except (PeerLost, Terminated) as e:  # another rank failed: say which, where, and how to go on
             raise world.failure(e, f"{run.position}", resume_hint(run_dir, history, world)) from None
@@ -479,5 +688,6 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
 
     final = history[-1]
     sec_per_epoch = sum(r["train_seconds"] for r in history) / len(history)
-    console.print(escape(f"test acc: {final['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {placement(run)}"))
+    result = f"test acc: {final['test_acc']:.2f}" if final["test_acc"] is not None else f"test loss: {final['test_loss']:.4g}"
+    console.print(escape(f"{result}, {sec_per_epoch:.1f} sec/epoch on {placement(run)}"))
     return final

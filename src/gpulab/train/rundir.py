@@ -1,14 +1,33 @@
-"""The run directory: config.json, metrics.json/csv, curves.png, checkpoint.pt.
+"""The run directory: config.json, metrics.json/csv, curves.png, checkpoint.pt, and .gpulab.lock.
+
+A run owns its directory for its whole life: it holds an exclusive lock (flock) on `.gpulab.lock`
+inside it, so a second run into the same directory, or a --resume of it, is refused in one line
+while the first one lives. The operating system drops the lock with the process however it ends
+(kill -9 included), so a dead run never blocks the next one. The file stays: it marks the folder
+as a gpulab run and says who holds it ("pid 123 on host").
+
+A new run writes its directory only once it is known to start, everything built (`claim`). As
+--out it takes a new path, an empty folder, or a gpulab run that has no checkpoint yet (it
+stopped before its first epoch ended: killed, Ctrl-C, diverged, failed at its first step), which
+is started over in place. It refuses a run that has a checkpoint (continue it with --resume) and
+any other non-empty folder (never writing over the user's files). The default directory,
+runs/<timestamp>-<model>, is created exclusively: runs started in the same second get -2, -3, ...
 
 Every file is written atomically (gpulab.io), so a crash or Ctrl-C never leaves a half-written
-file. Under torchrun only rank 0 writes here.
+file. Under torchrun only rank 0 writes here and holds the lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import csv
+import errno
+import fcntl
 import io
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -18,6 +37,12 @@ from gpulab.errors import UserError
 from gpulab.io import atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable
 
 CHECKPOINT = "checkpoint.pt"
+LOCK = ".gpulab.lock"
+RESULTS = ("metrics.json", "metrics.csv", "curves.png")
+"""What a finished epoch writes besides the checkpoint: stale when a run starts over in place."""
+
+# The run directories claimed inside the innermost `claims()` block, released when it ends.
+_claimed: contextvars.ContextVar[list | None] = contextvars.ContextVar("gpulab_claimed_run_dirs", default=None)
 
 
 def default_run_dir(model: str) -> Path:
@@ -25,18 +50,173 @@ def default_run_dir(model: str) -> Path:
 
 
 def check_writable(run_dir: Path) -> None:
-    """Fail before training if the run directory cannot be created or already holds a run."""
+    """Fail before training if --out cannot be used: a path that cannot be created, a folder that
+    is not a gpulab run, a run in use by another process or one with a checkpoint. Creates nothing."""
     check_folder_writable(run_dir)
-    if (Path(run_dir) / "config.json").exists():
-        raise UserError(f"--out {run_dir} already holds a gpulab run: continue it with --resume {run_dir} or choose another --out")
+    check_new_run(Path(run_dir))
+
+
+def is_run(path: Path) -> bool:
+    """A folder gpulab train made: it holds the lock file, or a config.json of a training run."""
+    if (path / LOCK).exists():
+        return True
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and {"model", "recipe", "epochs"} <= config.keys()
+
+
+def holder(path: Path) -> str | None:
+    """Who holds `path`'s lock ("pid 123 on host"), or None when no live run does. Creates nothing."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDONLY)
+    except OSError:
+        return None  # no lock file: no run has claimed the folder since locks exist
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        return who or "another process"
+    except OSError:
+        return None  # a file system without locks: nothing to learn
+    finally:
+        os.close(fd)  # releases the probe's shared lock
+    return None
+
+
+def in_use(option: str, path: Path, who: str) -> UserError:
+    if option == "--resume":
+        return UserError(f"--resume {path}: in use by another gpulab run ({who}); wait for it to end, then resume")
+    return UserError(f"--out {path} is in use by another gpulab run ({who}); wait for it to end or choose another --out")
+
+
+def check_new_run(path: Path, locked: bool = False) -> None:
+    """Whether a new run may use `path` (see the module's docstring); `locked`: we hold its lock."""
+    if not path.is_dir():
+        return  # created by the run (check_folder_writable said whether it can be)
+    try:
+        entries = sorted(p.name for p in path.iterdir())
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot list it ({e.strerror or e}); choose another directory") from None
+    if not entries:
+        return
+    if not is_run(path):
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise UserError(f"--out {path} is not empty and not a gpulab run (it holds {shown}): choose a new or empty folder")
+    who = None if locked else holder(path)
+    if who:
+        raise in_use("--out", path, who)
+    if (path / CHECKPOINT).exists():
+        raise UserError(f"--out {path} already holds a gpulab run: continue it with --resume {path} or choose another --out")
+    # A run that stopped before its first checkpoint: this one starts over in place.
+
+
+@contextlib.contextmanager
+def claims():
+    """Release every run directory claimed inside the block when it ends (however it ends)."""
+    token = _claimed.set([])
+    try:
+        yield
+    finally:
+        for run_dir in _claimed.get():
+            run_dir.release()
+        _claimed.reset(token)
 
 
 class RunDir:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, unique: bool = False):
         self.path = Path(path)
+        self.unique = unique
+        """A default path: claimed under a name of its own (-2, -3, ... when taken)."""
+        self._lock: int | None = None
+
+    # ------------------------------------------------------------------ owning the directory
+
+    def claim(self) -> None:
+        """Make the directory this new run's own, creating it (once everything is built and the
+        run is known to start). Checks again what the early check_writable said: the folder may
+        have changed since."""
+        if self.unique:
+            self._create_unique()
+        else:
+            check_new_run(self.path)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"--out {self.path}: cannot create it ({e.strerror or e}); choose another directory") from None
+        self._take_lock("--out")
+        check_new_run(self.path, locked=True)  # owned now: what is here stays as seen
+        for name in RESULTS:  # a run started over in place: its predecessor's results are not this run's
+            (self.path / name).unlink(missing_ok=True)
+
+    def claim_for_resume(self) -> None:
+        """Own an existing run's directory to continue it (after read_config)."""
+        who = holder(self.path)
+        if who:
+            raise in_use("--resume", self.path, who)
+        if not self.has_checkpoint():
+            raise self._no_checkpoint()  # before writing anything here
+        self._take_lock("--resume")
+
+    def _create_unique(self) -> None:
+        base = self.path
+        for n in range(1, 1000):
+            candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                candidate.mkdir(parents=True)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise UserError(f"cannot create the run directory {candidate} ({e.strerror or e}): give --out DIR") from None
+            self.path = candidate
+            return
+        raise UserError(f"{base}: 999 run directories of this name exist already; give --out DIR")
+
+    def _take_lock(self, option: str) -> None:
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"{option} {self.path}: cannot write there ({e.strerror or e}); choose another directory") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise in_use(option, self.path, who) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                os.close(fd)
+                raise
+            # A file system without locks (some network mounts): the run goes on unguarded.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._lock = fd
+        claimed = _claimed.get()
+        if claimed is not None:
+            claimed.append(self)
+
+    def release(self) -> None:
+        """Give the directory up (the lock file stays, marking the folder as a gpulab run)."""
+        if self._lock is not None:
+            fd, self._lock = self._lock, None
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)  # also for copies of the fd in forked data-loader workers
+            os.close(fd)
+
+    def start(self, config: dict) -> str:
+        """claim(), then write config.json: the new run's directory exists from here on. Returns its path."""
+        self.claim()
+        try:
+            self.write_config(config)
+        except OSError as e:
+            raise UserError(f"--out {self.path}: cannot write config.json ({e.strerror or e}); choose another directory") from None
+        return str(self.path)
 
     def create(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ files
 
     def write_config(self, config: dict) -> None:
         atomic_write_json(self.path / "config.json", config)
@@ -59,6 +239,13 @@ class RunDir:
         writer.writerows(flat)
         atomic_write_bytes(self.path / "metrics.csv", buf.getvalue().encode())
         self._plot_curves(history)
+
+    def metrics_epochs(self) -> list | None:
+        """The epochs metrics.json lists (None when it is missing or unreadable)."""
+        try:
+            return [row["epoch"] for row in json.loads((self.path / "metrics.json").read_text())]
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
 
     def _plot_curves(self, history: list[dict]) -> None:
         import matplotlib
@@ -86,10 +273,19 @@ class RunDir:
         torch.save(state, buf)
         atomic_write_bytes(self.path / CHECKPOINT, buf.getvalue())
 
+    def has_checkpoint(self) -> bool:
+        return (self.path / CHECKPOINT).is_file()
+
+    def _no_checkpoint(self) -> UserError:
+        return UserError(
+            f"--resume {self.path}: no {CHECKPOINT} there; the run stopped before its first epoch ended: "
+            f"start it over with gpulab train --out {self.path} and its options"
+        )
+
     def load_checkpoint(self) -> dict:
         path = self.path / CHECKPOINT
         if not path.is_file():
-            raise UserError(f"--resume {self.path}: no {CHECKPOINT} there; the run stopped before its first epoch ended")
+            raise self._no_checkpoint()
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:  # truncated or foreign file: torch raises several types

@@ -1,0 +1,157 @@
+"""Your own nn.Module, loss and optimizer through gpulab's strategies (issue 10, part 1).
+
+Correctness is checked against plain PyTorch: one model, `loss.backward(); opt.step()` on the
+whole batch, no gpulab code in the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from gpulab.cli import main
+from gpulab.errors import UserError
+from gpulab.train import TrainConfig, build, train
+
+
+def regression_data(n: int = 256, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """y = x @ w + noise: 8 features, 2 targets - neither images nor classes."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, 8, generator=g)
+    y = X @ torch.randn(8, 2, generator=g) + 0.01 * torch.randn(n, 2, generator=g)
+    return TensorDataset(X[: n * 3 // 4], y[: n * 3 // 4]), TensorDataset(X[n * 3 // 4:], y[n * 3 // 4:])
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+
+
+def config(tmp_path: Path, **overrides) -> TrainConfig:
+    args = dict(devices="cpu", epochs=1, batch_size=32, precision="fp32", out=str(tmp_path / "run"))
+    args.update(overrides)
+    return TrainConfig(**args)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu*2", "cpu*3"])
+def test_one_step_of_your_model_loss_and_optimizer_equals_plain_pytorch(tmp_path, devices):
+    train_set, test_set = regression_data()
+    X, y = train_set.tensors[0][:48], train_set.tensors[1][:48]
+    reference = mlp()
+    ours = copy.deepcopy(reference)
+    opt = adam(reference.parameters())
+    nn.functional.mse_loss(reference(X), y).backward()  # plain PyTorch: one model, the whole batch
+    opt.step()
+
+    run = build(config(tmp_path, devices=devices), train_data=train_set, test_data=test_set, model=ours,
+                loss_fn=nn.MSELoss(), optimizer=adam)
+    run.strategy.train_step(X, y, run.loss_fn)
+    for got, want in zip(run.strategy.state_dict()["model"].values(), reference.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_regression_model_trains_on_cpu_and_cpu2_alike_with_loss_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPULAB_DATA", str(tmp_path / "nowhere"))  # no Fashion-MNIST involved
+    train_set, test_set = regression_data()
+    rows = {}
+    for devices in ("cpu", "cpu*2"):
+        rows[devices] = train(config(tmp_path / devices, devices=devices, epochs=3), train_data=train_set,
+                              test_data=test_set, model=mlp(), loss_fn=nn.MSELoss(), optimizer=adam)
+    assert rows["cpu"]["train_acc"] is None and rows["cpu"]["test_acc"] is None  # not a classifier
+    assert rows["cpu"]["test_loss"] < 0.5 * regression_baseline(test_set)  # it learned
+    assert rows["cpu*2"]["train_loss"] == pytest.approx(rows["cpu"]["train_loss"], rel=1e-5)
+    saved = json.loads((tmp_path / "cpu" / "run" / "config.json").read_text())
+    assert (saved["model"], saved["data"], saved["input_shape"]) == ("custom", "custom", [8])
+    checkpoint = torch.load(tmp_path / "cpu" / "run" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert checkpoint["strategy"]["optimizer"]["param_groups"][0]["lr"] == 1e-2  # your optimizer keeps its lr
+
+
+def regression_baseline(test_set: TensorDataset) -> float:
+    """The test MSE of always predicting zero."""
+    return float(test_set.tensors[1].pow(2).mean())
+
+
+def test_resuming_a_run_of_a_model_object_asks_for_the_object(tmp_path):
+    train_set, test_set = regression_data()
+    train(config(tmp_path), train_data=train_set, test_data=test_set, model=mlp(), loss_fn=nn.MSELoss())
+    with pytest.raises(UserError, match=r"passed to gpulab.train.train\(\) as an object, so it cannot be rebuilt from the run directory: pass it again"):
+        train(resume=str(tmp_path / "run"), train_data=train_set, test_data=test_set)
+
+
+class SumOverBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.linear(x).sum(0, keepdim=True)  # (1, 2) whatever the batch
+
+
+@pytest.mark.parametrize(("model", "loss_fn", "message"), [
+    (mlp, lambda: nn.MSELoss(reduction="none"), r"the loss returned \(16, 2\), not one number: .*reduction='mean'"),
+    (SumOverBatch, nn.MSELoss, r"outputs have batch size 1 \(shape \(1, 2\)\) but the labels have 16"),
+])
+def test_a_loss_that_does_not_reduce_or_outputs_without_the_batch_are_one_line_errors(tmp_path, model, loss_fn, message):
+    train_set, test_set = regression_data()
+    with pytest.raises(UserError, match=message):
+        train(config(tmp_path, batch_size=16), train_data=train_set, test_data=test_set, model=model(), loss_fn=loss_fn())
+
+
+def test_a_model_spanning_devices_is_refused(tmp_path):
+    train_set, test_set = regression_data()
+    model = mlp()
+    model[2] = nn.Linear(32, 2, device="meta")
+    with pytest.raises(UserError, match=r"parameters are on several devices \(cpu, meta\)"):
+        train(config(tmp_path), train_data=train_set, test_data=test_set, model=model, loss_fn=nn.MSELoss())
+
+
+@pytest.fixture
+def model_module(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(textwrap.dedent("""
+        from torch import nn
+
+        def small_mlp():
+            return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+
+        def not_a_model():
+            return 42
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_models"
+    sys.modules.pop("my_models", None)
+
+
+def test_cli_trains_your_model_from_a_factory(tiny_data, tmp_path, model_module):
+    out = tmp_path / "run"
+    assert main(["train", "--model", f"{model_module}:small_mlp", "--devices", "cpu*2", "--epochs", "1",
+                 "--batch-size", "64", "--out", str(out)]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model"] == "my_models:small_mlp" and saved["input_shape"] == [1, 28, 28]
+    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["strategy"]["model"]
+    assert set(state) == {"1.weight", "1.bias", "3.weight", "3.bias"}  # the factory's model, not LeNet
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("my_models:nope", "my_models has no callable nope"),
+    ("my_models:not_a_model", "not_a_model\\(\\) returned an object of type int, not a torch.nn.Module"),
+    ("no_such_module:f", "cannot import no_such_module"),
+    ("alexnet", "unknown model; choose one of lenet, resnet18, or give your own as package.module:factory"),
+])
+def test_cli_bad_model_specs_are_one_line_errors(tmp_path, model_module, capsys, spec, message):
+    assert main(["train", "--model", spec, "--epochs", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err)

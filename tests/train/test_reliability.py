@@ -1,0 +1,543 @@
+"""Reliability of a run (issue #10, part 3): a run owns its directory, never writes over the user's
+files or trains on other data than it was given, can always be started again or resumed, says
+every failure in one line, and stops a diverging run early without keeping an exploded epoch.
+
+Tiny synthetic data (conftest's `tiny_data`: 512 training samples, 16 steps of 32), 1-2 epochs.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpulab.cli import main
+from gpulab.errors import UserError
+from gpulab.train import TrainConfig, train
+from gpulab.train import loop, rundir
+from gpulab.train.rundir import CHECKPOINT
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(out: Path | None, **overrides) -> TrainConfig:
+    args = dict(devices="cpu", epochs=1, batch_size=32, out=None if out is None else str(out))
+    args.update(overrides)
+    return TrainConfig(**args)
+
+
+def saved_epoch(run_dir: Path) -> int:
+    return torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False)["epoch"]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2, err
+    assert err.startswith("gpulab: error: ") and err.count("\n") == 1, f"not one line: {err!r}"
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+
+
+def during_first_epoch(monkeypatch, action):
+    """Call `action()` once, at the start of the first epoch trained (the directory is claimed, no
+    checkpoint yet): a second run started while the first one is working."""
+    real = loop.train_epoch
+    calls = []
+
+    def train_epoch(run, epoch, progress=None):
+        if not calls:
+            calls.append(epoch)
+            action()
+        return real(run, epoch, progress)
+
+    monkeypatch.setattr(loop, "train_epoch", train_epoch)
+
+
+def stop(row: dict) -> None:
+    """on_epoch_end that stops the run after its first epoch, as Ctrl-C would."""
+    raise KeyboardInterrupt
+
+
+TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
+
+
+# ----------------------------------------------------------------------------- 1. a run owns its directory
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused(tiny_data, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    refusals = []
+
+    def second_run():
+        with pytest.raises(UserError) as info:
+            train(config(out, seed=2))
+        refusals.append(str(info.value))
+
+    during_first_epoch(monkeypatch, second_run)
+    train(config(out, seed=1))
+    [message] = refusals
+    assert "\n" not in message
+    assert f"--out {out} is in use by another gpulab run (pid {os.getpid()}" in message
+    assert "choose another --out" in message
+    assert json.loads((out / "config.json").read_text())["seed"] == 1  # the first run's, untouched
+
+
+def test_resuming_a_run_that_is_still_training_is_refused(tiny_data, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train(config(out))  # a checkpoint to resume from
+    (out / "config.json").write_text(json.dumps({**json.loads((out / "config.json").read_text()), "epochs": 2}))
+    refusals = []
+
+    def resume_meanwhile():
+        with pytest.raises(UserError) as info:
+            train(resume=str(out))
+        refusals.append(str(info.value))
+
+    during_first_epoch(monkeypatch, resume_meanwhile)
+    train(resume=str(out))  # trains epoch 2 while the second --resume tries to
+    [message] = refusals
+    assert f"--resume {out}: in use by another gpulab run (pid {os.getpid()}" in message
+    assert saved_epoch(out) == 2
+
+
+def test_the_lock_is_released_when_the_run_ends(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(config(out, epochs=2), on_epoch_end=stop)
+    assert train(resume=str(out))["epoch"] == 2  # the same process, after the first run stopped
+
+
+def test_default_run_dirs_started_in_the_same_second_do_not_collide(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(rundir.time, "strftime", lambda fmt: "20250101-120000")
+    second = []
+    during_first_epoch(monkeypatch, lambda: second.append(train(config(None, seed=2))))
+    train(config(None, seed=1))
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert runs == ["20250101-120000-lenet", "20250101-120000-lenet-2"]
+    seeds = {name: json.loads((tmp_path / "runs" / name / "config.json").read_text())["seed"] for name in runs}
+    assert sorted(seeds.values()) == [1, 2] and all(saved_epoch(tmp_path / "runs" / n) == 1 for n in runs)
+
+
+# ----------------------------------------------------------------------------- 2. never over the user's files
+
+
+@pytest.mark.parametrize("content", ["checkpoint.pt", "notes.txt"])
+def test_out_into_a_folder_that_is_not_a_run_is_refused(tiny_data, tmp_path, capsys, content):
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / content).write_text("w\n")
+    code, _, err = run_cli([*TRAIN, "--out", str(folder)], capsys)
+    assert_one_line_error(code, err, f"--out {folder}", "not a gpulab run", content, "choose")
+    assert sorted(p.name for p in folder.iterdir()) == [content]
+    assert (folder / content).read_text() == "w\n"
+
+
+def test_out_into_an_empty_folder_is_fine(tiny_data, tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    assert train(config(folder))["epoch"] == 1
+
+
+# ----------------------------------------------------------------------------- 3. the data it was given
+
+
+@pytest.mark.parametrize("present", [[], ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"]])
+def test_an_explicit_data_dir_without_the_files_is_an_error(tiny_data, tmp_path, capsys, present):
+    data_dir = tmp_path / "mine"
+    data_dir.mkdir()
+    for name in present:
+        (data_dir / name).write_bytes((tiny_data / name).read_bytes())
+    out = tmp_path / "run"
+    code, _, err = run_cli([*TRAIN, "--out", str(out), "--data-dir", str(data_dir)], capsys)
+    missing = [s for s in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                           "t10k-labels-idx1-ubyte") if s + ".gz" not in present]
+    assert_one_line_error(code, err, f"--data-dir {data_dir}", *missing)
+    assert not out.exists()  # $GPULAB_DATA has the data, but it was not asked for
+
+
+# ----------------------------------------------------------------------------- 4. no dead ends
+
+
+def test_a_run_that_diverged_in_its_first_epoch_starts_over_in_place(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run_cli([*TRAIN, "--out", str(out), "--lr", "1e6"], capsys)
+    assert_one_line_error(code, err, "no checkpoint", "lower --lr")
+    assert run_cli([*TRAIN, "--out", str(out)], capsys)[0] == 0
+    assert saved_epoch(out) == 1
+    assert json.loads((out / "config.json").read_text())["lr"] is None  # the new run's config
+
+
+def test_a_run_interrupted_before_its_first_checkpoint_starts_over_in_place(tiny_data, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    during_first_epoch(monkeypatch, interrupt)  # once: the run after it trains
+    with pytest.raises(KeyboardInterrupt):
+        train(config(out))
+    said = capsys.readouterr().out
+    assert "--resume" not in said and f"--out {out}" in said  # the way on that works
+    with pytest.raises(UserError, match=f"start it over with gpulab train --out {out}"):
+        train(resume=str(out))
+    assert sorted(p.name for p in out.iterdir()) == [".gpulab.lock", "config.json"]
+    assert train(config(out))["epoch"] == 1
+
+
+def test_a_run_that_failed_at_its_first_step_starts_over_in_place(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="nccl"):
+        train(config(out, devices="cpu*2", allreduce="nccl"))
+    assert train(config(out, devices="cpu*2", allreduce="ring"))["epoch"] == 1
+
+
+def test_restarting_in_place_clears_the_old_runs_outputs(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    train(config(out, epochs=1))
+    (out / CHECKPOINT).unlink()  # as if it never finished an epoch, but with stale metrics
+    (out / "profile").mkdir()
+    train(config(out, epochs=1, seed=3))
+    assert json.loads((out / "metrics.json").read_text())[0]["epoch"] == 1
+    assert json.loads((out / "config.json").read_text())["seed"] == 3
+
+
+# ----------------------------------------------------------------------------- 5. no training without samples
+
+
+def test_no_training_batches_is_an_error(tmp_path):
+    empty = torch.utils.data.TensorDataset(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long))
+    some = torch.utils.data.TensorDataset(torch.zeros(8, 1, 28, 28), torch.zeros(8, dtype=torch.long))
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="no training batches"):
+        train(config(out), train_data=torch.utils.data.DataLoader(empty, batch_size=4), test_data=some)
+    with pytest.raises(UserError, match="no training batches"):
+        train(config(out), train_data=torch.utils.data.DataLoader(some, batch_size=16, drop_last=True), test_data=some)
+    with pytest.raises(UserError, match="the test set is empty"):
+        train(config(out), train_data=torch.utils.data.DataLoader(some, batch_size=4), test_data=empty)
+    assert not out.exists()
+
+
+def test_an_empty_training_file_is_an_error(make_dataset, tmp_path, capsys):
+    data = make_dataset(tmp_path / "zero", num_train=0, num_test=16)
+    out = tmp_path / "run"
+    code, _, err = run_cli([*TRAIN, "--out", str(out), "--data-dir", str(data)], capsys)
+    assert_one_line_error(code, err, "train-images-idx3-ubyte.gz", "no images")
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- 6. one line, never a traceback
+
+
+@pytest.mark.parametrize("seed", [str(2**70), str(2**62), str(-(2**40))])
+def test_a_seed_out_of_range_is_one_line(tiny_data, tmp_path, capsys, seed):
+    out = tmp_path / "run"
+    code, _, err = run_cli([*TRAIN, "--out", str(out), "--seed", seed], capsys)
+    assert_one_line_error(code, err, f"--seed {seed}", "0 to")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("out", ["/proc/gpulab-x", "/sys/gpulab-x"])
+def test_an_out_that_cannot_be_created_is_one_line(tiny_data, capsys, out):
+    if not Path(out).parent.is_dir():
+        pytest.skip(f"no {Path(out).parent} here")
+    code, _, err = run_cli([*TRAIN, "--out", out], capsys)
+    assert_one_line_error(code, err, f"--out {out}", "choose another")
+
+
+def fail_checkpoint_writes(monkeypatch, from_call: int) -> dict:
+    """Every checkpoint write from the `from_call`-th on fails as on a full disk, until the
+    returned switch's "full" is set to False. (Not monkeypatch.undo(): that would also undo
+    tiny_data's $GPULAB_DATA.)"""
+    real = rundir.atomic_write_bytes
+    calls = []
+    switch = {"full": True}
+
+    def write(path, data):
+        if Path(path).name == CHECKPOINT and switch["full"]:
+            calls.append(path)
+            if len(calls) >= from_call:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, data)
+
+    monkeypatch.setattr(rundir, "atomic_write_bytes", write)
+    return switch
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_old_checkpoint(tiny_data, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    disk = fail_checkpoint_writes(monkeypatch, from_call=2)
+    code, _, err = run_cli([*TRAIN, "--epochs", "2", "--out", str(out)], capsys)
+    assert_one_line_error(code, err, "No space left on device", "epoch 2", "epoch 1", "intact",
+                          f"--resume {out}")
+    assert saved_epoch(out) == 1
+    assert not list(out.glob(".*.tmp"))
+    disk["full"] = False
+    assert run_cli(["train", "--resume", str(out)], capsys)[0] == 0
+    assert saved_epoch(out) == 2
+
+
+def test_a_full_disk_at_the_first_checkpoint_says_there_is_none(tiny_data, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    disk = fail_checkpoint_writes(monkeypatch, from_call=1)
+    code, _, err = run_cli([*TRAIN, "--out", str(out)], capsys)
+    assert_one_line_error(code, err, "No space left on device", "no checkpoint", f"--out {out}")
+    disk["full"] = False
+    assert run_cli([*TRAIN, "--out", str(out)], capsys)[0] == 0  # starts over in place
+
+
+def test_resuming_with_another_models_checkpoint_is_one_line(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(config(out, epochs=1))
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**saved, "model": "resnet18", "epochs": 2}))  # LeNet weights inside
+    code, _, err = run_cli(["train", "--resume", str(out)], capsys)
+    assert_one_line_error(code, err, f"--resume {out}", CHECKPOINT, "resnet18")
+    assert saved_epoch(out) == 1
+
+
+def test_built_in_images_that_are_not_28x28_are_one_line(tmp_path, capsys):
+    import numpy as np
+
+    from gpulab.data.fashion_mnist import FILES
+    from gpulab.data.idx import write_idx
+
+    data = tmp_path / "big"
+    data.mkdir()
+    for part, n in (("train", 64), ("test", 32)):
+        write_idx(data / (FILES[f"{part}_images"] + ".gz"), np.zeros((n, 32, 32), np.uint8))
+        write_idx(data / (FILES[f"{part}_labels"] + ".gz"), np.zeros(n, np.uint8))
+    out = tmp_path / "run"
+    code, _, err = run_cli([*TRAIN, "--out", str(out), "--data-dir", str(data)], capsys)
+    assert_one_line_error(code, err, "train-images-idx3-ubyte.gz", "32x32", "28x28")
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- 7. resume from anywhere
+
+
+def test_a_relative_data_dir_is_stored_absolute_and_resume_may_move_it(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("GPULAB_DATA")
+    monkeypatch.chdir(tiny_data.parent)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(config(out, epochs=2, data_dir=tiny_data.name), on_epoch_end=stop)
+    assert json.loads((out / "config.json").read_text())["data_dir"] == str(tiny_data)
+
+    moved = tmp_path / "moved"
+    tiny_data.rename(moved)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["train", "--resume", str(out), "--data-dir", "moved"], capsys)
+    assert code == 0, err
+    assert saved_epoch(out) == 2
+    assert json.loads((out / "config.json").read_text())["data_dir"] == str(moved)
+
+
+def test_resume_still_refuses_other_options(tiny_data, tmp_path, capsys):
+    code, _, err = run_cli(["train", "--resume", str(tmp_path / "run"), "--data-dir", "x", "--epochs", "3"], capsys)
+    assert_one_line_error(code, err, "drop --epochs")
+    assert "--data-dir" not in err.split("drop")[1]
+
+
+# ----------------------------------------------------------------------------- 8. divergence
+
+
+class HostReads:
+    """Counts reads of tensors to the host (each one waits for the device) while active."""
+
+    METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        self.active = False
+        for name in self.METHODS:
+            real = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _real=real, **kwargs):
+                if self.active:
+                    self.count += 1
+                return _real(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_divergence_stops_within_the_epoch_without_a_host_read_per_step(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "CHECK_EVERY", 4)
+    reads = HostReads(monkeypatch)
+    steps = []
+    real_step = loop.DataParallel.train_step
+
+    def train_step(self, X, y, loss_fn, meter=None):
+        steps.append(1)
+        reads.active = True  # from the first step on: the loop's own reads only
+        try:
+            return real_step(self, X, y, loss_fn, meter)
+        finally:
+            reads.active = False
+
+    monkeypatch.setattr(loop.DataParallel, "train_step", train_step)
+    real_epoch = loop.train_epoch
+    seen = {}
+
+    def train_epoch(run, epoch, progress=None):
+        seen["steps_per_epoch"] = len(run.train_loader)
+        reads.active = True
+        try:
+            return real_epoch(run, epoch, progress)
+        finally:
+            reads.active = False
+
+    monkeypatch.setattr(loop, "train_epoch", train_epoch)
+    with pytest.raises(UserError) as info:
+        train(config(tmp_path / "run", lr=1e6))
+    assert seen["steps_per_epoch"] == 16
+    assert "epoch 1: the training loss became" in str(info.value) and "by step" in str(info.value)
+    assert len(steps) < 16  # stopped within the epoch
+    assert reads.count <= len(steps) // 4 + 1  # a read every 4 steps, not one per step
+
+
+def test_reads_stay_one_per_epoch_for_a_healthy_run_of_short_epochs(tiny_data, tmp_path, monkeypatch):
+    reads = HostReads(monkeypatch)
+    real_epoch = loop.train_epoch
+
+    def train_epoch(run, epoch, progress=None):
+        reads.active = True
+        try:
+            return real_epoch(run, epoch, progress)
+        finally:
+            reads.active = False
+
+    monkeypatch.setattr(loop, "train_epoch", train_epoch)
+    train(config(tmp_path / "run"))
+    assert reads.count == 1  # 16 steps < CHECK_EVERY: the epoch's one read of the metrics
+
+
+def blow_up(monkeypatch, epoch: int, key: str, value: float):
+    """Epoch `epoch` (1-based) reports `key` = value, as an exploding run would."""
+    if key == "test_loss":
+        real = loop.evaluate
+        calls = []
+
+        def evaluate(run):
+            calls.append(1)
+            result = real(run)
+            return {**result, key: value} if len(calls) == epoch else result
+
+        monkeypatch.setattr(loop, "evaluate", evaluate)
+    else:
+        real_epoch = loop.train_epoch
+
+        def train_epoch(run, e, progress=None):
+            result = real_epoch(run, e, progress)
+            return {**result, key: value} if e + 1 == epoch else result
+
+        monkeypatch.setattr(loop, "train_epoch", train_epoch)
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("train_loss", 41812.0, "the training loss became 4.181e+04"),
+    ("test_loss", 6e16, "the test loss became 6e+16"),
+    ("test_loss", float("inf"), "the test loss became inf"),
+])
+def test_an_exploded_epoch_is_not_kept_as_good(tiny_data, tmp_path, monkeypatch, key, value, said):
+    out = tmp_path / "run"
+    blow_up(monkeypatch, 2, key, value)
+    with pytest.raises(UserError) as info:
+        train(config(out, epochs=2))
+    message = str(info.value)
+    assert f"epoch 2: {said}" in message
+    assert f"last good checkpoint (epoch 1) kept in {out}" in message
+    assert saved_epoch(out) == 1
+    assert [r["epoch"] for r in json.loads((out / "metrics.json").read_text())] == [1]
+
+
+def test_a_first_epoch_with_an_exploded_test_loss_is_not_kept(tiny_data, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    blow_up(monkeypatch, 1, "test_loss", 6e16)
+    with pytest.raises(UserError, match="epoch 1: the test loss became 6e\\+16.*no checkpoint"):
+        train(config(out))
+    assert not (out / CHECKPOINT).exists()
+
+
+def test_the_divergence_rule():
+    from gpulab.train.loop import divergence
+
+    first = {"train_loss": 0.8, "test_loss": 0.6}
+    assert divergence(first, []) is None
+    assert divergence({"train_loss": 0.3, "test_loss": 2.5}, [first]) is None  # overfitting is not divergence
+    assert divergence({"train_loss": 81.0, "test_loss": 1.0}, [first]) is not None
+    assert divergence({"train_loss": 0.3, "test_loss": 81.0}, [first]) is not None
+    assert divergence({"train_loss": float("nan"), "test_loss": 1.0}, [first]) is not None
+    assert divergence({"train_loss": 1.0, "test_loss": float("nan")}, []) is not None
+    assert divergence({"train_loss": -5.0, "test_loss": -4.0}, [{"train_loss": -1.0}]) is None  # a negative loss
+
+
+# ----------------------------------------------------------------------------- 9. see test_io.py (fsync)
+
+
+NAN_WITHIN_EPOCH_JOB = '''
+import os, sys, torch
+from gpulab.errors import UserError
+from gpulab.train import TrainConfig, loop, train
+
+loop.CHECK_EVERY = 2
+g = torch.Generator().manual_seed(0)
+X, y = torch.randn(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), generator=g)
+X[5] = float("nan")  # one sample: it lands in one rank's part of one batch
+data = torch.utils.data.TensorDataset(X, y)
+steps = []
+real_step = loop.Distributed.train_step
+def train_step(self, *args, **kwargs):
+    steps.append(1)
+    return real_step(self, *args, **kwargs)
+loop.Distributed.train_step = train_step
+try:
+    train(TrainConfig(devices="cpu", epochs=1, batch_size=16, precision="fp32", out=sys.argv[1]),
+          train_data=data, test_data=data)
+except UserError as e:
+    print(f"rank {os.environ['RANK']} stopped after {len(steps)} of 16 steps: {type(e).__name__} "
+          f"printed_by={getattr(e, 'printed_by', None)} {e} <end>", flush=True)
+'''
+
+
+@pytest.mark.slow  # ~11 s: two torchrun processes start
+def test_under_torchrun_every_rank_stops_within_the_epoch_at_the_same_step(tmp_path):
+    """The flag is summed over the ranks at each read: a NaN on one rank stops all, together."""
+    import re
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(NAN_WITHIN_EPOCH_JOB)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+         str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    reports = sorted(re.findall(r"rank (\d) stopped after (\d+) of 16 steps: (\w+) printed_by=(\d) (.*?) <end>",
+                                result.stdout))
+    assert [r[0] for r in reports] == ["0", "1"], result.stdout + result.stderr[-2000:]
+    assert reports[0][1] == reports[1][1] and int(reports[0][1]) < 16  # the same step, within the epoch
+    assert reports[0][4] == reports[1][4]
+    for _, _, kind, printed_by, message in reports:
+        assert kind == "SharedError" and printed_by == "0"
+        assert "epoch 1: the training loss became nan by step" in message
