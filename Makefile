@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH)"
-	$(VENV)/bin/pip install -q -e ".[dev]"
+	$(VENV)/bin/pip install -q -e ".[dev,onnx]"
 	touch $@
 
 data: setup

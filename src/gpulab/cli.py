@@ -148,7 +148,7 @@ def add_train_parser(sub) -> None:
     # parser (2 s before `gpulab profile` can start a script). TrainConfig validates every value.
     p = sub.add_parser("train", help="train a model, data-parallel over the chosen devices")
     # Every default is None so that only options the user typed override TrainConfig's defaults.
-    p.add_argument("--model", default=None, help="lenet (default) or resnet18")
+    p.add_argument("--model", default=None, help="lenet (default), resnet18, or your own: package.module:factory (a callable returning an nn.Module that takes 1x28x28 images and gives 10 class scores)")
     p.add_argument("--data", default=None, help="dataset (fashion-mnist)")
     p.add_argument("--data-dir", default=None, help="folder with the IDX files (default: $GPULAB_DATA, cache, Debian's path)")
     p.add_argument("--devices", default=None, help="auto (default: every GPU, else CPU) | cpu | cpu*K | cuda:0,cuda:1 | gpu:N")
@@ -185,7 +185,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--precision", default=None, help="auto (default: bf16 autocast on CPUs with native bf16), fp32 or bf16")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>-<model>)")
     p.add_argument("--profile", action="store_const", const=True, default=None, help="sample utilisation; write a timeline")
-    p.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its last checkpoint")
+    p.add_argument(
+        "--resume", metavar="RUN_DIR", default=None,
+        help="continue a run from its last checkpoint, with its saved options (only --data-dir may be given: where its data is now)",
+    )
     p.add_argument(
         "--check-parity", action="store_true",
         help="run a few steps as configured and the same steps in plain PyTorch on one model; "
@@ -207,11 +210,12 @@ def run_train(args) -> int:
 
     given = {f: getattr(args, f) for f in _TRAIN_FIELDS if getattr(args, f) is not None}
     if args.resume:
-        if given:  # every rank of a torchrun job reads the same options: rank 0 says it
+        others = [f for f in given if f != "data_dir"]  # --data-dir: where the run's data is now
+        if others:  # every rank of a torchrun job reads the same options: rank 0 says it
             raise SharedError(
-                f"--resume continues a run with its saved config; drop {', '.join('--' + f.replace('_', '-') for f in given)}"
+                f"--resume continues a run with its saved config; drop {', '.join('--' + f.replace('_', '-') for f in others)}"
             )
-        train(resume=args.resume)
+        train(resume=args.resume, data_dir=given.get("data_dir"))
         return 0
     try:
         cfg = TrainConfig(**given)
@@ -252,6 +256,33 @@ def run_launch(args) -> int:
     return launch(args.nproc_per_node, args.nnodes, args.node_rank, args.master, args.startup_timeout, train_args)
 
 
+# ----------------------------------------------------------------------------- export
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser(
+        "export", help="export a trained run's model (ONNX) and verify it with onnxruntime",
+        description="Exports RUN_DIR's model (checkpoint.pt, config.json) to ONNX with a dynamic batch "
+        "dimension, checks onnxruntime against PyTorch on the run's test set, then writes OUT and OUT.json "
+        "(exit 1 and nothing written when they disagree). Needs: pip install 'gpulab[onnx]'",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a gpulab train run directory")
+    p.add_argument("--format", default="onnx", choices=["onnx"], help="onnx (default; the only one)")
+    p.add_argument("--out", default=None, help="model file (default RUN_DIR/model.onnx); the numbers go to OUT.json")
+    p.set_defaults(func=run_export)
+
+
+def run_export(args) -> int:
+    from gpulab.export import VerificationFailed, export
+
+    try:
+        export(args.run_dir, args.out, args.format)
+    except VerificationFailed as e:  # not bad input: the exported model disagrees with PyTorch
+        print(f"gpulab: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -262,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_devices_parser(sub)
     add_train_parser(sub)
     add_launch_parser(sub)
+    add_export_parser(sub)
     from gpulab.bench.cli import add_bench_parser
     from gpulab.monitor.cli import add_profile_parser
 
