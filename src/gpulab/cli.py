@@ -1,4 +1,4 @@
-"""`gpulab devices | train | launch | profile | bench`: the command line, a thin layer over the modules.
+"""`gpulab devices | train | launch | profile | bench | export`: the command line, a thin layer over the modules.
 
 User errors (`UserError`) become one line on stderr and exit code 2; a rank that stops because
 another rank failed exits with 1; Ctrl-C exits with 130. Under torchrun a line is printed once
