@@ -57,6 +57,23 @@ def test_cpu_input_bound_is_input_pipeline_with_its_share():
     assert sum(report["phases"].values()) == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.parametrize(("ranks_here", "spare"), [(None, "7 core(s) are spare"), (2, "3 core(s) are spare"),
+                                                   (8, None)])
+def test_spare_cores_count_every_rank_on_the_machine(ranks_here, spare):
+    # 8 cores, one torch thread per rank: a lone process leaves 7 for workers; two torchrun ranks,
+    # each wanting its own workers, leave 3 each; eight ranks leave none (found by running
+    # kubeflow's mnist.py, 2 ranks on 2 cores: "1 core(s) are spare" was wrong).
+    rec = recording(steps(20, data_wait=30, compute=8, other=2),
+                    extra=[{"type": "loader", "where": "train.py:40", "dataset": "Slow", "batch_size": 16,
+                            "num_workers": 0, "pin_memory": False, "persistent_workers": False}])
+    rec.start.update(torch_threads=1, local_world_size=ranks_here)
+    fix = diagnose(rec, [], [], warmup_steps=2)["findings"][0]["fix"]
+    if spare:
+        assert spare in fix
+    else:
+        assert "no sure win" in fix and "are spare" not in fix
+
+
 def test_cpu_compute_bound_with_a_fast_pipeline_reports_nothing():
     report = diagnose(recording(steps(20, data_wait=0.8, compute=40, other=1)), [], [], warmup_steps=2)
     assert causes(report) == ["none"]

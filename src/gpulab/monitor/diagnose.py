@@ -427,10 +427,13 @@ def _spare_cores(rec: Recording, on_cuda: bool, workers: int) -> int:
     """Cores that DataLoader workers could use without taking them from the training itself.
 
     On the CPU the training's compute uses torch's intra-op threads; on a GPU the trainer's own
-    Python needs about one core. Workers already running use one each."""
+    Python needs about one core. Workers already running use one each. Under torchrun every
+    rank on this machine (LOCAL_WORLD_SIZE) takes as much as this one, and would add as many
+    workers: each gets its share of what is left."""
     cores = rec.start.get("cpu_count") or 1
     trainer = 1 if on_cuda else _torch_threads(rec)
-    return max(0, cores - trainer - workers)
+    ranks_here = rec.start.get("local_world_size") or 1
+    return max(0, cores - ranks_here * (trainer + workers)) // ranks_here
 
 
 def _torch_threads(rec: Recording) -> int:

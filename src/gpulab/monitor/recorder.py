@@ -182,6 +182,7 @@ class Recorder:
             "pid": self._pid,
             "ppid": os.getppid(),
             "rank": _env_int("RANK"),
+            "local_world_size": _env_int("LOCAL_WORLD_SIZE"),  # ranks sharing this machine's cores
             "world_size": _env_int("WORLD_SIZE"),
             "command": command,
             "python": sys.version.split()[0],

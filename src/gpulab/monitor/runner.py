@@ -50,7 +50,8 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) -> int:
     """Run `command` (a Python invocation) under the profiler; return the script's exit code."""
     interpreter, options, target = split_python_command(command)
-    out = out or default_out_dir(target)
+    name = training_target(interpreter, target)
+    out = out or default_out_dir(name)
     check_writable(out)
     out.mkdir(parents=True, exist_ok=True)
     _import_in_background("gpulab.monitor.report")  # matplotlib: ~0.7 s, hidden behind the job
@@ -58,7 +59,7 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) ->
     from gpulab.monitor.report import build_job_report, print_report, write_outputs
 
     report, lanes = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code)
-    write_outputs(out, report, lanes, job.samples, job.gpus, title=" ".join(target[:2]))
+    write_outputs(out, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
     print_report(report, out)
     return job.exit_code
 
@@ -242,6 +243,23 @@ def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]
                 raise UserError(f"script {token} not found: check the path (relative to {Path.cwd()})")
             return interpreter, options, command[i:]
     raise UserError(f"no script given: {_USAGE}")
+
+
+def training_target(interpreter: str, target: list[str]) -> list[str]:
+    """What the job runs, for its name: under torchrun (`torchrun ...` or `-m torch.distributed.run
+    ...`) the script or module after the launcher's own options, else the target itself."""
+    if os.path.basename(interpreter) == "torchrun":
+        launcher_args = target
+    elif target[:2] == ["-m", "torch.distributed.run"]:
+        launcher_args = target[2:]
+    else:
+        return target
+    for i, token in enumerate(launcher_args):
+        if token in ("-m", "--module") and i + 1 < len(launcher_args):
+            return ["-m", *launcher_args[i + 1:]]
+        if not token.startswith("-") and (token.endswith(".py") or i > 0 and launcher_args[i - 1] == "--"):
+            return launcher_args[i:]
+    return target
 
 
 def default_out_dir(target: list[str]) -> Path:
