@@ -123,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300, help="training steps per script run")
+    parser.add_argument("--only", nargs="+", choices=sorted(SCRIPTS), help="measure only these scripts")
     args = parser.parse_args()
     env_python = [sys.executable]
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,6 +138,8 @@ def main() -> None:
               f"[{min(fixed):.2f} .. {max(fixed):.2f}] over {args.rounds} pairs (goal 0.5 s, accepted 1.0 s)")
         print(f"\n{'script':<12} {'loop plain':>11} {'loop prof.':>11} {'in-loop':>9} {'wall added':>11}")
         for name, source in SCRIPTS.items():
+            if args.only and name not in args.only:
+                continue
             script = out / f"{name}.py"
             script.write_text(source.replace("STEPS", str(args.steps)))
             command = [*env_python, *LAUNCHERS.get(name, []), str(script)]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -155,3 +157,18 @@ def test_cli_bad_model_specs_are_one_line_errors(tmp_path, model_module, capsys,
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert re.search(message, err)
+
+
+def test_your_model_from_a_factory_trains_on_two_torchrun_ranks(tiny_data, tmp_path, model_module):
+    # Each rank builds the model from the factory; rank 0's weights are broadcast (gpulab launch).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GPULAB_DATA": str(tiny_data),
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parents[2] / 'src'}"}
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpulab", "launch", "-n", "2", "--", "--model", f"{model_module}:small_mlp",
+         "--epochs", "1", "--batch-size", "32", "--precision", "fp32", "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training my_models:small_mlp on 2 ranks" in done.stdout
+    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["strategy"]["model"]
+    assert set(state) == {"1.weight", "1.bias", "3.weight", "3.bias"}
