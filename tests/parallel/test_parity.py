@@ -161,3 +161,22 @@ def test_check_parity_cli(tiny_data, capsys):
     out = capsys.readouterr().out
     assert "parity PASS" in out
     assert "plain PyTorch on one model vs [cpu*3]" in out
+
+
+def test_check_parity_states_the_float32_yardstick_it_measured(tiny_data, capsys):
+    assert main(["train", "--devices", "cpu*2", "--batch-size", "32", "--check-parity"]) == 0
+    out = capsys.readouterr().out
+    assert "(plain PyTorch vs itself, samples reordered: " in out
+    assert "what reordering the samples alone changes" in out
+
+
+@pytest.mark.parametrize(("sync_bn", "verdict"), [
+    (["--sync-bn"], "parity PASS: float64 difference <= 1e-09"),
+    ([], "parity not expected: per-device BatchNorm (no --sync-bn)"),
+])
+def test_check_parity_checks_the_batchnorm_mode_asked_for(tiny_data, capsys, sync_bn, verdict):
+    # Per-device BN is not one model's BN: it must be reported as such, not quietly checked with
+    # sync-BN switched on; with --sync-bn the check runs (it used to end in a pickling traceback).
+    code = main(["train", "--model", "resnet18", "--devices", "cpu*2", "--batch-size", "8", *sync_bn, "--check-parity"])
+    out = capsys.readouterr().out
+    assert code == 0 and verdict in out

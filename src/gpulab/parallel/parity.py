@@ -42,6 +42,18 @@ def reference_training(
     return model
 
 
+def reordered(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same batches with their samples in another order: the same mathematics (a mean loss,
+    BatchNorm statistics and every reduction are order-free), another float summation order.
+    Two plain-PyTorch runs on these measure the rounding noise of this model and these steps."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for X, y in batches:
+        order = torch.randperm(len(y), generator=g)
+        out.append((X[order], y[order]))
+    return out
+
+
 @torch.no_grad()
 def max_difference(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
     """The largest |difference| between corresponding tensors (e.g. two models' parameters)."""

@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from gpulab import data, models
 from gpulab.devices import format_devices
-from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training
+from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training, reordered
 from gpulab.parallel.world import PeerLost, Terminated, World, from_environment
 from gpulab.train.config import TrainConfig
 from gpulab.train.loop import build, make_loaders, make_optimizer, make_strategy, use_channels_last
@@ -56,7 +56,7 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
             console.print(f"  batches: the {world.world_size} ranks' parts together "
                           f"{'equal' if same_batches else 'DIFFER from'} the one-process batches")
 
-    results = {}
+    results, noise = {}, None
     for dtype in (torch.float32, torch.float64):
         model = copy.deepcopy(initial).to(dtype)
         strategy = make_strategy(cfg, world, model, run.devices, run.batch_size, run.peak_lr)
@@ -68,15 +68,41 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
                 initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, run.peak_lr), dtype, run.devices[0]
             ).cpu()
             results[dtype] = max(max_difference(reference.parameters(), params) for replicas in trained for params in replicas)
-            console.print(f"  {str(dtype).removeprefix('torch.'):8} max |param difference| = {results[dtype]:.3e}")
+            line = f"  {str(dtype).removeprefix('torch.'):8} max |param difference| = {results[dtype]:.3e}"
+            if dtype == torch.float32:
+                # The float32 yardstick, measured: plain PyTorch against itself on the same batches
+                # with the samples reordered (same mathematics, another summation order).
+                again = reference_training(initial, reordered(batches), run.loss_fn,
+                                           make_optimizer(cfg.recipe_spec, run.peak_lr), dtype, run.devices[0]).cpu()
+                noise = max_difference(reference.parameters(), again.parameters())
+                line += f"   (plain PyTorch vs itself, samples reordered: {noise:.3e})"
+            console.print(line)
     close = results.get(torch.float64, 0.0) <= FLOAT64_TOLERANCE
     ok = world.broadcast(same_batches and close)
+    if per_device_batchnorm(cfg, run):
+        # Not a bug to find: each device normalizes with its own shard's statistics, which one model
+        # on the whole batch does not. Say so, with the measured difference, and keep the settings asked for.
+        console.print(f"parity not expected: per-device BatchNorm (no --sync-bn) normalizes each shard with its own "
+                      f"statistics, unlike one model on the whole batch; measured float64 difference "
+                      f"{results.get(torch.float64, float('nan')):.3e}. Add --sync-bn for parity.")
+        return 0
     if not same_batches:
         verdict = "the ranks do not train on the batches one process would"
     else:
-        verdict = f"float64 difference {'<=' if close else '>'} {FLOAT64_TOLERANCE:g} (float32 differences are summation-order rounding)"
+        verdict = f"float64 difference {'<=' if close else '>'} {FLOAT64_TOLERANCE:g}"
+        if world.is_main and noise is not None:
+            f32 = results[torch.float32]
+            within = f32 <= 10 * noise or f32 <= 1e-6
+            verdict += (f"; float32 {f32:.1e} is {'within' if within else 'MORE than'} 10x what reordering the "
+                        f"samples alone changes ({noise:.1e})")
     console.print(f"parity {'PASS' if ok else 'FAIL'}: {verdict}")
     return 0 if ok else 1
+
+
+def per_device_batchnorm(cfg: TrainConfig, run) -> bool:
+    """BatchNorm layers without --sync-bn, over more than one replica."""
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in models.build(cfg.model).modules())
+    return has_bn and not cfg.sync_bn and run.strategy.num_replicas > 1
 
 
 def one_process_batches(cfg: TrainConfig, run, num_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
