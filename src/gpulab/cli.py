@@ -159,7 +159,7 @@ def add_train_parser(sub) -> None:
     )
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
     p.add_argument("--recipe", default=None, help="modern (default) or textbook (SGD, lr 0.2)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed of the initial weights and the batch order (default 0)")
     p.add_argument("--allreduce", default=None, help="gradient allreduce in one process: auto (default), naive, ring or nccl")
     p.add_argument(
         "--sync", default=None,
@@ -180,7 +180,7 @@ def add_train_parser(sub) -> None:
         "--scale-batch", action="store_const", const=True, default=None,
         help="multiply the batch and the learning rate by the number of devices (with one epoch of warm-up)",
     )
-    p.add_argument("--eval-batch-size", type=int, default=None)
+    p.add_argument("--eval-batch-size", type=int, default=None, help="batch size of evaluation (default 1024): no gradients, so it can be larger")
     p.add_argument("--channels-last", default=None, help="auto (default: on for CPU), on or off")
     p.add_argument("--precision", default=None, help="auto (default: bf16 autocast on CPUs with native bf16), fp32 or bf16")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>-<model>)")

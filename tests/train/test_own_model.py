@@ -172,3 +172,12 @@ def test_your_model_from_a_factory_trains_on_two_torchrun_ranks(tiny_data, tmp_p
     assert "training my_models:small_mlp on 2 ranks" in done.stdout
     state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["strategy"]["model"]
     assert set(state) == {"1.weight", "1.bias", "3.weight", "3.bias"}
+
+
+def test_labels_the_model_cannot_score_are_a_one_line_error(tmp_path):
+    # 12 classes of labels for the built-in LeNet's 10 outputs: an IndexError inside cross_entropy before.
+    images = torch.randn(64, 1, 28, 28)
+    labels = torch.arange(64) % 12
+    data = TensorDataset(images, labels)
+    with pytest.raises(UserError, match=r"labels run from 0 to 11, but the model gives 10 class scores"):
+        train(config(tmp_path), train_data=data, test_data=data)

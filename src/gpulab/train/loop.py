@@ -274,6 +274,14 @@ class CheckedLoss:
             raise UserError(f"the model's outputs have batch size {outputs.shape[0] if outputs.dim() else 'none'} "
                             f"(shape {tuple(outputs.shape)}) but the labels have {targets.shape[0] if targets.dim() else 'none'}: "
                             "the first dimension of both must be the batch")
+        if classifies(outputs, targets) and len(targets):
+            # One host read, on the first step only: labels the class scores cannot index give
+            # an IndexError deep in cross_entropy otherwise.
+            low, high = int(targets.min()), int(targets.max())
+            if low < 0 or high >= outputs.shape[1]:
+                raise UserError(f"labels run from {low} to {high}, but the model gives {outputs.shape[1]} class scores "
+                                f"(labels must be 0..{outputs.shape[1] - 1}; the built-in models have 10 classes): "
+                                "relabel the data or use a model with more outputs")
         loss = self.loss_fn(outputs, targets)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
