@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -223,3 +225,14 @@ def test_no_command(capsys):
 def test_version(capsys):
     code, out, _ = run(["--version"], capsys)
     assert code == 0 and out.strip() == f"gpulab {__version__}"
+
+
+def test_a_missing_dependency_is_one_line_naming_the_package(tmp_path):
+    # From a checkout (PYTHONPATH=src) on a Python that lacks rich: one line, not a traceback.
+    code = ("import sys, runpy; sys.modules['rich'] = None; sys.argv = ['gpulab', 'devices']; "
+            "runpy.run_module('gpulab', run_name='__main__')")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("gpulab: error: this Python lacks rich, which gpulab needs: pip install rich "
+                                   "(or install gpulab itself: pip install -e .)")
