@@ -428,7 +428,9 @@ def test_reads_stay_one_per_epoch_for_a_healthy_run_of_short_epochs(tiny_data, t
 
     monkeypatch.setattr(loop, "train_epoch", train_epoch)
     train(config(tmp_path / "run"))
-    assert reads.count == 1  # 16 steps < CHECK_EVERY: the epoch's one read of the metrics
+    # 16 steps < CHECK_EVERY: the epoch's one read of the metrics, and on the run's first step the
+    # one read of the labels' range (CheckedLoss: out-of-range labels are a device-side assert on CUDA).
+    assert reads.count == 2
 
 
 def blow_up(monkeypatch, epoch: int, key: str, value: float):

@@ -102,9 +102,16 @@ def _flush_on_termination(recorder) -> None:
         return
 
     def flush_and_die(signum, frame):
-        recorder.stop_in_any_process(exit_code=128 + signum, error=f"stopped by {signal.Signals(signum).name}")
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        # A signal sent to the job's process group also ends its DataLoader workers, and the
+        # DataLoader's SIGCHLD handler then raises "worker killed" in the middle of this flush
+        # (the script exited 1, not 143, with a traceback): SIGCHLD waits until the process is gone.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        try:
+            recorder.stop_in_any_process(exit_code=128 + signum, error=f"stopped by {signal.Signals(signum).name}")
+        finally:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) == signal.SIG_DFL:

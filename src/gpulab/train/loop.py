@@ -277,7 +277,7 @@ class CheckedLoss:
         if classifies(outputs, targets) and len(targets):
             # One host read, on the first step only: labels the class scores cannot index give
             # an IndexError deep in cross_entropy otherwise.
-            low, high = int(targets.min()), int(targets.max())
+            low, high = torch.stack([targets.min(), targets.max()]).tolist()
             if low < 0 or high >= outputs.shape[1]:
                 raise UserError(f"labels run from {low} to {high}, but the model gives {outputs.shape[1]} class scores "
                                 f"(labels must be 0..{outputs.shape[1] - 1}; the built-in models have 10 classes): "
