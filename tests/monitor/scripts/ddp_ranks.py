@@ -55,6 +55,7 @@ def main():
         optimizer.step()
         if MODE == "item" and RANK == 1:
             time.sleep(0.01 + 0 * loss.item())  # planted: per-step host work on rank 1
+    dist.barrier()  # no rank tears gloo down while another still talks to it (an abort at exit, seen once in CI)
     dist.destroy_process_group()
     print(f"ddp_ranks: rank {RANK} done")
 
