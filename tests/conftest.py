@@ -1,4 +1,4 @@
-"""Shared fixtures: small Fashion-MNIST-shaped datasets written as real IDX files."""
+"""Shared fixtures (small Fashion-MNIST-shaped datasets written as real IDX files) and CLI helpers."""
 
 from __future__ import annotations
 
@@ -41,3 +41,27 @@ def tiny_data(tmp_path, monkeypatch) -> Path:
 def make_dataset():
     """The dataset writer itself, for tests that need several or odd-sized datasets."""
     return make_idx_dataset
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`gpulab argv` in-process: its exit code, stdout and stderr (argparse's own usage errors exit
+    via SystemExit). Output captured before the call is dropped."""
+    from gpulab.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str, exit_code: int = 2) -> None:
+    """A user error: the exit code, one line on stderr naming each fragment, no traceback."""
+    assert code == exit_code, err
+    assert err.startswith("gpulab: error: "), err
+    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line: {err!r}"
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import assert_one_line_error, run_cli as run
 from gpulab import __version__
-from gpulab.cli import main
 from gpulab.train import TrainConfig
 
 
@@ -27,23 +27,8 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    """`main(argv)`'s exit code, stdout and stderr. argparse's own usage errors exit via SystemExit."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
-def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
-    assert code == 2
-    assert err.startswith("gpulab: error: ")
-    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line: {err!r}"
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, f"{fragment!r} not in {err!r}"
 
 
 TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import assert_one_line_error, run_cli as run
 from gpulab import export as export_module
 from gpulab.cli import main
 from gpulab.errors import UserError
@@ -57,23 +58,8 @@ def tiny_run(tmp_path_factory, one_torch_thread):
         yield run_dir, data
 
 
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
-def assert_one_line_error(code: int, err: str, *fragments: str, exit_code: int = 2) -> None:
-    assert code == exit_code, err
-    assert err.startswith("gpulab: error: "), err
-    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line: {err!r}"
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, f"{fragment!r} not in {err!r}"
 
 
 @pytest.fixture(scope="module")

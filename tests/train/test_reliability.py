@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpulab.cli import main
+from tests.conftest import assert_one_line_error, run_cli
 from gpulab.errors import UserError
 from gpulab.train import TrainConfig, train
 from gpulab.train import loop, rundir
@@ -40,21 +40,8 @@ def saved_epoch(run_dir: Path) -> int:
     return torch.load(run_dir / CHECKPOINT, map_location="cpu", weights_only=False)["epoch"]
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
-def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
-    assert code == 2, err
-    assert err.startswith("gpulab: error: ") and err.count("\n") == 1, f"not one line: {err!r}"
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in err, f"{fragment!r} not in {err!r}"
 
 
 def during_first_epoch(monkeypatch, action):
