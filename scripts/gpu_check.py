@@ -72,12 +72,12 @@ class Machine:
 # ----------------------------------------------------------------------------- running things
 
 
-def gpulab(args: list[str], log: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "gpulab", *args], log, timeout)
+def gpulab(args: list[str], log: Path, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "gpulab", *args], log, timeout, **env)
 
 
-def run(cmd: list[str], log: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+def run(cmd: list[str], log: Path, timeout: float = 300, **env_overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_overrides, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log.write_text(f"$ {' '.join(cmd)}\nexit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
     return done
@@ -134,15 +134,7 @@ def check_devices(check: Check, out: Path) -> str:
 
 
 def check_devices_hidden(check: Check, out: Path) -> str:
-    env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        done = gpulab(["devices", "--json"], out / "devices-hidden.log")
-    finally:
-        if env_before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = env_before
+    done = gpulab(["devices", "--json"], out / "devices-hidden.log", CUDA_VISIBLE_DEVICES="")
     verdict = json.loads(done.stdout).get("verdict") or {}
     seen = f"verdict {verdict.get('status')}: {verdict.get('message')} / fix: {verdict.get('fix')}"
     if "CUDA_VISIBLE_DEVICES" not in f"{verdict.get('message')} {verdict.get('fix')}" or verdict.get("status") == "ok":
