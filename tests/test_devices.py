@@ -255,7 +255,7 @@ def test_check_same_device_cpu_and_gpu():
 # ----------------------------------------------------------------------------- describe
 
 REPORT_KEYS = {
-    "torch", "torch_cuda_build", "cudnn", "torch_sees_gpus", "driver", "gpus", "cpu", "verdict", "warnings", "notes",
+    "torch", "torch_cuda_build", "torch_build", "cudnn", "torch_sees_gpus", "driver", "gpus", "cpu", "verdict", "warnings", "notes",
 }
 CPU_KEYS = {"model", "logical_cores", "physical_cores", "torch_threads", "memory_total_gib", "memory_available_gib"}
 GPU_KEYS = {

@@ -71,12 +71,7 @@ def run_devices(args) -> int:
 
 def _devices_headline(report: dict) -> str:
     """'torch 2.11.0+cu130 (CUDA 13.0 build)   driver 580.159.04 (supports CUDA up to 13.0)'."""
-    cuda = f"CUDA {report['torch_cuda_build']} build" if report["torch_cuda_build"] else None
-    import torch
-
-    hip = getattr(torch.version, "hip", None)
-    build = cuda or (f"ROCm/HIP {hip} build" if hip else "CPU-only build")
-    head = f"torch {report['torch']} ({build})"
+    head = f"torch {report['torch']} ({report['torch_build']} build)"
     driver = report["driver"]
     if driver.get("driver"):
         supports = f" (supports CUDA up to {driver['cuda_driver']})" if "cuda_driver" in driver else ""

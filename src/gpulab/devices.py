@@ -267,6 +267,7 @@ def describe() -> dict:
     return {
         "torch": torch.__version__,
         "torch_cuda_build": torch.version.cuda,  # None on a CPU-only build
+        "torch_build": torch_facts.build(),  # "CUDA 13.0", "ROCm/HIP 6.2" or "CPU-only"
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "torch_sees_gpus": len(torch_facts.devices),
         "driver": _driver_facts(nvml),
