@@ -135,20 +135,6 @@ def measure_ring_busbw() -> list[dict]:
 # ----------------------------------------------------------------------------- the driver
 
 
-def write_subset(folder: Path, num_train: int) -> Path:
-    """The first `num_train` Fashion-MNIST training images (and 256 test images) as IDX files."""
-    from gpulab.data import load
-    from gpulab.data.fashion_mnist import FILES
-    from gpulab.data.idx import write_idx
-
-    train, test = load()
-    folder.mkdir(parents=True, exist_ok=True)
-    for part, split, n in (("train", train, num_train), ("test", test, 256)):
-        write_idx(folder / (FILES[f"{part}_images"] + ".gz"), split.images[:n, 0].numpy())
-        write_idx(folder / (FILES[f"{part}_labels"] + ".gz"), split.labels[:n].numpy().astype("uint8"))
-    return folder
-
-
 def run_config(name: str, spec: dict, workdir: Path) -> dict:
     processes, threads, sync = CONFIGS[name]
     out = workdir / f"result-{os.getpid()}-{time.monotonic_ns()}.json"
@@ -208,6 +194,7 @@ def main() -> None:
         print(text, flush=True)
         lines.append(text)
 
+    from gpulab.data.fashion_mnist import write_subset
     from gpulab.devices import describe
 
     cpu = describe()["cpu"]

@@ -138,28 +138,43 @@ def _fmt(value, unit: str, limit=None) -> str:
 # ----------------------------------------------------------------------------- train
 
 
+_STEP_FIELDS = ("model", "data_dir", "devices", "batch_size", "recipe", "sync", "channels_last", "precision")
+
+
+def add_step_options(p) -> None:
+    """What one training step is: the options gpulab train and gpulab plan share."""
+    p.add_argument("--model", default=None, help="lenet (default), resnet18, or your own: package.module:factory (a callable returning an nn.Module that takes 1x28x28 images and gives 10 class scores)")
+    p.add_argument("--data-dir", default=None, help="folder with the IDX files (default: $GPULAB_DATA, cache, Debian's path)")
+    p.add_argument("--devices", default=None, help="auto (default: every GPU, else CPU) | cpu | cpu*K | cuda:0,cuda:1 | gpu:N")
+    p.add_argument(
+        "--batch-size", type=int, default=None,
+        help="GLOBAL minibatch size (default 256): with k devices each device gets about batch-size/k",
+    )
+    p.add_argument("--recipe", default=None, help="modern (default) or textbook (SGD, lr 0.2)")
+    p.add_argument(
+        "--sync", default=None,
+        help="under torchrun: gpulab (default: bucketed all-reduce overlapped with backward) or ddp (PyTorch's DDP)",
+    )
+    p.add_argument("--channels-last", default=None, help="auto (default: on for CPU), on or off")
+    p.add_argument("--precision", default=None, help="auto (default: bf16 autocast on CPUs with native bf16), fp32 or bf16")
+
+
+def step_options(args) -> dict:
+    """The step options the user gave (None: not given)."""
+    return {f: getattr(args, f) for f in _STEP_FIELDS if getattr(args, f) is not None}
+
+
 def add_train_parser(sub) -> None:
     # No choices= here: importing the model/recipe tables would import torch just to build the
     # parser (2 s before `gpulab profile` can start a script). TrainConfig validates every value.
     p = sub.add_parser("train", help="train a model, data-parallel over the chosen devices")
     # Every default is None so that only options the user typed override TrainConfig's defaults.
-    p.add_argument("--model", default=None, help="lenet (default), resnet18, or your own: package.module:factory (a callable returning an nn.Module that takes 1x28x28 images and gives 10 class scores)")
+    add_step_options(p)
     p.add_argument("--data", default=None, help="dataset (fashion-mnist)")
-    p.add_argument("--data-dir", default=None, help="folder with the IDX files (default: $GPULAB_DATA, cache, Debian's path)")
-    p.add_argument("--devices", default=None, help="auto (default: every GPU, else CPU) | cpu | cpu*K | cuda:0,cuda:1 | gpu:N")
     p.add_argument("--epochs", type=int, default=None, help="number of epochs (default 10)")
-    p.add_argument(
-        "--batch-size", type=int, default=None,
-        help="GLOBAL minibatch size (default 256): with k devices each device gets about batch-size/k",
-    )
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
-    p.add_argument("--recipe", default=None, help="modern (default) or textbook (SGD, lr 0.2)")
     p.add_argument("--seed", type=int, default=None, help="seed of the initial weights and the batch order (default 0)")
     p.add_argument("--allreduce", default=None, help="gradient allreduce in one process: auto (default), naive, ring or nccl")
-    p.add_argument(
-        "--sync", default=None,
-        help="under torchrun: gpulab (default: bucketed all-reduce overlapped with backward) or ddp (PyTorch's DDP)",
-    )
     p.add_argument("--backend", default=None, help="under torchrun: auto (default: nccl on GPUs, else gloo), gloo or nccl")
     p.add_argument(
         "--timeout", type=float, default=None,
@@ -176,8 +191,6 @@ def add_train_parser(sub) -> None:
         help="multiply the batch and the learning rate by the number of devices (with one epoch of warm-up)",
     )
     p.add_argument("--eval-batch-size", type=int, default=None, help="batch size of evaluation (default 1024): no gradients, so it can be larger")
-    p.add_argument("--channels-last", default=None, help="auto (default: on for CPU), on or off")
-    p.add_argument("--precision", default=None, help="auto (default: bf16 autocast on CPUs with native bf16), fp32 or bf16")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>-<model>)")
     p.add_argument("--profile", action="store_const", const=True, default=None, help="sample utilisation; write a timeline")
     p.add_argument(
@@ -291,9 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     from gpulab.bench.cli import add_bench_parser
     from gpulab.monitor.cli import add_profile_parser
+    from gpulab.plan.cli import add_plan_parser
 
     add_profile_parser(sub)
     add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -159,3 +159,16 @@ def load(data_dir: str | os.PathLike | None = None, download: bool = False) -> t
             )
         )
     return splits[0], splits[1]
+
+
+def write_subset(folder: Path, num_train: int, num_test: int = 256, data_dir: str | os.PathLike | None = None) -> Path:
+    """The first `num_train` training and `num_test` test images as IDX files in `folder`: a
+    small copy of the dataset for runs that time steps rather than train (benchmarks, plan --check)."""
+    from gpulab.data.idx import write_idx
+
+    train, test = load(data_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for part, split, n in (("train", train, num_train), ("test", test, num_test)):
+        write_idx(folder / (FILES[f"{part}_images"] + ".gz"), split.images[:n, 0].numpy())
+        write_idx(folder / (FILES[f"{part}_labels"] + ".gz"), split.labels[:n].numpy().astype("uint8"))
+    return folder

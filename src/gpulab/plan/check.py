@@ -1,0 +1,191 @@
+"""`gpulab plan --check`: run the configurations this machine can run, for real, with gpulab
+train itself, and put their measured samples/s next to the plan's prediction.
+
+    1 process            gpulab train, every core
+    2 ranks              gpulab launch -n 2 (torchrun, gloo over loopback), a core each
+    2 agents             two torchrun agents (--nnodes 2) on loopback: "two machines" in one
+    2 hosts @ R Mbit/s   two network namespaces on a tc-limited veth link (root only)
+
+Each run trains on a small copy of Fashion-MNIST for two epochs; the second epoch's samples/s
+(the first one warms up) is the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpulab.errors import UserError
+from gpulab.plan.collective import Host, _pythonpath, _wait_all, free_port
+
+
+@dataclass
+class Measured:
+    name: str
+    samples_per_s: float
+    command: str
+
+
+def train_args(cfg: dict, data_dir: Path, out: Path) -> list[str]:
+    args = ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]), "--epochs", "2",
+            "--data-dir", str(data_dir), "--out", str(out), "--devices", "cpu"]
+    for option in ("recipe", "precision", "channels_last", "sync"):
+        if cfg.get(option) is not None:
+            args += [f"--{option.replace('_', '-')}", str(cfg[option])]
+    return args
+
+
+def run_training(name: str, cfg: dict, data_dir: Path, workdir: Path, ranks_per_host: int = 1,
+                 hosts: list[Host] | None = None, threads: int | None = None, timeout_s: float = 900.0) -> Measured:
+    """gpulab train as `name` says; samples/s of its second epoch."""
+    out = workdir / name.replace(" ", "-").replace("/", "-")
+    args = train_args(cfg, data_dir, out)
+    gpulab = [sys.executable, "-m", "gpulab"]
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if hosts is None and ranks_per_host == 1:
+        commands = [(gpulab + ["train", *args], env)]
+    elif hosts is None:
+        commands = [(gpulab + ["launch", "-n", str(ranks_per_host), "--", *args], env)]
+    else:
+        master = f"{hosts[0].address}:{free_port() if hosts[0].address == '127.0.0.1' else 29500}"
+        commands = [
+            ([*h.prefix, *gpulab, "launch", "-n", str(ranks_per_host), "--nnodes", str(len(hosts)), "--node-rank", str(r),
+              "--master", master, "--", *args], {**env, **h.env})
+            for r, h in enumerate(hosts)
+        ]
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd, e in commands]
+    failed = _wait_all(procs, timeout_s)
+    if failed:
+        raise UserError(f"plan --check: the {name} run failed: {failed}")
+    history = json.loads((out / "metrics.json").read_text())
+    shown = " & ".join(" ".join(cmd[cmd.index("-m") + 1:] if "-m" in cmd else cmd) for cmd, _ in commands)
+    return Measured(name=name, samples_per_s=history[-1]["samples_per_s"], command=shown)
+
+
+def small_copy(cfg: dict, workdir: Path, steps: int) -> Path:
+    """Enough Fashion-MNIST images for `steps` steps per epoch (and 256 test images)."""
+    from gpulab.data.fashion_mnist import write_subset
+
+    return write_subset(workdir / "data", cfg["batch_size"] * steps, data_dir=cfg.get("data_dir"))
+
+
+def scratch() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="gpulab-plan-check-")
+
+
+# ----------------------------------------------------------------------------- predicted vs measured
+
+
+@dataclass
+class Setup:
+    name: str
+    devices: int
+    ranks_per_host: int = 1
+    hosts: int = 0
+    """0: no test hosts; 2: two hosts, each in its own network namespace."""
+    agents: int = 0
+    """2: two torchrun agents on loopback."""
+    rate_mbit: float | None = None
+
+
+def setups(rates_mbit: list[float], with_hosts: bool) -> list[Setup]:
+    out = [Setup("1 process", 1), Setup("2 ranks", 2, ranks_per_host=2), Setup("2 agents on loopback", 2, agents=2)]
+    if with_hosts:
+        out += [Setup(f"2 hosts at {r:g} Mbit/s", 2, hosts=2, rate_mbit=r) for r in rates_mbit]
+    return out
+
+
+def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: float = 3.0, say=print) -> list[dict]:
+    """Every setup, `rounds` times in turn (this machine's speed drifts over minutes, so each
+    prediction is made from profiles and a link measured around its run)."""
+    from gpulab.plan import netns, step
+    from gpulab.plan.planner import cores
+
+    why_not = netns.available()
+    if why_not:
+        say(f"skipping the 2-host check: {why_not}")
+    chosen = setups(rates_mbit, with_hosts=why_not is None)
+    batch = cfg["batch_size"]
+    results: dict[str, list[dict]] = {s.name: [] for s in chosen}
+    with scratch() as tmp:
+        tmp = Path(tmp)
+        first = step.measure(cfg, batch, cores(), seconds=profile_seconds)
+        # An epoch of about twice the profile's length: the measured epoch averages as much drift.
+        steps = max(8, min(200, round(2 * profile_seconds / first.step_s)))
+        data_dir = small_copy(cfg, tmp, steps)
+        for r in range(rounds):
+            for s in chosen:
+                say(f"round {r + 1}/{rounds}: {s.name}")
+                results[s.name].append(one_round(s, r, cfg, data_dir, tmp, profile_seconds, say))
+    return [summarize(s, results[s.name]) for s in chosen]
+
+
+def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_seconds: float, say) -> dict:
+    """Profile, measure the link, run for real, profile again: the prediction is made from the
+    two profiles that bracket the run (this machine's speed drifts between them)."""
+    from contextlib import nullcontext
+
+    from gpulab.plan import collective, netns, step
+    from gpulab.plan.links import parse_link
+    from gpulab.plan.planner import cores
+    from gpulab.plan.predict import predict
+
+    batch = cfg["batch_size"]
+
+    def profile():
+        if s.devices == 1:
+            return step.measure(cfg, batch, cores(), seconds=profile_seconds)
+        return step.measure(cfg, batch // 2, max(1, cores() // 2), seconds=profile_seconds, copies=2)
+
+    before = profile()
+    with netns.test_hosts(s.rate_mbit) if s.hosts else nullcontext(None) as hosts:
+        link = None
+        if s.devices > 1:
+            sizes = collective.default_sizes(max(before.bucket_bytes))
+            timings = collective.measure(2, sizes, hosts=hosts)
+            link = collective.fit(timings["sizes"], timings["seconds"], 2, f"measured: gloo, {s.name}")
+        measured = run_training(
+            f"{s.name} round {r + 1}", cfg, data_dir, tmp, ranks_per_host=s.ranks_per_host,
+            hosts=hosts or ([collective.Host(), collective.Host()] if s.agents else None),
+            threads=1 if (s.hosts or s.agents) else None,
+        )
+    after = profile()
+
+    def samples_per_s(link_cost) -> float:
+        steps = [predict(p, link_cost, s.devices).step_s for p in (before, after)]
+        return batch / (sum(steps) / len(steps))
+
+    predicted = samples_per_s(link)
+    nominal = samples_per_s(parse_link(f"{s.rate_mbit / 8000:g},0")) if s.rate_mbit else None
+    say(f"  predicted {predicted:,.0f} samples/s, measured {measured.samples_per_s:,.0f}")
+    return {
+        "predicted": predicted, "measured": measured.samples_per_s,
+        "ideal": batch / ((before.step_s + after.step_s) / 2),
+        "exposed_s": predict(before, link, s.devices).exposed_s,
+        "link": link.__dict__ if link else None, "nominal_predicted": nominal, "command": measured.command,
+        "profile_step_s": [before.step_s, after.step_s],
+    }
+
+
+def summarize(s: Setup, rounds: list[dict]) -> dict:
+    import statistics
+
+    median = statistics.median
+    predicted, measured = median(r["predicted"] for r in rounds), median(r["measured"] for r in rounds)
+    nominal = [r["nominal_predicted"] for r in rounds if r["nominal_predicted"]]
+    return {
+        "name": s.name, "devices": s.devices, "rate_mbit": s.rate_mbit,
+        "predicted_samples_per_s": predicted, "measured_samples_per_s": measured,
+        "error": predicted / measured - 1,
+        "round_errors": [r["predicted"] / r["measured"] - 1 for r in rounds],
+        "ideal_samples_per_s": median(r["ideal"] for r in rounds),
+        "nominal_link_predicted_samples_per_s": median(nominal) if nominal else None,
+        "rounds": rounds,
+    }

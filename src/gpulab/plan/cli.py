@@ -1,0 +1,101 @@
+"""`gpulab plan`: the command line over gpulab.plan."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from pathlib import Path
+
+from gpulab.errors import UserError
+
+
+def add_plan_parser(sub) -> None:
+    from gpulab.cli import add_step_options
+
+    p = sub.add_parser(
+        "plan", help="predict whether k devices or n machines would make this training faster, from measurements",
+        description="Measure one training step and the allreduce here, predict k devices / n machines, "
+        "and with --check compare the prediction with real runs on this machine.",
+    )
+    add_step_options(p)
+    p.add_argument("--devices-per-node", type=int, nargs="+", default=[1, 2], metavar="K",
+                   help="devices per machine to plan for (default: 1 2)")
+    p.add_argument("--nodes", type=int, nargs="+", default=[1], metavar="N", help="machines to plan for (default: 1)")
+    p.add_argument("--link", default=None,
+                   help="what joins the machines: 10gbe, 25gbe, 100gbe, ndr400, nvlink4, pcie4, pcie5, or GB/s,us")
+    p.add_argument("--device-link", default=None,
+                   help="what joins the devices of one machine (default: measured here between 2 ranks)")
+    p.add_argument("--seconds", type=float, default=3.0, help="seconds of steps per measured profile (default 3)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the per-device batch sweep (faster)")
+    p.add_argument("--check", action="store_true",
+                   help="also run what fits on this machine (1 process, 2 ranks, 2 agents, 2 tc-limited hosts) "
+                   "and compare predicted with measured samples/s")
+    p.add_argument("--check-links", default="1000,200", metavar="MBIT,...",
+                   help="link rates of the 2-host check, Mbit/s (default 1000,200)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the check (default 3; the median counts)")
+    p.add_argument("--out", default=None, help="folder for plan.json and plan.png (default plans/<timestamp>-<model>)")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args) -> int:
+    from rich.console import Console
+
+    from gpulab.cli import step_options
+    from gpulab.io import check_writable
+    from gpulab.plan import report
+    from gpulab.plan.planner import PlanConfig, make_plan
+    from gpulab.train import TrainConfig
+
+    given = step_options(args)
+    TrainConfig(**given)  # every train option checked the way gpulab train checks it
+    train = {"model": "lenet", "batch_size": 256, **given}
+    cfg = PlanConfig(train=train, devices_per_node=args.devices_per_node, nodes=args.nodes, link=args.link,
+                     device_link=args.device_link, profile_seconds=args.seconds, sweep=not args.no_sweep)
+    rates = parse_rates(args.check_links)
+    if args.rounds < 1:
+        raise UserError(f"--rounds {args.rounds}: run the check at least once")
+    out = Path(args.out or f"plans/{datetime.datetime.now():%Y%m%d-%H%M%S}-{train['model'].replace(':', '-')}")
+    check_writable(out)
+    console = Console(highlight=False)
+    say = lambda text: console.print(f"[dim]{text}[/dim]")  # noqa: E731
+    plan = make_plan(cfg, say)
+    console.print(report.table(plan))
+    for line in report.verdict(plan):
+        console.print(line)
+    console.print("Assumptions: " + "; ".join(report.assumptions(plan)) + ".", style="dim")
+    checked = None
+    if args.check:
+        from gpulab.plan.check import check
+
+        if plan.kind != "cpu":
+            raise UserError("plan --check runs the CPU configurations this machine can run: add --devices cpu")
+        checked = check(train, rates, rounds=args.rounds, profile_seconds=args.seconds, say=say)
+        console.print(check_table(checked))
+    out.mkdir(parents=True, exist_ok=True)
+    report.write(plan, out, checked)
+    console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
+    return 0
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not (r > 0) for r in rates):
+        raise UserError(f"--check-links {text}: give link rates in Mbit/s, e.g. 1000,200")
+    return rates
+
+
+def check_table(rows: list[dict]):
+    from rich.table import Table
+
+    t = Table(title="predicted vs measured (median over rounds)")
+    for name in ("configuration", "predicted samples/s", "measured samples/s", "error", "rounds' errors", "nominal link"):
+        t.add_column(name, justify="right")
+    for r in rows:
+        nominal = r["nominal_link_predicted_samples_per_s"]
+        t.add_row(r["name"], f"{r['predicted_samples_per_s']:,.0f}", f"{r['measured_samples_per_s']:,.0f}",
+                  f"{r['error']:+.1%}", " ".join(f"{e:+.0%}" for e in r["round_errors"]),
+                  f"{nominal:,.0f} ({nominal / r['measured_samples_per_s'] - 1:+.0%})" if nominal else "-")
+    return t

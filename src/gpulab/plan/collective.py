@@ -1,0 +1,170 @@
+"""Measure what one allreduce costs between real ranks, and fit the ring model's alpha and beta.
+
+`measure(k, sizes)` starts k processes (this module run as a script), joined by torch.distributed
+on the given backend over TCP: on one machine over loopback, or, with `Host`s, each rank in its
+own network namespace (`gpulab.plan.netns`) so the bytes cross a real, rate-limited link. Each
+size is all-reduced a few times after a warm-up; rank 0 writes the median times.
+
+`fit(sizes, seconds, k)` fits T(S) = a + b*S by least squares on *relative* error (a 4 KiB
+message and a 40 MiB one count the same), then reads the ring model's per-step alpha and
+per-byte beta out of a and b for the k the timings were taken at (see `gpulab.plan.links`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpulab.errors import UserError
+from gpulab.plan.links import LinkCost
+
+MIN_REPEATS = 3
+MAX_REPEATS = 15
+SECONDS_PER_SIZE = 1.0
+"""Repeat each size until this much time is spent (at least MIN_REPEATS times)."""
+
+
+@dataclass
+class Host:
+    """Where one rank runs: a command prefix (e.g. `ip netns exec NAME`) and its environment."""
+
+    prefix: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    address: str = "127.0.0.1"
+
+
+def fit(sizes: list[float], seconds: list[float], k: int, source: str) -> LinkCost:
+    """alpha and beta of the ring model from allreduce timings of `sizes` bytes over k ranks."""
+    if k < 2 or len(sizes) < 2 or len(sizes) != len(seconds):
+        raise ValueError("fit needs timings of at least two sizes over k >= 2 ranks")
+    # Weighted least squares for t = a + b*S with weights 1/t^2 (relative error).
+    w = [1 / t**2 for t in seconds]
+    sw = sum(w)
+    sx = sum(wi * s for wi, s in zip(w, sizes))
+    sy = sum(wi * t for wi, t in zip(w, seconds))
+    sxx = sum(wi * s * s for wi, s in zip(w, sizes))
+    sxy = sum(wi * s * t for wi, s, t in zip(w, sizes, seconds))
+    det = sw * sxx - sx * sx
+    a = (sxx * sy - sx * sxy) / det
+    b = (sw * sxy - sx * sy) / det
+    if a < 0:  # no latency to speak of: refit through the origin
+        a, b = 0.0, sxy / sxx
+    if b < 0:  # no per-byte cost to speak of: a constant
+        a, b = sy / sw, 0.0
+    steps = 2 * (k - 1)
+    return LinkCost(alpha_s=a / steps, beta_s_per_byte=b / (steps / k), source=source)
+
+
+def default_sizes(largest: int) -> list[int]:
+    """4 KiB, 16 KiB, ... up to and including `largest` bytes (a model's largest bucket)."""
+    sizes, s = [], 4096
+    while s < largest:
+        sizes.append(s)
+        s *= 4
+    return sizes + [max(largest, 4096)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(k: int, sizes: list[int], backend: str = "gloo", hosts: list[Host] | None = None,
+            timeout_s: float = 300.0) -> dict:
+    """Median seconds of an allreduce of each size over k ranks: {'sizes', 'seconds', 'backend', 'k'}."""
+    hosts = hosts or [Host() for _ in range(k)]
+    port = free_port() if hosts[0].address == "127.0.0.1" else 29400 + os.getpid() % 500
+    with tempfile.TemporaryDirectory(prefix="gpulab-plan-") as tmp:
+        out = Path(tmp) / "collective.json"
+        spec = {"k": k, "sizes": sizes, "backend": backend, "addr": hosts[0].address, "port": port, "out": str(out)}
+        procs = []
+        for rank, host in enumerate(hosts):
+            cmd = [*host.prefix, sys.executable, "-m", "gpulab.plan.collective", json.dumps({**spec, "rank": rank})]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(), **host.env}
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        failed = _wait_all(procs, timeout_s)
+        if failed:
+            raise UserError(f"measuring allreduce over {k} ranks failed: {failed}")
+        return json.loads(out.read_text())
+
+
+def _pythonpath() -> str:
+    """The ranks import the same gpulab as this process (also when run from a checkout)."""
+    here = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
+    """Wait for every process; on a failure or the deadline stop the rest. The first failure's last line."""
+    deadline = time.monotonic() + timeout_s
+    failure = None
+    for p in procs:
+        try:
+            output, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            failure = failure or f"no result within {timeout_s:g} s"
+            break
+        if p.returncode != 0 and failure is None:
+            lines = [line for line in output.strip().splitlines() if line.strip()]
+            failure = lines[-1] if lines else f"exit code {p.returncode}"
+            break
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return failure
+
+
+def _rank_main(spec: dict) -> None:
+    """One rank: join the group, time each size, rank 0 writes the medians."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from gpulab.io import atomic_write_json
+
+    torch.set_num_threads(1)
+    rank, k = spec["rank"], spec["k"]
+    store = dist.TCPStore(spec["addr"], spec["port"], k, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=k,
+                            timeout=datetime.timedelta(seconds=120))
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if spec["backend"] == "nccl" else torch.device("cpu")
+    medians = []
+    for nbytes in [max(spec["sizes"])] * 3:  # warm-up: connections, buffers, TCP windows
+        dist.all_reduce(torch.zeros(max(1, nbytes // 4), device=device))
+    for nbytes in spec["sizes"]:
+        t = torch.zeros(max(1, nbytes // 4), device=device)
+        dist.all_reduce(t)
+        times: list[float] = []
+        while len(times) < MIN_REPEATS or (sum(times) < SECONDS_PER_SIZE and len(times) < MAX_REPEATS):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            # Every rank must make the same number of calls: rank 0 decides whether to go on.
+            more = torch.tensor([len(times) < MIN_REPEATS or (sum(times) < SECONDS_PER_SIZE and len(times) < MAX_REPEATS)],
+                                device=device)
+            dist.broadcast(more, src=0)
+            if not more.item():
+                break
+        medians.append(statistics.median(times))
+    if rank == 0:
+        atomic_write_json(Path(spec["out"]), {"k": k, "backend": spec["backend"], "sizes": spec["sizes"], "seconds": medians})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(sys.argv[1]))

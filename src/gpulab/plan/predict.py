@@ -1,0 +1,97 @@
+"""From one device's step profile and a link's allreduce cost to k devices' step time.
+
+Each rank computes its B/k samples as one device does (the profile at that per-device batch),
+then its gradient buckets are all-reduced in bucket order, each one starting when it is ready
+(its last gradient landed during backward) and the one before it has finished (collectives on
+one communicator run one at a time). What runs past the end of backward is exposed:
+
+    step(k) = step(B/k on one device) + max(0, end of the last bucket's allreduce - end of backward)
+
+Only the exposed part costs time; the rest is hidden behind backward, as `GradSync` and DDP do.
+Assumptions (stated with every plan): ranks are equally fast; communication does not slow the
+computation down; one ring over all k devices runs at the speed of its slowest hop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpulab.plan.links import LinkCost
+from gpulab.plan.step import StepProfile
+
+ASSUMPTIONS = (
+    "every device computes its B/k samples as fast as the one measured",
+    "gradient buckets are all-reduced in order, each from the moment it is ready; only what runs past backward costs time",
+    "communication does not slow computation down",
+    "one ring over all devices, as fast as its slowest hop (between machines when there are several)",
+)
+
+
+def bucket_schedule(ready_s: list[float], durations_s: list[float]) -> list[tuple[float, float]]:
+    """(start, end) of each bucket's allreduce, seconds after backward began."""
+    schedule, free = [], 0.0
+    for ready, duration in zip(ready_s, durations_s):
+        start = max(ready, free)
+        free = start + duration
+        schedule.append((start, free))
+    return schedule
+
+
+def exposed_communication(profile: StepProfile, link: LinkCost, k: int) -> float:
+    """Seconds of allreduce that backward does not hide."""
+    if k <= 1 or not profile.bucket_bytes:
+        return 0.0
+    durations = [link.allreduce_s(nbytes, k) for nbytes in profile.bucket_bytes]
+    end = bucket_schedule(profile.bucket_ready_s, durations)[-1][1]
+    return max(0.0, end - profile.backward_s)
+
+
+@dataclass
+class Prediction:
+    devices: int
+    nodes: int
+    global_batch: int
+    per_device_batch: int
+    compute_s: float
+    """One device's step at the per-device batch."""
+    communication_s: float
+    """The whole allreduce of one step, hidden or not."""
+    exposed_s: float
+    link: str
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.step_s
+
+    @property
+    def efficiency(self) -> float:
+        """Of k devices' ideal speed at this per-device batch: compute / step."""
+        return self.compute_s / self.step_s
+
+    @property
+    def communication_share(self) -> float:
+        return self.exposed_s / self.step_s
+
+    def to_dict(self) -> dict:
+        return {
+            "devices": self.devices, "nodes": self.nodes, "global_batch": self.global_batch,
+            "per_device_batch": self.per_device_batch, "compute_s": self.compute_s,
+            "communication_s": self.communication_s, "exposed_s": self.exposed_s, "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s, "efficiency": self.efficiency,
+            "communication_share": self.communication_share, "link": self.link,
+        }
+
+
+def predict(profile: StepProfile, link: LinkCost | None, k: int, nodes: int = 1) -> Prediction:
+    """k devices (over `nodes` machines), each at `profile.batch` samples per step."""
+    communication = sum(link.allreduce_s(b, k) for b in profile.bucket_bytes) if link and k > 1 else 0.0
+    return Prediction(
+        devices=k, nodes=nodes, global_batch=profile.batch * k, per_device_batch=profile.batch,
+        compute_s=profile.expected_slowest_s(max(1, k // profile.copies)), communication_s=communication,
+        exposed_s=exposed_communication(profile, link, k) if link else 0.0,
+        link=link.source if link and k > 1 else "none",
+    )

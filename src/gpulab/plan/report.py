@@ -1,0 +1,144 @@
+"""The plan, said: a table, a verdict in words, plan.json and plan.png (written atomically)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from gpulab.io import atomic_write_bytes, atomic_write_json
+from gpulab.plan.planner import TARGET_EFFICIENCY, Plan
+from gpulab.plan.predict import ASSUMPTIONS
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f}"
+
+
+def table(plan: Plan):
+    from rich.table import Table
+
+    t = Table(title=f"{plan.config.train.get('model', 'lenet')}, global batch {plan.one_device.global_batch}, "
+                    f"one device = {describe_device(plan)}")
+    for name in ("machines x devices", "per-device batch", "compute ms", "allreduce ms", "exposed ms", "step ms",
+                 "samples/s", "speedup", "efficiency", "90% from batch"):
+        t.add_column(name, justify="right")
+    for row, speedup in zip(plan.rows, plan.speedups):
+        per_node = row.devices // row.nodes
+        efficient = plan.smallest_efficient_batch(row.nodes, per_node) if row.devices > 1 else None
+        t.add_row(
+            f"{row.nodes} x {per_node}", str(row.per_device_batch), ms(row.compute_s), ms(row.communication_s),
+            ms(row.exposed_s), ms(row.step_s), f"{row.samples_per_s:,.0f}", f"{speedup:.2f}x",
+            f"{row.efficiency:.0%}" if row.devices > 1 else "-",
+            "-" if row.devices == 1 else (f"{efficient:,}" if efficient else f"> {last_swept(plan, row):,}"),
+        )
+    return t
+
+
+def last_swept(plan: Plan, row) -> int:
+    points = plan.sweep.get((row.nodes, row.devices // row.nodes), [])
+    return points[-1].prediction.per_device_batch if points else row.per_device_batch
+
+
+def describe_device(plan: Plan) -> str:
+    p = plan.profiles[0]
+    return f"{p.device}" + (f" ({p.threads} threads)" if plan.kind == "cpu" else "")
+
+
+def verdict(plan: Plan) -> list[str]:
+    """What the numbers say, in words: for each configuration, does it pay, and if not, when would it."""
+    lines = []
+    for row, speedup in zip(plan.rows, plan.speedups):
+        if row.devices == 1:
+            continue
+        per_node = row.devices // row.nodes
+        what = f"{row.devices} devices" + (f" on {row.nodes} machines" if row.nodes > 1 else "")
+        if speedup > 1:
+            head = f"{what}: {speedup:.2f}x the speed of one at batch {row.global_batch} - it pays"
+        else:
+            head = f"{what}: {speedup:.2f}x the speed of one at batch {row.global_batch} - too small to pay"
+        why = (f"communication not hidden by backward is {row.communication_share:.0%} of the step"
+               f" ({ms(row.exposed_s)} of {ms(row.step_s)} ms)")
+        ideal = plan.one_device.compute_s / row.devices
+        if row.compute_s > 1.2 * ideal:
+            why += (f"; computing {row.per_device_batch} samples takes {ms(row.compute_s)} ms where 1/{row.devices} "
+                    f"of one device's {ms(plan.one_device.compute_s)} ms would be {ms(ideal)}")
+            if plan.kind == "cpu" and row.nodes == 1:
+                why += " (the ranks share this machine's cores)"
+        pays = plan.smallest_paying_batch(row.nodes, per_node)
+        efficient = plan.smallest_efficient_batch(row.nodes, per_node)
+        when = []
+        if speedup <= 1:
+            when.append(f"it would pay from a global batch of {pays:,}" if pays else
+                        f"it does not pay at any batch measured (up to {last_swept(plan, row) * row.devices:,})")
+        if efficient:
+            when.append(f"{TARGET_EFFICIENCY:.0%} efficiency from {efficient:,} samples per device")
+        lines.append(f"{head}: {why}" + (f"; {', '.join(when)}" if when else "") + ".")
+    return lines
+
+
+def assumptions(plan: Plan) -> list[str]:
+    links = [f"{where} link: {link.source}, alpha {link.alpha_s * 1e6:,.1f} us per ring step, "
+             f"{link.bandwidth_gbps:,.3g} GB/s" for where, link in plan.links.items()]
+    return [*links, *ASSUMPTIONS]
+
+
+def to_json(plan: Plan, check: list[dict] | None = None) -> dict:
+    return {
+        "config": {"train": plan.config.train, "devices_per_node": plan.config.devices_per_node, "nodes": plan.config.nodes,
+                   "link": plan.config.link, "device_link": plan.config.device_link},
+        "device": describe_device(plan),
+        "one_device": plan.one_device.to_dict(),
+        "rows": [{**r.to_dict(), "speedup": s} for r, s in zip(plan.rows, plan.speedups)],
+        "sweep": [{"nodes": n, "devices_per_node": k, "points": [{**p.prediction.to_dict(), "speedup": p.speedup} for p in pts]}
+                  for (n, k), pts in plan.sweep.items()],
+        "links": {w: {"alpha_s": l.alpha_s, "beta_s_per_byte": l.beta_s_per_byte, "source": l.source} for w, l in plan.links.items()},
+        "profiles": [p.to_dict() for p in plan.profiles],
+        "verdict": verdict(plan),
+        "assumptions": assumptions(plan),
+        "check": check,
+    }
+
+
+def write(plan: Plan, out: Path, check: list[dict] | None = None) -> None:
+    atomic_write_json(out / "plan.json", to_json(plan, check))
+    atomic_write_bytes(out / "plan.png", figure(plan, check))
+
+
+def figure(plan: Plan, check: list[dict] | None) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    by_nodes: dict[int, list] = {}
+    for row in plan.rows:
+        by_nodes.setdefault(row.nodes, []).append(row)
+    for nodes, rows in sorted(by_nodes.items()):
+        left.plot([r.devices for r in rows], [r.efficiency for r in rows], marker="o",
+                  label=f"predicted, {nodes} machine{'s' if nodes > 1 else ''}")
+    for point in check or []:
+        left.scatter([point["devices"]], [point["measured_samples_per_s"] / point["ideal_samples_per_s"]], marker="x",
+                     s=60, zorder=3, label=f"measured: {point['name']}")
+    left.axhline(TARGET_EFFICIENCY, color="grey", linestyle=":", linewidth=1)
+    left.set_xlabel("devices k")
+    left.set_ylabel("scaling efficiency (compute / step)")
+    left.set_ylim(0, 1.05)
+    left.set_title(f"global batch {plan.one_device.global_batch}")
+    left.legend(fontsize=7)
+    for (nodes, per_node), points in plan.sweep.items():
+        right.plot([p.prediction.per_device_batch for p in points], [p.prediction.efficiency for p in points], marker="o",
+                   label=f"{nodes} x {per_node} devices")
+    right.axhline(TARGET_EFFICIENCY, color="grey", linestyle=":", linewidth=1, label=f"{TARGET_EFFICIENCY:.0%}")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("samples per device per step")
+    right.set_ylabel("scaling efficiency (predicted)")
+    right.set_ylim(0, 1.05)
+    right.set_title("efficiency by per-device batch")
+    right.legend(fontsize=7)
+    fig.suptitle(f"gpulab plan: {plan.config.train.get('model', 'lenet')}, one device = {describe_device(plan)}")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()

@@ -1,0 +1,225 @@
+"""Measure one training step on one device: how long it takes, and when during backward each
+gradient bucket becomes ready to send.
+
+The step is gpulab train's own (`build` + `strategy.train_step` + the data loader) on one device
+with the per-device batch; the buckets are the ones `GradSync` would send (`Buckets`: same
+layout, same sizes). Timestamps, all on the device's clock:
+
+    step start -> forward ends (a forward hook) -> each bucket's last gradient lands (hooks on
+    every parameter) -> the optimizer has stepped (step end)
+
+`StepProfile` keeps the medians over the timed steps: the time before backward (data, forward),
+each bucket's ready time counted from the start of backward, backward's length (the last bucket),
+and the time after it (optimizer). The profile runs in its own process, so that its thread count
+is the one a rank would get; `copies` > 1 runs that many at once, as k ranks share one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gpulab.errors import UserError
+from gpulab.plan.collective import _pythonpath, _wait_all, free_port
+
+
+@dataclass
+class StepProfile:
+    batch: int
+    """Samples per device per step."""
+    step_s: float
+    before_backward_s: float
+    """Data and forward."""
+    backward_s: float
+    after_backward_s: float
+    """Optimizer (and the step's bookkeeping)."""
+    bucket_bytes: list[int]
+    bucket_ready_s: list[float]
+    """When each bucket's last gradient landed, seconds after backward began."""
+    device: str
+    threads: int
+    copies: int
+    """How many ran at once, in step: each step ended with a 4-byte allreduce between them, so
+    step times include waiting for the slowest of them, as ranks do."""
+    step_times_s: list[float]
+    """Every timed step (of every copy): ranks wait for the slowest each step, so the spread counts."""
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(self.bucket_bytes)
+
+    def expected_slowest_s(self, groups: int) -> float:
+        """The mean step time when `groups` such groups of copies wait for each other every step,
+        each group's step drawn from the measured steps (independently): the expected maximum
+        E[max] = sum_i x_(i) * ((i/n)^g - ((i-1)/n)^g) over the sorted times x_(1..n)."""
+        xs = sorted(self.step_times_s)
+        n = len(xs)
+        return sum(x * ((i / n) ** groups - ((i - 1) / n) ** groups) for i, x in enumerate(xs, start=1))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+MIN_STEPS = 5
+MAX_STEPS = 400
+
+
+def measure(cfg: dict, batch: int, threads: int, seconds: float = 3.0, warmup: int = 3, copies: int = 1,
+            timeout_s: float = 900.0) -> StepProfile:
+    """Profile gpulab train's step (config fields in `cfg`) at `batch` samples per device: steps
+    for about `seconds` after `warmup` steps (this machine's speed drifts by +-10% from one second
+    to the next; a few seconds of steps average that out)."""
+    with tempfile.TemporaryDirectory(prefix="gpulab-plan-") as tmp:
+        procs, outs = [], []
+        port = free_port()
+        for i in range(copies):
+            out = Path(tmp) / f"step-{i}.json"
+            spec = {"cfg": cfg, "batch": batch, "threads": threads, "seconds": seconds, "warmup": warmup, "out": str(out),
+                    "copy": i, "copies": copies, "port": port}
+            env = {**os.environ, "PYTHONPATH": _pythonpath()}
+            if copies > 1:  # as gpulab launch sets it for its ranks; one process is left as gpulab train is
+                env["OMP_NUM_THREADS"] = str(threads)
+            procs.append(subprocess.Popen([sys.executable, "-m", "gpulab.plan.step", json.dumps(spec)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            outs.append(out)
+        failed = _wait_all(procs, timeout_s)
+        if failed:
+            raise UserError(f"profiling one step at batch {batch} failed: {failed}")
+        profiles = [StepProfile(**json.loads(o.read_text())) for o in outs]
+    return max(profiles, key=lambda p: p.step_s)  # in step with each other: the same pace; take the slowest
+
+
+class _Clock:
+    """Timestamps on the device's timeline: CUDA events on a GPU, the host clock on a CPU."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+
+    def now(self):
+        if self.cuda:
+            e = self.torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+
+def _profile_main(spec: dict) -> None:
+    import torch
+
+    from gpulab.io import atomic_write_json
+    from gpulab.parallel.meter import Meter
+    from gpulab.parallel.world import World
+    from gpulab.train.config import TrainConfig
+    from gpulab.train.loop import build
+
+    torch.set_num_threads(spec["threads"])
+    in_step = _join_copies(spec) if spec["copies"] > 1 else None
+    cfg = TrainConfig.from_dict({**spec["cfg"], "batch_size": spec["batch"], "epochs": 1, "out": None, "profile": False})
+    run = build(cfg, World())
+    strategy = run.strategy
+    model, buckets, device = strategy.replicas[0], strategy.buckets, strategy.devices[0]
+    clock = _Clock(device)
+    marks: dict = {}
+
+    model.register_forward_hook(lambda *_: marks.__setitem__("forward_end", clock.now()))
+
+    def grad_ready(index: int):
+        def hook(_param):
+            b = buckets.bucket_of[index]
+            if buckets.pending[0][b] == 0:  # the strategy's own hook ran first and counted it
+                marks.setdefault("buckets", {})[b] = clock.now()
+        return hook
+
+    for i, p in enumerate(buckets.params[0]):
+        p.register_post_accumulate_grad_hook(grad_ready(i))
+
+    def batches():
+        epoch = 0
+        while True:
+            run.train_loader.set_epoch(epoch)
+            yield from run.train_loader
+            epoch += 1
+
+    source = batches()
+    rows = []
+    meter = Meter(device)
+    timed_from = None
+    for step in range(spec["warmup"] + MAX_STEPS):
+        if step == spec["warmup"]:
+            timed_from = time.perf_counter()
+        elif timed_from is not None and _enough(rows, time.perf_counter() - timed_from, spec, in_step):
+            break
+        marks.clear()
+        start = clock.now()
+        X, y = next(source)
+        strategy.set_lr(run.peak_lr)
+        strategy.train_step(X, y, run.loss_fn, meter)
+        if in_step is not None:
+            in_step()
+        end = clock.now()
+        if step < spec["warmup"]:
+            continue
+        forward_end = marks["forward_end"]
+        ready = [clock.seconds(forward_end, marks["buckets"][b]) for b in range(buckets.num_buckets)]
+        rows.append((clock.seconds(start, end), clock.seconds(start, forward_end), ready))
+    median = statistics.median
+    step_s = statistics.fmean(r[0] for r in rows)  # throughput is total time over steps: the mean
+    before = median(r[1] for r in rows)
+    ready = [median(r[2][b] for r in rows) for b in range(buckets.num_buckets)]
+    backward = max(ready)
+    profile = StepProfile(
+        batch=spec["batch"], step_s=step_s, before_backward_s=before, backward_s=backward,
+        after_backward_s=max(0.0, step_s - before - backward),
+        bucket_bytes=[flat.numel() * flat.element_size() for flat in buckets.buffers[0]],
+        bucket_ready_s=ready, device=str(device), threads=torch.get_num_threads(),
+        step_times_s=[r[0] for r in rows], copies=spec["copies"],
+    )
+    atomic_write_json(Path(spec["out"]), profile.to_dict())
+
+
+def _join_copies(spec: dict):
+    """Copies that run at once join one gloo group; returns the end-of-step handshake."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", spec["port"], spec["copies"], spec["copy"] == 0,
+                          timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=spec["copy"], world_size=spec["copies"],
+                            timeout=datetime.timedelta(seconds=300))
+    token = torch.zeros(1)
+    return lambda: dist.all_reduce(token)
+
+
+def _enough(rows: list, elapsed_s: float, spec: dict, in_step) -> bool:
+    """Timed long enough? Copies in step must agree, or one would wait for the other forever."""
+    done = len(rows) >= MIN_STEPS and elapsed_s >= spec["seconds"]
+    if in_step is None:
+        return done
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if done else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # stop only when every copy is done
+    return bool(flag.item())
+
+
+if __name__ == "__main__":
+    _profile_main(json.loads(sys.argv[1]))
