@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gpulab import data, models
 from gpulab.devices import for_rank, format_devices, resolve
 from gpulab.errors import UserError
+from gpulab.host import fix_malloc_thresholds
 from gpulab.io import check_writable as check_folder_writable
 from gpulab.monitor import profile
 from gpulab.monitor.phases import PhaseTimer
@@ -300,6 +301,7 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     mean loss (default: cross-entropy); `optimizer`: a factory `params -> torch.optim.Optimizer`
     (default: the recipe's, with its learning-rate schedule; yours keeps its own learning rate)."""
     world = world or World()
+    fix_malloc_thresholds()  # before the data is loaded: every step then reuses freed host memory
     if model is not None:
         check_own_model(model)
         cfg = dataclasses.replace(cfg, model=models.OBJECT)  # the run's config must not claim LeNet
@@ -520,10 +522,12 @@ def banner(run: Run, run_dir: RunDir) -> str:
     per = "rank" if run.world.world_size > 1 else "device"
     model = "your model" if cfg.model == models.OBJECT else cfg.model
     schedule = f"recipe {cfg.recipe}, lr {run.peak_lr:g}" if run.schedule_lr else "your optimizer and its lr"
+    no_batchnorm = cfg.sync_bn and not any("BatchNorm" in type(m).__name__ for m in strategy.replicas[0].modules())
     return (
         f"training {model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
         f"(~{run.batch_size // strategy.num_replicas} per {per}), {schedule}, "
         f"{'bf16 autocast' if strategy.autocast else 'fp32'}, {strategy.description} -> {run_dir.path}"
+        + ("\n--sync-bn has no effect here: this model has no BatchNorm layers" if no_batchnorm else "")
     )
 
 
