@@ -187,6 +187,22 @@ def check_allreduce_nccl(check: Check, out: Path) -> str:
     return data["summary"]["headline"]
 
 
+def check_plan_gpu(check: Check, out: Path) -> str:
+    """The planner's GPU path: CUDA-event step profile, named links for devices and machines."""
+    plan_dir = out / "plan-gpu"
+    done = gpulab(["plan", "--devices", "cuda", "--device-link", "nvlink4", "--devices-per-node", "1", "2", "8",
+                   "--nodes", "1", "2", "--link", "ndr400", "--no-sweep", "--out", str(plan_dir)], out / "plan-gpu.log")
+    if done.returncode != 0:
+        raise Failed(f"gpulab plan exited {done.returncode}; see plan-gpu.log")
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    profile = plan["profiles"][0]
+    seen = (f"one GPU step {profile['step_s'] * 1e3:.2f} ms at batch {profile['batch']} on {profile['device']}, "
+            f"backward {profile['backward_s'] * 1e3:.2f} ms; {len(plan['rows'])} rows")
+    if not profile["device"].startswith("cuda") or not 0 < profile["backward_s"] < profile["step_s"]:
+        raise Failed(seen)
+    return seen
+
+
 def profile_check(script: str, cause: str, fix_words: tuple[str, ...] = ()):
     def check_fn(check: Check, out: Path) -> str:
         name = script.removesuffix(".py")
@@ -327,6 +343,8 @@ CHECKS = [
     Check("launch-nccl", "2 gpus", "gpulab launch -n 2 -- --check-parity (NCCL): parity PASS", check_launch_nccl),
     Check("allreduce-nccl", "2 gpus", "gpulab bench allreduce on cuda:0,cuda:1: every algorithm's sum checks",
           check_allreduce_nccl),
+    Check("plan-gpu", "gpu", "gpulab plan --devices cuda (CUDA-event step profile, nvlink4/ndr400 links): a plan on cuda",
+          check_plan_gpu),
     Check("profile-input-bound", "gpu", "slow_loader_gpu.py: input_pipeline at the planted line",
           profile_check("slow_loader_gpu.py", "input_pipeline")),
     Check("profile-host-sync", "gpu", "item_every_step.py: host_sync at the planted line",

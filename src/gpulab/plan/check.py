@@ -24,6 +24,9 @@ from gpulab.errors import UserError
 from gpulab.plan.collective import Host, _pythonpath, _wait_all, free_port
 
 
+CHECK_LR = 1e-3
+
+
 @dataclass
 class Measured:
     name: str
@@ -32,8 +35,10 @@ class Measured:
 
 
 def train_args(cfg: dict, data_dir: Path, out: Path) -> list[str]:
+    # The runs are timed, not judged by accuracy: a small learning rate keeps a few steps of a
+    # BatchNorm model on a small copy from tripping gpulab train's divergence stop.
     args = ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]), "--epochs", "2",
-            "--data-dir", str(data_dir), "--out", str(out), "--devices", "cpu"]
+            "--data-dir", str(data_dir), "--out", str(out), "--devices", "cpu", "--lr", str(CHECK_LR)]
     for option in ("recipe", "precision", "channels_last", "sync"):
         if cfg.get(option) is not None:
             args += [f"--{option.replace('_', '-')}", str(cfg[option])]
@@ -120,6 +125,7 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
         # An epoch of about twice the profile's length: the measured epoch averages as much drift.
         steps = max(8, min(200, round(2 * profile_seconds / first.step_s)))
         data_dir = small_copy(cfg, tmp, steps)
+        cfg = {**cfg, "data_dir": str(data_dir)}  # profiles and runs on the same data, in the same state
         for r in range(rounds):
             for s in chosen:
                 say(f"round {r + 1}/{rounds}: {s.name}")

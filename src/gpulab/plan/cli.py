@@ -10,7 +10,7 @@ from gpulab.errors import UserError
 
 
 def add_plan_parser(sub) -> None:
-    from gpulab.cli import add_step_options
+    from gpulab.options import add_step_options
 
     p = sub.add_parser(
         "plan", help="predict whether k devices or n machines would make this training faster, from measurements",
@@ -40,10 +40,10 @@ def add_plan_parser(sub) -> None:
 def run_plan(args) -> int:
     from rich.console import Console
 
-    from gpulab.cli import step_options
+    from gpulab.options import step_options
     from gpulab.io import check_writable
     from gpulab.plan import report
-    from gpulab.plan.planner import PlanConfig, make_plan
+    from gpulab.plan.planner import PlanConfig, device_kind, make_plan
     from gpulab.train import TrainConfig
 
     given = step_options(args)
@@ -54,6 +54,8 @@ def run_plan(args) -> int:
     rates = parse_rates(args.check_links)
     if args.rounds < 1:
         raise UserError(f"--rounds {args.rounds}: run the check at least once")
+    if args.check and device_kind(train) != "cpu":
+        raise UserError("plan --check runs the CPU configurations this machine can run: add --devices cpu")
     out = Path(args.out or f"plans/{datetime.datetime.now():%Y%m%d-%H%M%S}-{train['model'].replace(':', '-')}")
     check_writable(out)
     console = Console(highlight=False)
@@ -67,8 +69,6 @@ def run_plan(args) -> int:
     if args.check:
         from gpulab.plan.check import check
 
-        if plan.kind != "cpu":
-            raise UserError("plan --check runs the CPU configurations this machine can run: add --devices cpu")
         checked = check(train, rates, rounds=args.rounds, profile_seconds=args.seconds, say=say)
         console.print(check_table(checked))
     out.mkdir(parents=True, exist_ok=True)

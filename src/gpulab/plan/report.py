@@ -29,7 +29,7 @@ def table(plan: Plan):
             f"{row.nodes} x {per_node}", str(row.per_device_batch), ms(row.compute_s), ms(row.communication_s),
             ms(row.exposed_s), ms(row.step_s), f"{row.samples_per_s:,.0f}", f"{speedup:.2f}x",
             f"{row.efficiency:.0%}" if row.devices > 1 else "-",
-            "-" if row.devices == 1 else (f"{efficient:,}" if efficient else f"> {last_swept(plan, row):,}"),
+            "-" if row.devices == 1 or not plan.sweep else (f"{efficient:,}" if efficient else f"> {last_swept(plan, row):,}"),
         )
     return t
 
@@ -67,7 +67,7 @@ def verdict(plan: Plan) -> list[str]:
         pays = plan.smallest_paying_batch(row.nodes, per_node)
         efficient = plan.smallest_efficient_batch(row.nodes, per_node)
         when = []
-        if speedup <= 1:
+        if speedup <= 1 and plan.sweep:
             when.append(f"it would pay from a global batch of {pays:,}" if pays else
                         f"it does not pay at any batch measured (up to {last_swept(plan, row) * row.devices:,})")
         if efficient:
@@ -117,10 +117,17 @@ def figure(plan: Plan, check: list[dict] | None) -> bytes:
     for nodes, rows in sorted(by_nodes.items()):
         left.plot([r.devices for r in rows], [r.efficiency for r in rows], marker="o",
                   label=f"predicted, {nodes} machine{'s' if nodes > 1 else ''}")
-    for point in check or []:
-        left.scatter([point["devices"]], [point["measured_samples_per_s"] / point["ideal_samples_per_s"]], marker="x",
-                     s=60, zorder=3, label=f"measured: {point['name']}")
+    for i, point in enumerate(check or []):
+        # Each check setup: its predicted efficiency (circle) and the measured one (cross), same colour;
+        # a small sideways offset keeps setups with the same k apart.
+        x = point["devices"] + 0.04 * (i - (len(check) - 1) / 2)
+        colour = f"C{i + 1}"
+        left.scatter([x], [point["predicted_samples_per_s"] / point["ideal_samples_per_s"]], marker="o",
+                     facecolors="none", edgecolors=colour, s=50, zorder=3)
+        left.scatter([x], [point["measured_samples_per_s"] / point["ideal_samples_per_s"]], marker="x", color=colour,
+                     s=60, zorder=3, label=f"{point['name']}: predicted (o), measured (x)")
     left.axhline(TARGET_EFFICIENCY, color="grey", linestyle=":", linewidth=1)
+    left.set_xticks(sorted({r.devices for r in plan.rows} | {p["devices"] for p in check or []}))
     left.set_xlabel("devices k")
     left.set_ylabel("scaling efficiency (compute / step)")
     left.set_ylim(0, 1.05)

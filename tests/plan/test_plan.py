@@ -1,0 +1,179 @@
+"""gpulab plan: the ring model's fit, the overlap accounting, the prediction's shape, bad inputs,
+and one real (tiny) plan end to end. The predicted-vs-measured check itself is a benchmark
+(`gpulab plan --check`, results in benchmarks/results/), not a test: it times things."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+
+import pytest
+
+from gpulab.plan import collective, netns
+from gpulab.plan.links import LINKS, LinkCost, parse_link
+from gpulab.plan.predict import bucket_schedule, exposed_communication, predict
+from gpulab.plan.step import StepProfile
+from tests.conftest import assert_one_line_error, run_cli
+
+
+def ring_seconds(nbytes: float, k: int, alpha: float, beta: float) -> float:
+    """The textbook ring allreduce, written out independently of LinkCost."""
+    return 2 * (k - 1) * alpha + 2 * (k - 1) / k * nbytes * beta
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_fit_recovers_alpha_and_beta_from_exact_timings(k):
+    alpha, beta = 25e-6, 1 / 3e9
+    sizes = [4096 * 4**i for i in range(7)]
+    link = collective.fit(sizes, [ring_seconds(s, k, alpha, beta) for s in sizes], k, "synthetic")
+    assert link.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert link.beta_s_per_byte == pytest.approx(beta, rel=1e-6)
+    assert link.bandwidth_gbps == pytest.approx(3.0, rel=1e-6)
+
+
+def test_fit_recovers_alpha_and_beta_through_noise():
+    alpha, beta = 200e-6, 1 / 1.25e9
+    rng = random.Random(0)
+    sizes = [4096 * 2**i for i in range(14)]
+    noisy = [ring_seconds(s, 2, alpha, beta) * rng.uniform(0.97, 1.03) for s in sizes]
+    link = collective.fit(sizes, noisy, 2, "synthetic")
+    assert link.alpha_s == pytest.approx(alpha, rel=0.1)
+    assert link.beta_s_per_byte == pytest.approx(beta, rel=0.1)
+
+
+def test_a_fit_is_never_negative():
+    # Timings that fall with size (noise at tiny sizes) must not give a negative latency.
+    link = collective.fit([1000, 2000, 4000], [3e-3, 2e-3, 4e-3], 2, "odd")
+    assert link.alpha_s >= 0 and link.beta_s_per_byte >= 0
+
+
+def test_ring_cost_matches_the_formula_and_one_device_costs_nothing():
+    link = LinkCost(alpha_s=10e-6, beta_s_per_byte=1e-9, source="t")
+    assert link.allreduce_s(1e6, 1) == 0
+    assert link.allreduce_s(1e6, 2) == pytest.approx(ring_seconds(1e6, 2, 10e-6, 1e-9))
+    assert link.allreduce_s(1e6, 8) == pytest.approx(ring_seconds(1e6, 8, 10e-6, 1e-9))
+
+
+def profile(ready_ms: list[float], nbytes: list[int], step_ms: float = 100.0, backward_ms: float | None = None,
+            times_ms: list[float] | None = None) -> StepProfile:
+    backward = backward_ms if backward_ms is not None else max(ready_ms)
+    return StepProfile(
+        batch=64, step_s=step_ms / 1e3, before_backward_s=0.02, backward_s=backward / 1e3,
+        after_backward_s=step_ms / 1e3 - 0.02 - backward / 1e3, bucket_bytes=nbytes,
+        bucket_ready_s=[r / 1e3 for r in ready_ms], device="cpu", threads=1, copies=1,
+        step_times_s=[t / 1e3 for t in (times_ms or [step_ms])],
+    )
+
+
+def test_buckets_start_when_ready_and_after_the_one_before():
+    # Ready at 10, 20, 30 ms; each takes 12 ms: the second waits for the first, the third for the second.
+    schedule = bucket_schedule([0.010, 0.020, 0.030], [0.012, 0.012, 0.012])
+    flat = [t for start_end in schedule for t in start_end]
+    assert flat == pytest.approx([0.010, 0.022, 0.022, 0.034, 0.034, 0.046])
+
+
+def test_only_what_runs_past_backward_is_exposed():
+    # 1 ms per byte-million: buckets of 5e6 bytes over 2 devices take 2(k-1)/k * 5e6 * 1e-9 = 5 ms each.
+    link = LinkCost(alpha_s=0.0, beta_s_per_byte=1e-9, source="t")
+    overlapped = profile([10, 20, 30], [5_000_000] * 3)
+    assert exposed_communication(overlapped, link, 2) == pytest.approx(0.005)  # only the last one's 5 ms
+    at_the_end = profile([30, 30, 30], [5_000_000] * 3)
+    assert exposed_communication(at_the_end, link, 2) == pytest.approx(0.015)  # nothing hidden
+    hidden = profile([1, 2, 30], [5_000_000, 5_000_000, 0], backward_ms=30)
+    assert exposed_communication(hidden, link, 2) == pytest.approx(0.0)
+    assert exposed_communication(overlapped, link, 1) == 0
+
+
+def test_prediction_adds_exposed_communication_to_one_device_s_step():
+    link = LinkCost(alpha_s=0.0, beta_s_per_byte=1e-9, source="t")
+    p = predict(profile([10, 20, 30], [5_000_000] * 3, step_ms=100), link, 2)
+    assert p.step_s == pytest.approx(0.105)
+    assert p.samples_per_s == pytest.approx(128 / 0.105)
+    assert p.efficiency == pytest.approx(100 / 105)
+    assert p.communication_s == pytest.approx(0.015)
+
+
+def test_prediction_is_monotone_in_bandwidth():
+    prof = profile([5, 15, 40], [1_000_000, 20_000_000, 30_000_000], step_ms=120, backward_ms=60)
+    speeds = []
+    for gbps in [0.01, 0.1, 0.5, 1, 5, 25, 100, 1000]:
+        link = LinkCost(alpha_s=20e-6, beta_s_per_byte=1 / (gbps * 1e9), source="t")
+        speeds.append([predict(prof, link, k).samples_per_s for k in (2, 4, 8)])
+    for k_index in range(3):
+        column = [row[k_index] for row in speeds]
+        assert all(a <= b for a, b in zip(column, column[1:]))
+        assert column[0] < column[-1]  # a slow link costs something
+
+
+def test_ranks_wait_for_the_slowest_expected_maximum():
+    times = [10.0, 11.0, 12.0, 20.0]
+    prof = profile([5], [1000], times_ms=times)
+    assert prof.expected_slowest_s(1) == pytest.approx(sum(times) / 4 / 1e3)
+    # Brute force over every pair of independent draws.
+    pairs = [max(a, b) for a, b in itertools.product(times, repeat=2)]
+    assert prof.expected_slowest_s(2) == pytest.approx(sum(pairs) / len(pairs) / 1e3)
+
+
+def test_every_named_link_parses_and_explicit_figures_are_read():
+    for name in LINKS:
+        assert parse_link(name).bandwidth_gbps == pytest.approx(LINKS[name][0])
+    link = parse_link("1.25,30")
+    assert link.bandwidth_gbps == pytest.approx(1.25) and link.alpha_s == pytest.approx(30e-6)
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--link", "warp-drive", "--nodes", "2"], ["--link warp-drive", "unknown link", "GB/s,us"]),
+    (["--link", "0,5", "--nodes", "2"], ["--link 0,5"]),
+    (["--devices-per-node", "0"], ["--devices-per-node 0", "1 or more"]),
+    (["--nodes", "0"], ["--nodes 0"]),
+    (["--batch-size", "3", "--devices-per-node", "4"], ["--batch-size 3", "4 devices", "at least 4"]),
+    (["--nodes", "2"], ["--nodes > 1", "--link"]),
+    (["--check-links", "fast"], ["--check-links fast", "Mbit/s"]),
+    (["--rounds", "0"], ["--rounds 0"]),
+    (["--model", "nosuchmodel"], ["nosuchmodel"]),
+])
+def test_bad_inputs_are_one_line_errors(argv, fragments, capsys, tmp_path):
+    code, out, err = run_cli(["plan", "--devices", "cpu", "--out", str(tmp_path / "p"), *argv], capsys)
+    assert_one_line_error(code, err, *fragments)
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_real_plan_end_to_end(tiny_data, tmp_path, capsys):
+    """A tiny plan on this machine: real step profiles and a real gloo measurement."""
+    out = tmp_path / "plan"
+    code, stdout, err = run_cli(["plan", "--devices", "cpu", "--batch-size", "32", "--seconds", "0.2", "--no-sweep",
+                                 "--out", str(out)], capsys)
+    assert code == 0, err
+    plan = json.loads((out / "plan.json").read_text())
+    assert (out / "plan.png").read_bytes().startswith(b"\x89PNG")
+    one, two = plan["rows"]
+    assert (one["devices"], two["devices"]) == (1, 2)
+    assert one["exposed_s"] == 0 and two["communication_s"] > 0
+    assert two["step_s"] == pytest.approx(two["compute_s"] + two["exposed_s"])
+    assert plan["verdict"] and plan["verdict"][0].startswith("2 devices: ")
+    assert "measured: gloo" in plan["links"]["device"]["source"]
+    # LeNet's gradient, in the buckets GradSync sends: every parameter (float32) plus one flag each.
+    from gpulab import models
+
+    params = list(models.build("lenet").parameters())
+    assert sum(plan["profiles"][0]["bucket_bytes"]) == 4 * (sum(p.numel() for p in params) + len(params))
+    for p in plan["profiles"]:
+        assert max(p["bucket_ready_s"]) == pytest.approx(p["backward_s"])
+        assert p["step_s"] >= p["before_backward_s"] + p["backward_s"] * 0.99
+    assert "2 devices" in stdout and "Assumptions" in stdout
+
+
+def test_test_hosts_limit_the_link_and_leave_nothing_behind():
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    with netns.test_hosts(rate_mbit=50) as hosts:
+        timings = collective.measure(2, [64 * 1024, 1024 * 1024], hosts=hosts, timeout_s=120)
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert after == before
+    # 1 MiB over 2 ranks: each sends 2(k-1)/k * 1 MiB = 1 MiB; at 50 Mbit/s that takes >= 0.168 s.
+    assert timings["seconds"][1] >= 1024 * 1024 * 8 / 50e6
+    assert timings["seconds"][1] < 5 * 1024 * 1024 * 8 / 50e6
