@@ -30,3 +30,23 @@ def test_readme_snippet_runs_as_given(tmp_path, index):
     for line in done.stdout.splitlines():
         if ": final train loss" in line:
             assert line.strip() in readme, f"the README does not quote what snippet {index + 1} printed: {line}"
+
+
+PLAN_RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*/plan-*/plan.json"))
+
+
+@pytest.mark.parametrize("path", PLAN_RESULTS, ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}")
+def test_the_readme_s_plan_figures_are_the_committed_results(path):
+    """Every predicted-vs-measured figure the README quotes from `gpulab plan --check` is the one
+    in the committed plan.json it names (issue 16: figures that come from a result file)."""
+    import json
+
+    plan = json.loads(path.read_text())
+    readme = (ROOT / "README.md").read_text()
+    cited = str(path.relative_to(ROOT))
+    if cited not in readme:
+        pytest.skip(f"{cited} is not cited in the README")
+    for row in plan["check"]:
+        for figure in (f"{row['predicted_samples_per_s']:,.0f}", f"{row['measured_samples_per_s']:,.0f}",
+                       f"{row['error']:+.1%}"):
+            assert figure in readme, f"{row['name']}: {figure} from {cited} is not in README.md"
