@@ -173,6 +173,12 @@ def test_train_on_two_virtual_cpus(tiny_data, tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["devices"] == "cpu*2"
 
 
+def test_sync_bn_on_a_model_without_batchnorm_says_so(tiny_data, tmp_path, capsys):
+    code, stdout, err = run([*TRAIN, "--devices", "cpu*2", "--sync-bn", "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    assert "--sync-bn has no effect here: this model has no BatchNorm layers" in stdout
+
+
 def test_train_then_resume(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     assert run([*TRAIN, "--out", str(out)], capsys)[0] == 0

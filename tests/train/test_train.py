@@ -97,6 +97,9 @@ def test_run_dir_contents(tiny_data, tmp_path):
     assert [int(r["epoch"]) for r in table] == [1, 2]
     assert float(table[1]["test_acc"]) == rows[1]["test_acc"]
     assert "phases_s" not in table[0]  # nested values stay in the JSON only
+    for r, row in zip(table, rows):  # per-device lists are numbers, not "[9.5e-05]"
+        shares = [float(r[k]) for k in r if k.startswith("allreduce_share")]
+        assert shares == pytest.approx(row["allreduce_share"])
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     checkpoint = torch.load(out / CHECKPOINT, map_location="cpu", weights_only=False)

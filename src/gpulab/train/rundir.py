@@ -124,6 +124,24 @@ def claims():
         _claimed.reset(token)
 
 
+def csv_row(row: dict) -> dict:
+    """One metrics row as CSV cells: numbers stay numbers; a per-device list becomes one column
+    per device (`allreduce_share_0`, ...), or a plain column with one device; nested tables
+    (phases) are left to metrics.json."""
+    cells = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            continue
+        if isinstance(value, (list, tuple)):
+            if len(value) == 1:
+                cells[key] = value[0]
+            else:
+                cells.update({f"{key}_{i}": v for i, v in enumerate(value)})
+        else:
+            cells[key] = value
+    return cells
+
+
 class RunDir:
     def __init__(self, path: Path, unique: bool = False):
         self.path = Path(path)
@@ -232,9 +250,9 @@ class RunDir:
 
     def write_metrics(self, history: list[dict]) -> None:
         atomic_write_json(self.path / "metrics.json", history)
-        flat = [{k: v for k, v in row.items() if not isinstance(v, dict)} for row in history]
+        flat = [csv_row(row) for row in history]
         buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(flat[0]))
+        writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for row in flat for k in row)))
         writer.writeheader()
         writer.writerows(flat)
         atomic_write_bytes(self.path / "metrics.csv", buf.getvalue().encode())
