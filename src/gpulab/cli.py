@@ -168,7 +168,7 @@ def add_train_parser(sub) -> None:
     )
     p.add_argument("--eval-batch-size", type=int, default=None, help="batch size of evaluation (default 1024): no gradients, so it can be larger")
     p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>-<model>)")
-    p.add_argument("--profile", action="store_const", const=True, default=None, help="sample utilisation; write a timeline")
+    p.add_argument("--profile", action="store_const", const=True, default=None, help="sample utilisation and write a timeline, report and trace to <run dir>/profile/")
     p.add_argument(
         "--resume", metavar="RUN_DIR", default=None,
         help="continue a run from its last checkpoint, with its saved options (only --data-dir may be given: where its data is now)",

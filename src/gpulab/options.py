@@ -10,7 +10,7 @@ def add_step_options(p) -> None:
     """What one training step is: the options gpulab train and gpulab plan share."""
     p.add_argument("--model", default=None, help="lenet (default), resnet18, or your own: package.module:factory (a callable returning an nn.Module that takes 1x28x28 images and gives 10 class scores)")
     p.add_argument("--data-dir", default=None, help="folder with the IDX files (default: $GPULAB_DATA, cache, Debian's path)")
-    p.add_argument("--devices", default=None, help="auto (default: every GPU, else CPU) | cpu | cpu*K | cuda:0,cuda:1 | gpu:N")
+    p.add_argument("--devices", default=None, help="auto or all (default: every GPU, else the CPU) | cpu | cpu*K | cuda:0,cuda:1 | gpu:N")
     p.add_argument(
         "--batch-size", type=int, default=None,
         help="GLOBAL minibatch size (default 256): with k devices each device gets about batch-size/k",
