@@ -1,4 +1,5 @@
-"""The training process's host memory allocator: glibc malloc with fixed thresholds.
+"""Facts and settings of the host (CPU) side of a training process: the cores it may use, and
+its memory allocator, glibc malloc with fixed thresholds.
 
 glibc serves a large allocation (by default >= 128 KiB) with a fresh mmap and returns it to the
 kernel when freed, so the next step's allocation of the same size page-faults and zeroes its
@@ -41,3 +42,8 @@ def fix_malloc_thresholds() -> bool:
     except (OSError, AttributeError, TypeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. under taskset or a container)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -159,9 +159,10 @@ def test_a_real_plan_end_to_end(tiny_data, tmp_path, capsys):
 
     params = list(models.build("lenet").parameters())
     assert sum(plan["profiles"][0]["bucket_bytes"]) == 4 * (sum(p.numel() for p in params) + len(params))
-    for p in plan["profiles"]:
-        assert max(p["bucket_ready_s"]) == pytest.approx(p["backward_s"])
+    for p in plan["profiles"]:  # timestamps from hooks, the step from the clock around it
+        assert p["before_backward_s"] > 0 and p["backward_s"] > 0
         assert p["step_s"] >= p["before_backward_s"] + p["backward_s"] * 0.99
+        assert len(p["step_times_s"]) >= 5
     assert "2 devices" in stdout and "Assumptions" in stdout
 
 

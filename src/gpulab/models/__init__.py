@@ -62,3 +62,8 @@ def from_factory(spec: str) -> nn.Module:
 
 
 __all__ = ["MODELS", "OBJECT", "LeNet", "ResNet18", "build", "check_spec", "is_factory"]
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    """Any BatchNorm layer (per-device or gpulab's synchronized one, a subclass)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())

@@ -71,8 +71,9 @@ def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None =
     from torch.distributed.run import get_args_parser, run
 
     # Each rank gets an equal share of this machine's cores (torchrun would give each one thread).
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    from gpulab.host import usable_cores
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nproc)))
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as e:

@@ -431,5 +431,6 @@ def threads_per_rank(local_world_size: int) -> int | None:
                 return None  # the user's choice, passed through the launcher
         except Exception:
             return None  # cannot tell: respect the variable
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_world_size)
+    from gpulab.host import usable_cores
+
+    return max(1, usable_cores() // local_world_size)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpulab.errors import UserError
-from gpulab.plan.collective import Host, _pythonpath, _wait_all, free_port
+from gpulab.plan.collective import Host, child_pythonpath, free_port, wait_all
 
 
 CHECK_LR = 1e-3
@@ -51,7 +51,7 @@ def run_training(name: str, cfg: dict, data_dir: Path, workdir: Path, ranks_per_
     out = workdir / name.replace(" ", "-").replace("/", "-")
     args = train_args(cfg, data_dir, out)
     gpulab = [sys.executable, "-m", "gpulab"]
-    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if hosts is None and ranks_per_host == 1:
@@ -66,7 +66,7 @@ def run_training(name: str, cfg: dict, data_dir: Path, workdir: Path, ranks_per_
             for r, h in enumerate(hosts)
         ]
     procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cmd, e in commands]
-    failed = _wait_all(procs, timeout_s)
+    failed = wait_all(procs, timeout_s)
     if failed:
         raise UserError(f"plan --check: the {name} run failed: {failed}")
     history = json.loads((out / "metrics.json").read_text())
@@ -111,7 +111,7 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
     """Every setup, `rounds` times in turn (this machine's speed drifts over minutes, so each
     prediction is made from profiles and a link measured around its run)."""
     from gpulab.plan import netns, step
-    from gpulab.plan.planner import cores
+    from gpulab.host import usable_cores
 
     why_not = netns.available()
     if why_not:
@@ -121,7 +121,7 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
     results: dict[str, list[dict]] = {s.name: [] for s in chosen}
     with scratch() as tmp:
         tmp = Path(tmp)
-        first = step.measure(cfg, batch, cores(), seconds=profile_seconds)
+        first = step.measure(cfg, batch, usable_cores(), seconds=profile_seconds)
         # An epoch of about twice the profile's length: the measured epoch averages as much drift.
         steps = max(8, min(200, round(2 * profile_seconds / first.step_s)))
         data_dir = small_copy(cfg, tmp, steps)
@@ -140,15 +140,15 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
 
     from gpulab.plan import collective, netns, step
     from gpulab.plan.links import parse_link
-    from gpulab.plan.planner import cores
+    from gpulab.host import usable_cores
     from gpulab.plan.predict import predict
 
     batch = cfg["batch_size"]
 
     def profile():
         if s.devices == 1:
-            return step.measure(cfg, batch, cores(), seconds=profile_seconds)
-        return step.measure(cfg, batch // 2, max(1, cores() // 2), seconds=profile_seconds, copies=2)
+            return step.measure(cfg, batch, usable_cores(), seconds=profile_seconds)
+        return step.measure(cfg, batch // 2, max(1, usable_cores() // 2), seconds=profile_seconds, copies=2)
 
     before = profile()
     with netns.test_hosts(s.rate_mbit) if s.hosts else nullcontext(None) as hosts:

@@ -47,8 +47,8 @@ def run_plan(args) -> int:
     from gpulab.train import TrainConfig
 
     given = step_options(args)
-    TrainConfig(**given)  # every train option checked the way gpulab train checks it
-    train = {"model": "lenet", "batch_size": 256, **given}
+    checked = TrainConfig(**given)  # every train option checked the way gpulab train checks it
+    train = {**given, "model": checked.model, "batch_size": checked.batch_size}
     cfg = PlanConfig(train=train, devices_per_node=args.devices_per_node, nodes=args.nodes, link=args.link,
                      device_link=args.device_link, profile_seconds=args.seconds, sweep=not args.no_sweep)
     rates = parse_rates(args.check_links)

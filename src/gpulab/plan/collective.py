@@ -89,21 +89,21 @@ def measure(k: int, sizes: list[int], backend: str = "gloo", hosts: list[Host] |
         procs = []
         for rank, host in enumerate(hosts):
             cmd = [*host.prefix, sys.executable, "-m", "gpulab.plan.collective", json.dumps({**spec, "rank": rank})]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(), **host.env}
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath(), **host.env}
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        failed = _wait_all(procs, timeout_s)
+        failed = wait_all(procs, timeout_s)
         if failed:
             raise UserError(f"measuring allreduce over {k} ranks failed: {failed}")
         return json.loads(out.read_text())
 
 
-def _pythonpath() -> str:
+def child_pythonpath() -> str:
     """The ranks import the same gpulab as this process (also when run from a checkout)."""
     here = str(Path(__file__).resolve().parents[2])
     return os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
     """Wait for every process; on a failure or the deadline stop the rest. The first failure's last line."""
     deadline = time.monotonic() + timeout_s
     failure = None

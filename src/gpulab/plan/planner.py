@@ -12,10 +12,10 @@ the cores (cores / ranks per machine), measured with that many copies running at
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from gpulab.errors import UserError
+from gpulab.host import usable_cores
 from gpulab.plan import collective, step
 from gpulab.plan.links import LinkCost, parse_link
 from gpulab.plan.predict import ASSUMPTIONS, Prediction, predict
@@ -40,7 +40,7 @@ class PlanConfig:
     sweep: bool = True
 
     def __post_init__(self):
-        batch = self.train.get("batch_size", 256)
+        batch = self.train["batch_size"]
         for k in self.devices_per_node:
             if k < 1:
                 raise UserError(f"--devices-per-node {k}: give 1 or more devices per machine")
@@ -59,10 +59,6 @@ class PlanConfig:
             raise UserError("--nodes > 1: say what joins the machines with --link (e.g. 25gbe, ndr400, or GB/s,us)")
         if self.device_link is not None:
             parse_link(self.device_link)
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def device_kind(train: dict) -> str:
@@ -98,7 +94,7 @@ class Profiles:
     def share(self, per_node: int) -> tuple[int, int]:
         """(threads, concurrent copies) of one device: on a CPU, per_node ranks share the cores."""
         if self.kind == "cpu":
-            return max(1, cores() // per_node), per_node
+            return max(1, usable_cores() // per_node), per_node
         return 1, 1
 
 
@@ -157,7 +153,7 @@ def sweep_batches(batch: int) -> list[int]:
 
 def make_plan(cfg: PlanConfig, say=print) -> Plan:
     kind = device_kind(cfg.train)
-    batch = cfg.train.get("batch_size", 256)
+    batch = cfg.train["batch_size"]
     profiles = Profiles(cfg, kind, say)
     one = profiles.get(batch, 1)
     one_device = predict(one, None, 1)
@@ -173,15 +169,14 @@ def make_plan(cfg: PlanConfig, say=print) -> Plan:
             return None
         return links["node"] if nodes > 1 else links["device"]
 
-    def at(per_device: int, nodes: int, per_node: int) -> Prediction:
+    def at(per_device: int, nodes: int, per_node: int, global_batch: int | None = None) -> Prediction:
         k = nodes * per_node
-        return predict(profiles.get(per_device, per_node), link_for(nodes, per_node), k, nodes)
+        return predict(profiles.get(per_device, per_node), link_for(nodes, per_node), k, nodes, global_batch)
 
     rows, speedups = [], []
     for nodes in cfg.nodes:
         for per_node in cfg.devices_per_node:
-            row = at(batch // (nodes * per_node), nodes, per_node)
-            row.global_batch = batch  # the parts differ by at most one sample
+            row = at(batch // (nodes * per_node), nodes, per_node, global_batch=batch)
             rows.append(row)
             speedups.append(row.samples_per_s / one_device.samples_per_s)
     sweep: dict[tuple[int, int], list[SweepPoint]] = {}

@@ -86,11 +86,12 @@ class Prediction:
         }
 
 
-def predict(profile: StepProfile, link: LinkCost | None, k: int, nodes: int = 1) -> Prediction:
-    """k devices (over `nodes` machines), each at `profile.batch` samples per step."""
+def predict(profile: StepProfile, link: LinkCost | None, k: int, nodes: int = 1, global_batch: int | None = None) -> Prediction:
+    """k devices (over `nodes` machines), each at `profile.batch` samples per step; `global_batch`
+    when the parts are not all equal (B/k rounded down, some ranks one sample more)."""
     communication = sum(link.allreduce_s(b, k) for b in profile.bucket_bytes) if link and k > 1 else 0.0
     return Prediction(
-        devices=k, nodes=nodes, global_batch=profile.batch * k, per_device_batch=profile.batch,
+        devices=k, nodes=nodes, global_batch=global_batch or profile.batch * k, per_device_batch=profile.batch,
         compute_s=profile.expected_slowest_s(max(1, k // profile.copies)), communication_s=communication,
         exposed_s=exposed_communication(profile, link, k) if link else 0.0,
         link=link.source if link and k > 1 else "none",

@@ -17,7 +17,7 @@ def ms(seconds: float) -> str:
 def table(plan: Plan):
     from rich.table import Table
 
-    t = Table(title=f"{plan.config.train.get('model', 'lenet')}, global batch {plan.one_device.global_batch}, "
+    t = Table(title=f"{plan.config.train['model']}, global batch {plan.one_device.global_batch}, "
                     f"one device = {describe_device(plan)}")
     for name in ("machines x devices", "per-device batch", "compute ms", "allreduce ms", "exposed ms", "step ms",
                  "samples/s", "speedup", "efficiency", "90% from batch"):
@@ -143,7 +143,7 @@ def figure(plan: Plan, check: list[dict] | None) -> bytes:
     right.set_ylim(0, 1.05)
     right.set_title("efficiency by per-device batch")
     right.legend(fontsize=7)
-    fig.suptitle(f"gpulab plan: {plan.config.train.get('model', 'lenet')}, one device = {describe_device(plan)}")
+    fig.suptitle(f"gpulab plan: {plan.config.train['model']}, one device = {describe_device(plan)}")
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)

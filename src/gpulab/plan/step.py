@@ -8,9 +8,10 @@ layout, same sizes). Timestamps, all on the device's clock:
     step start -> forward ends (a forward hook) -> each bucket's last gradient lands (hooks on
     every parameter) -> the optimizer has stepped (step end)
 
-`StepProfile` keeps the medians over the timed steps: the time before backward (data, forward),
-each bucket's ready time counted from the start of backward, backward's length (the last bucket),
-and the time after it (optimizer). The profile runs in its own process, so that its thread count
+`StepProfile` keeps the mean step time (throughput is total time over steps) and every step's
+time, and the medians of the time before backward (data, forward), of each bucket's ready time
+counted from the start of backward, backward's length (the last bucket), and the time after it
+(optimizer). The profile runs in its own process, so that its thread count
 is the one a rank would get; `copies` > 1 runs that many at once, as k ranks share one machine.
 """
 
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpulab.errors import UserError
-from gpulab.plan.collective import _pythonpath, _wait_all, free_port
+from gpulab.plan.collective import child_pythonpath, free_port, wait_all
 
 
 @dataclass
@@ -83,13 +84,13 @@ def measure(cfg: dict, batch: int, threads: int, seconds: float = 3.0, warmup: i
             out = Path(tmp) / f"step-{i}.json"
             spec = {"cfg": cfg, "batch": batch, "threads": threads, "seconds": seconds, "warmup": warmup, "out": str(out),
                     "copy": i, "copies": copies, "port": port}
-            env = {**os.environ, "PYTHONPATH": _pythonpath()}
+            env = {**os.environ, "PYTHONPATH": child_pythonpath()}
             if copies > 1:  # as gpulab launch sets it for its ranks; one process is left as gpulab train is
                 env["OMP_NUM_THREADS"] = str(threads)
             procs.append(subprocess.Popen([sys.executable, "-m", "gpulab.plan.step", json.dumps(spec)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
             outs.append(out)
-        failed = _wait_all(procs, timeout_s)
+        failed = wait_all(procs, timeout_s)
         if failed:
             raise UserError(f"profiling one step at batch {batch} failed: {failed}")
         profiles = [StepProfile(**json.loads(o.read_text())) for o in outs]
@@ -112,11 +113,13 @@ class _Clock:
             return e
         return time.perf_counter()
 
-    def seconds(self, a, b) -> float:
+    def settle(self) -> None:
+        """Before reading a step's timestamps: its events have happened (once per step)."""
         if self.cuda:
             self.torch.cuda.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return b - a
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
 def _profile_main(spec: dict) -> None:
@@ -129,7 +132,7 @@ def _profile_main(spec: dict) -> None:
     from gpulab.train.loop import build
 
     torch.set_num_threads(spec["threads"])
-    in_step = _join_copies(spec) if spec["copies"] > 1 else None
+    in_step = _join_copies(spec) if spec["copies"] > 1 else (lambda done: done)
     cfg = TrainConfig.from_dict({**spec["cfg"], "batch_size": spec["batch"], "epochs": 1, "out": None, "profile": False})
     run = build(cfg, World())
     strategy = run.strategy
@@ -163,21 +166,24 @@ def _profile_main(spec: dict) -> None:
     for step in range(spec["warmup"] + MAX_STEPS):
         if step == spec["warmup"]:
             timed_from = time.perf_counter()
-        elif timed_from is not None and _enough(rows, time.perf_counter() - timed_from, spec, in_step):
-            break
+        timed = step >= spec["warmup"]
         marks.clear()
         start = clock.now()
         X, y = next(source)
         strategy.set_lr(run.peak_lr)
         strategy.train_step(X, y, run.loss_fn, meter)
-        if in_step is not None:
-            in_step()
+        # Timed long enough once this step is counted? The end-of-step handshake tells whether
+        # every copy is (copies in step must stop together, or one would wait for the other).
+        enough = timed and len(rows) + 1 >= MIN_STEPS and time.perf_counter() - timed_from >= spec["seconds"]
+        all_done = in_step(enough)
         end = clock.now()
-        if step < spec["warmup"]:
-            continue
-        forward_end = marks["forward_end"]
-        ready = [clock.seconds(forward_end, marks["buckets"][b]) for b in range(buckets.num_buckets)]
-        rows.append((clock.seconds(start, end), clock.seconds(start, forward_end), ready))
+        if timed:
+            clock.settle()
+            forward_end = marks["forward_end"]
+            ready = [clock.seconds(forward_end, marks["buckets"][b]) for b in range(buckets.num_buckets)]
+            rows.append((clock.seconds(start, end), clock.seconds(start, forward_end), ready))
+        if all_done:
+            break
     median = statistics.median
     step_s = statistics.fmean(r[0] for r in rows)  # throughput is total time over steps: the mean
     before = median(r[1] for r in rows)
@@ -194,7 +200,9 @@ def _profile_main(spec: dict) -> None:
 
 
 def _join_copies(spec: dict):
-    """Copies that run at once join one gloo group; returns the end-of-step handshake."""
+    """Copies that run at once join one gloo group; returns the end-of-step handshake: a 4-byte
+    allreduce (every copy waits for the slowest, as ranks do) of "I have timed enough", whose
+    minimum says whether all have."""
     import datetime
 
     import torch
@@ -204,21 +212,12 @@ def _join_copies(spec: dict):
                           timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=spec["copy"], world_size=spec["copies"],
                             timeout=datetime.timedelta(seconds=300))
-    token = torch.zeros(1)
-    return lambda: dist.all_reduce(token)
+    def handshake(done: bool) -> bool:
+        flag = torch.tensor([1.0 if done else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
-
-def _enough(rows: list, elapsed_s: float, spec: dict, in_step) -> bool:
-    """Timed long enough? Copies in step must agree, or one would wait for the other forever."""
-    done = len(rows) >= MIN_STEPS and elapsed_s >= spec["seconds"]
-    if in_step is None:
-        return done
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([1.0 if done else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # stop only when every copy is done
-    return bool(flag.item())
+    return handshake
 
 
 if __name__ == "__main__":

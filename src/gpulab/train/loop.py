@@ -522,7 +522,7 @@ def banner(run: Run, run_dir: RunDir) -> str:
     per = "rank" if run.world.world_size > 1 else "device"
     model = "your model" if cfg.model == models.OBJECT else cfg.model
     schedule = f"recipe {cfg.recipe}, lr {run.peak_lr:g}" if run.schedule_lr else "your optimizer and its lr"
-    no_batchnorm = cfg.sync_bn and not any("BatchNorm" in type(m).__name__ for m in strategy.replicas[0].modules())
+    no_batchnorm = cfg.sync_bn and not models.has_batchnorm(strategy.replicas[0])
     return (
         f"training {model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
         f"(~{run.batch_size // strategy.num_replicas} per {per}), {schedule}, "

@@ -101,8 +101,7 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
 
 def per_device_batchnorm(cfg: TrainConfig, run) -> bool:
     """BatchNorm layers without --sync-bn, over more than one replica."""
-    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in models.build(cfg.model).modules())
-    return has_bn and not cfg.sync_bn and run.strategy.num_replicas > 1
+    return models.has_batchnorm(run.strategy.replicas[0]) and not cfg.sync_bn and run.strategy.num_replicas > 1
 
 
 def one_process_batches(cfg: TrainConfig, run, num_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
