@@ -57,13 +57,13 @@ def test_ring_cost_matches_the_formula_and_one_device_costs_nothing():
 
 
 def profile(ready_ms: list[float], nbytes: list[int], step_ms: float = 100.0, backward_ms: float | None = None,
-            times_ms: list[float] | None = None) -> StepProfile:
+            times_ms: list[float] | None = None, overlap: float = 1.0) -> StepProfile:
     backward = backward_ms if backward_ms is not None else max(ready_ms)
     return StepProfile(
         batch=64, step_s=step_ms / 1e3, before_backward_s=0.02, backward_s=backward / 1e3,
         after_backward_s=step_ms / 1e3 - 0.02 - backward / 1e3, bucket_bytes=nbytes,
         bucket_ready_s=[r / 1e3 for r in ready_ms], device="cpu", threads=1, copies=1,
-        step_times_s=[t / 1e3 for t in (times_ms or [step_ms])],
+        step_times_s=[t / 1e3 for t in (times_ms or [step_ms])], overlap=overlap,
     )
 
 
@@ -84,6 +84,22 @@ def test_only_what_runs_past_backward_is_exposed():
     hidden = profile([1, 2, 30], [5_000_000, 5_000_000, 0], backward_ms=30)
     assert exposed_communication(hidden, link, 2) == pytest.approx(0.0)
     assert exposed_communication(overlapped, link, 1) == 0
+
+
+def test_communication_during_backward_goes_at_the_measured_share_of_its_speed():
+    # Half speed during a 10 ms backward: a 10 ms allreduce from 0 ms gets 5 ms done, ends at 15 ms.
+    assert bucket_schedule([0.0], [0.010], backward_s=0.010, overlap=0.5)[0] == pytest.approx((0.0, 0.015))
+    # A quarter speed: a 1 ms bucket takes 4 ms and ends inside backward; the next starts then.
+    schedule = bucket_schedule([0.0, 0.001], [0.001, 0.001], backward_s=0.010, overlap=0.25)
+    assert [t for se in schedule for t in se] == pytest.approx([0.0, 0.004, 0.004, 0.008])
+    # Started after backward: full speed.
+    assert bucket_schedule([0.012], [0.003], backward_s=0.010, overlap=0.0)[0] == pytest.approx((0.012, 0.015))
+    link = LinkCost(alpha_s=0.0, beta_s_per_byte=1e-9, source="t")
+    no_overlap = profile([10, 20, 30], [5_000_000] * 3, overlap=0.0)
+    assert exposed_communication(no_overlap, link, 2) == pytest.approx(0.015)  # all three, after backward
+    half = profile([10, 20, 30], [5_000_000] * 3, overlap=0.5)
+    # Half speed: the first takes 10-20 ms, the second 20-30 ms, the third (after backward) 30-35 ms.
+    assert exposed_communication(half, link, 2) == pytest.approx(0.005)
 
 
 def test_prediction_adds_exposed_communication_to_one_device_s_step():
@@ -163,6 +179,9 @@ def test_a_real_plan_end_to_end(tiny_data, tmp_path, capsys):
         assert p["before_backward_s"] > 0 and p["backward_s"] > 0
         assert p["step_s"] >= p["before_backward_s"] + p["backward_s"] * 0.99
         assert len(p["step_times_s"]) >= 5
+        # Copies that ran at once measured what backward hides of an allreduce; one alone did not.
+        assert 0 <= p["overlap"] <= 1 and (p["copies"] > 1 or p["overlap"] == 1.0)
+    assert [p["copies"] for p in plan["profiles"]] == [1, 2]
     assert "2 devices" in stdout and "Assumptions" in stdout
 
 

@@ -7,9 +7,12 @@ one communicator run one at a time). What runs past the end of backward is expos
 
     step(k) = step(B/k on one device) + max(0, end of the last bucket's allreduce - end of backward)
 
-Only the exposed part costs time; the rest is hidden behind backward, as `GradSync` and DDP do.
-Assumptions (stated with every plan): ranks are equally fast; communication does not slow the
-computation down; one ring over all k devices runs at the speed of its slowest hop.
+Only the exposed part costs time; the rest is hidden behind backward, as `GradSync` and DDP do,
+but only as far as the devices let it: until backward ends, an allreduce progresses at
+`profile.overlap` times its idle speed (measured: on a CPU, gloo and the network stack share the
+cores backward is using; their cost to backward is in that number too), at full speed after.
+Assumptions (stated with every plan): ranks are equally fast; one ring over all k devices runs
+at the speed of its slowest hop.
 """
 
 from __future__ import annotations
@@ -22,19 +25,31 @@ from gpulab.plan.step import StepProfile
 ASSUMPTIONS = (
     "every device computes its B/k samples as fast as the one measured",
     "gradient buckets are all-reduced in order, each from the moment it is ready; only what runs past backward costs time",
-    "communication does not slow computation down",
+    "during backward, an allreduce progresses at the measured share of its idle speed (1 where not measured: one device per process, as NCCL on GPUs)",
     "one ring over all devices, as fast as its slowest hop (between machines when there are several)",
 )
 
 
-def bucket_schedule(ready_s: list[float], durations_s: list[float]) -> list[tuple[float, float]]:
-    """(start, end) of each bucket's allreduce, seconds after backward began."""
+def bucket_schedule(ready_s: list[float], durations_s: list[float], backward_s: float = 0.0,
+                    overlap: float = 1.0) -> list[tuple[float, float]]:
+    """(start, end) of each bucket's allreduce, seconds after backward began; `durations_s` on
+    idle devices, progressing at `overlap` times that speed until backward ends at `backward_s`."""
     schedule, free = [], 0.0
     for ready, duration in zip(ready_s, durations_s):
         start = max(ready, free)
-        free = start + duration
+        free = _finish(start, duration, backward_s, overlap)
         schedule.append((start, free))
     return schedule
+
+
+def _finish(start: float, work_s: float, backward_s: float, rate: float) -> float:
+    """When an allreduce of `work_s` (idle seconds) started at `start` ends."""
+    if start >= backward_s:
+        return start + work_s
+    during = rate * (backward_s - start)  # idle seconds' worth done before backward ends
+    if work_s <= during:
+        return start + work_s / rate
+    return backward_s + work_s - during
 
 
 def exposed_communication(profile: StepProfile, link: LinkCost, k: int) -> float:
@@ -42,7 +57,7 @@ def exposed_communication(profile: StepProfile, link: LinkCost, k: int) -> float
     if k <= 1 or not profile.bucket_bytes:
         return 0.0
     durations = [link.allreduce_s(nbytes, k) for nbytes in profile.bucket_bytes]
-    end = bucket_schedule(profile.bucket_ready_s, durations)[-1][1]
+    end = bucket_schedule(profile.bucket_ready_s, durations, profile.backward_s, profile.overlap)[-1][1]
     return max(0.0, end - profile.backward_s)
 
 

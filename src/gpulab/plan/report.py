@@ -79,6 +79,11 @@ def verdict(plan: Plan) -> list[str]:
 def assumptions(plan: Plan) -> list[str]:
     links = [f"{where} link: {link.source}, alpha {link.alpha_s * 1e6:,.1f} us per ring step, "
              f"{link.bandwidth_gbps:,.3g} GB/s" for where, link in plan.links.items()]
+    shares = sorted(p.overlap for p in plan.profiles if p.copies > 1)
+    if shares:
+        span = f"{shares[0]:.0%}" if shares[0] == shares[-1] else f"{shares[0]:.0%}-{shares[-1]:.0%}"
+        links.append(f"measured here: during backward an allreduce progresses at {span} of its idle speed "
+                     f"(ranks sharing this machine's cores)")
     return [*links, *ASSUMPTIONS]
 
 

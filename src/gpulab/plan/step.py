@@ -51,6 +51,10 @@ class StepProfile:
     step times include waiting for the slowest of them, as ranks do."""
     step_times_s: list[float]
     """Every timed step (of every copy): ranks wait for the slowest each step, so the spread counts."""
+    overlap: float = 1.0
+    """How much communication backward can hide, as a share of backward's length: 1 when an
+    allreduce runs as fast during backward as on idle devices. Measured when copies > 1 (on a CPU,
+    gloo and the network stack need the cores backward is using); else 1, as for NCCL on a GPU."""
 
     @property
     def gradient_bytes(self) -> int:
@@ -139,14 +143,23 @@ def _profile_main(spec: dict) -> None:
     model, buckets, device = strategy.replicas[0], strategy.buckets, strategy.devices[0]
     clock = _Clock(device)
     marks: dict = {}
+    probe: dict = {"buffer": None, "work": None}
 
-    model.register_forward_hook(lambda *_: marks.__setitem__("forward_end", clock.now()))
+    def forward_end(*_):
+        marks["forward_end"] = clock.now()
+        if probe["buffer"] is not None:  # the overlap probe: one allreduce in flight during backward
+            probe["work"] = torch.distributed.all_reduce(probe["buffer"], async_op=True)
+
+    model.register_forward_hook(forward_end)
 
     def grad_ready(index: int):
         def hook(_param):
             b = buckets.bucket_of[index]
             if buckets.pending[0][b] == 0:  # the strategy's own hook ran first and counted it
                 marks.setdefault("buckets", {})[b] = clock.now()
+                if probe["work"] is not None and len(marks["buckets"]) == buckets.num_buckets:
+                    probe["work"].wait()  # backward's end: as the optimizer waits for the gradients
+                    probe["work"] = None
         return hook
 
     for i, p in enumerate(buckets.params[0]):
@@ -160,28 +173,33 @@ def _profile_main(spec: dict) -> None:
             epoch += 1
 
     source = batches()
-    rows = []
     meter = Meter(device)
-    timed_from = None
-    for step in range(spec["warmup"] + MAX_STEPS):
-        if step == spec["warmup"]:
-            timed_from = time.perf_counter()
-        timed = step >= spec["warmup"]
+
+    def one_step(enough: bool = False):
+        """(step seconds, seconds before backward, each bucket's ready time), and whether every
+        copy has timed enough."""
         marks.clear()
         start = clock.now()
         X, y = next(source)
         strategy.set_lr(run.peak_lr)
         strategy.train_step(X, y, run.loss_fn, meter)
-        # Timed long enough once this step is counted? The end-of-step handshake tells whether
-        # every copy is (copies in step must stop together, or one would wait for the other).
-        enough = timed and len(rows) + 1 >= MIN_STEPS and time.perf_counter() - timed_from >= spec["seconds"]
         all_done = in_step(enough)
         end = clock.now()
-        if timed:
-            clock.settle()
-            forward_end = marks["forward_end"]
-            ready = [clock.seconds(forward_end, marks["buckets"][b]) for b in range(buckets.num_buckets)]
-            rows.append((clock.seconds(start, end), clock.seconds(start, forward_end), ready))
+        clock.settle()
+        forward_end = marks["forward_end"]
+        ready = [clock.seconds(forward_end, marks["buckets"][b]) for b in range(buckets.num_buckets)]
+        return (clock.seconds(start, end), clock.seconds(start, forward_end), ready), all_done
+
+    for _ in range(spec["warmup"]):
+        one_step()
+    rows = []
+    timed_from = time.perf_counter()
+    while len(rows) < MAX_STEPS:
+        # Timed long enough once this step is counted? The end-of-step handshake tells whether
+        # every copy is (copies in step must stop together, or one would wait for the other).
+        enough = len(rows) + 1 >= MIN_STEPS and time.perf_counter() - timed_from >= spec["seconds"]
+        row, all_done = one_step(enough)
+        rows.append(row)
         if all_done:
             break
     median = statistics.median
@@ -196,7 +214,55 @@ def _profile_main(spec: dict) -> None:
         bucket_ready_s=ready, device=str(device), threads=torch.get_num_threads(),
         step_times_s=[r[0] for r in rows], copies=spec["copies"],
     )
+    if spec["copies"] > 1:
+        profile.overlap = _measure_overlap(lambda: one_step()[0][0], probe, profile)
     atomic_write_json(Path(spec["out"]), profile.to_dict())
+
+
+PROBE_MIN_PAIRS = 4
+PROBE_MAX_PAIRS = 100
+PROBE_SECONDS = 1.0
+PROBE_MAX_BYTES = 512 * 2**20
+
+
+def _measure_overlap(step_s, probe: dict, profile: StepProfile) -> float:
+    """How much of an allreduce backward hides, as a share of backward's length, measured with the
+    copies' own steps: pairs of steps without and with one allreduce launched as backward begins
+    (and waited for as it ends, where the optimizer would wait), so that drift hits both alike.
+    The probe's time on idle copies minus what it added to the step is what backward hid.
+
+    The probe is sized to outlast backward on idle copies (up to PROBE_MAX_BYTES), so that the
+    hidden time is not capped by the probe's own length."""
+    import torch
+    import torch.distributed as dist
+
+    def idle_allreduce_s(buffer) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    per_byte = idle_allreduce_s(torch.zeros(profile.gradient_bytes // 4 + 1)) / profile.gradient_bytes
+    nbytes = torch.tensor([min(PROBE_MAX_BYTES, max(profile.gradient_bytes, 1.5 * profile.backward_s / per_byte))])
+    dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)  # every copy all-reduces the same size
+    buffer = torch.zeros(int(nbytes.item()) // 4)
+    idle_s = idle_allreduce_s(buffer)
+    added, started = [], time.perf_counter()
+    while True:
+        plain = step_s()
+        probe["buffer"] = buffer
+        added.append(step_s() - plain)
+        probe["buffer"] = None
+        # Copies stop together: they agree through the same 4-byte handshake as the steps.
+        enough = len(added) >= PROBE_MIN_PAIRS and time.perf_counter() - started >= PROBE_SECONDS
+        flag = torch.tensor([1.0 if enough or len(added) >= PROBE_MAX_PAIRS else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item():
+            break
+    exposed = max(0.0, statistics.median(added))
+    return min(1.0, max(0.0, (idle_s - exposed) / profile.backward_s))
 
 
 def _join_copies(spec: dict):
