@@ -143,12 +143,12 @@ def _profile_main(spec: dict) -> None:
     model, buckets, device = strategy.replicas[0], strategy.buckets, strategy.devices[0]
     clock = _Clock(device)
     marks: dict = {}
-    probe: dict = {"buffer": None, "work": None}
+    probe: dict = {"buffer": None, "work": None, "group": None}
 
     def forward_end(*_):
         marks["forward_end"] = clock.now()
         if probe["buffer"] is not None:  # the overlap probe: one allreduce in flight during backward
-            probe["work"] = torch.distributed.all_reduce(probe["buffer"], async_op=True)
+            probe["work"] = torch.distributed.all_reduce(probe["buffer"], group=probe["group"], async_op=True)
 
     model.register_forward_hook(forward_end)
 
@@ -219,9 +219,9 @@ def _profile_main(spec: dict) -> None:
     atomic_write_json(Path(spec["out"]), profile.to_dict())
 
 
-PROBE_MIN_PAIRS = 4
+PROBE_MIN_PAIRS = 6
 PROBE_MAX_PAIRS = 100
-PROBE_SECONDS = 1.0
+PROBE_SECONDS = 2.0
 PROBE_MAX_BYTES = 512 * 2**20
 
 
@@ -231,16 +231,19 @@ def _measure_overlap(step_s, probe: dict, profile: StepProfile) -> float:
     (and waited for as it ends, where the optimizer would wait), so that drift hits both alike.
     The probe's time on idle copies minus what it added to the step is what backward hid.
 
-    The probe is sized to outlast backward on idle copies (up to PROBE_MAX_BYTES), so that the
+    The probe is sized to outlast backward on idle copies where it can (up to PROBE_MAX_BYTES), so the
     hidden time is not capped by the probe's own length."""
     import torch
     import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")  # the probe's own communicator, apart from the handshakes
+    probe["group"] = group
 
     def idle_allreduce_s(buffer) -> float:
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            dist.all_reduce(buffer)
+            dist.all_reduce(buffer, group=group)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
