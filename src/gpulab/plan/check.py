@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpulab.errors import UserError
-from gpulab.plan.collective import Host, child_pythonpath, free_port, wait_all
+from gpulab.plan.collective import Host, child_pythonpath, rendezvous, wait_all
 
 
 CHECK_LR = 1e-3
@@ -59,7 +59,7 @@ def run_training(name: str, cfg: dict, data_dir: Path, workdir: Path, ranks_per_
     elif hosts is None:
         commands = [(gpulab + ["launch", "-n", str(ranks_per_host), "--", *args], env)]
     else:
-        master = f"{hosts[0].address}:{free_port() if hosts[0].address == '127.0.0.1' else 29500}"
+        master = "{}:{}".format(*rendezvous(hosts))
         commands = [
             ([*h.prefix, *gpulab, "launch", "-n", str(ranks_per_host), "--nnodes", str(len(hosts)), "--node-rank", str(r),
               "--master", master, "--", *args], {**env, **h.env})
@@ -135,7 +135,8 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
 
 def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_seconds: float, say) -> dict:
     """Profile, measure the link, run for real, profile again: the prediction is made from the
-    two profiles that bracket the run (this machine's speed drifts between them)."""
+    two profiles that bracket the run (this machine's speed drifts between them). On test hosts
+    all of it runs across their link."""
     from contextlib import nullcontext
 
     from gpulab.plan import collective, netns, step
@@ -145,13 +146,13 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
 
     batch = cfg["batch_size"]
 
-    def profile():
+    def profile(hosts):
         if s.devices == 1:
             return step.measure(cfg, batch, usable_cores(), seconds=profile_seconds)
-        return step.measure(cfg, batch // 2, max(1, usable_cores() // 2), seconds=profile_seconds, copies=2)
+        return step.measure(cfg, batch // 2, max(1, usable_cores() // 2), seconds=profile_seconds, copies=2, hosts=hosts)
 
-    before = profile()
     with netns.test_hosts(s.rate_mbit) if s.hosts else nullcontext(None) as hosts:
+        before = profile(hosts)  # on test hosts: the overlap probe crosses their link, as the run's buckets will
         link = None
         if s.devices > 1:
             sizes = collective.default_sizes(max(before.bucket_bytes))
@@ -162,7 +163,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
             hosts=hosts or ([collective.Host(), collective.Host()] if s.agents else None),
             threads=1 if (s.hosts or s.agents) else None,
         )
-    after = profile()
+        after = profile(hosts)
 
     def samples_per_s(link_cost) -> float:
         steps = [predict(p, link_cost, s.devices).step_s for p in (before, after)]

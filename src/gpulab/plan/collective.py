@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -78,14 +79,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous(hosts: list[Host]) -> tuple[str, int]:
+    """Where the first host's rank keeps the group's store: a free port on loopback; in a test
+    host (a namespace made for the measurement, nothing else listening there) a random one, so
+    that one closing does not hold up the next."""
+    if hosts[0].address == "127.0.0.1":
+        return hosts[0].address, free_port()
+    return hosts[0].address, random.randint(20000, 29000)
+
+
 def measure(k: int, sizes: list[int], backend: str = "gloo", hosts: list[Host] | None = None,
             timeout_s: float = 300.0) -> dict:
     """Median seconds of an allreduce of each size over k ranks: {'sizes', 'seconds', 'backend', 'k'}."""
     hosts = hosts or [Host() for _ in range(k)]
-    port = free_port() if hosts[0].address == "127.0.0.1" else 29400 + os.getpid() % 500
+    address, port = rendezvous(hosts)
     with tempfile.TemporaryDirectory(prefix="gpulab-plan-") as tmp:
         out = Path(tmp) / "collective.json"
-        spec = {"k": k, "sizes": sizes, "backend": backend, "addr": hosts[0].address, "port": port, "out": str(out)}
+        spec = {"k": k, "sizes": sizes, "backend": backend, "addr": address, "port": port, "out": str(out)}
         procs = []
         for rank, host in enumerate(hosts):
             cmd = [*host.prefix, sys.executable, "-m", "gpulab.plan.collective", json.dumps({**spec, "rank": rank})]

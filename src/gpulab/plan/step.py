@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpulab.errors import UserError
-from gpulab.plan.collective import child_pythonpath, free_port, wait_all
+from gpulab.plan.collective import Host, child_pythonpath, rendezvous, wait_all
 
 
 @dataclass
@@ -77,22 +77,24 @@ MAX_STEPS = 400
 
 
 def measure(cfg: dict, batch: int, threads: int, seconds: float = 3.0, warmup: int = 3, copies: int = 1,
-            timeout_s: float = 900.0) -> StepProfile:
+            hosts: list[Host] | None = None, timeout_s: float = 900.0) -> StepProfile:
     """Profile gpulab train's step (config fields in `cfg`) at `batch` samples per device: steps
     for about `seconds` after `warmup` steps (this machine's speed drifts by +-10% from one second
-    to the next; a few seconds of steps average that out)."""
+    to the next; a few seconds of steps average that out). Copy i runs on `hosts[i]` when given
+    (test hosts: their handshakes and overlap probe cross the link between them)."""
+    hosts = hosts or [Host() for _ in range(copies)]
+    address, port = rendezvous(hosts)
     with tempfile.TemporaryDirectory(prefix="gpulab-plan-") as tmp:
         procs, outs = [], []
-        port = free_port()
-        for i in range(copies):
+        for i, host in enumerate(hosts[:copies]):
             out = Path(tmp) / f"step-{i}.json"
             spec = {"cfg": cfg, "batch": batch, "threads": threads, "seconds": seconds, "warmup": warmup, "out": str(out),
-                    "copy": i, "copies": copies, "port": port}
-            env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+                    "copy": i, "copies": copies, "address": address, "port": port}
+            env = {**os.environ, "PYTHONPATH": child_pythonpath(), **host.env}
             if copies > 1:  # as gpulab launch sets it for its ranks; one process is left as gpulab train is
                 env["OMP_NUM_THREADS"] = str(threads)
-            procs.append(subprocess.Popen([sys.executable, "-m", "gpulab.plan.step", json.dumps(spec)], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            procs.append(subprocess.Popen([*host.prefix, sys.executable, "-m", "gpulab.plan.step", json.dumps(spec)],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
             outs.append(out)
         failed = wait_all(procs, timeout_s)
         if failed:
@@ -248,7 +250,9 @@ def _measure_overlap(step_s, probe: dict, profile: StepProfile) -> float:
         return statistics.median(times)
 
     per_byte = idle_allreduce_s(torch.zeros(profile.gradient_bytes // 4 + 1)) / profile.gradient_bytes
-    nbytes = torch.tensor([min(PROBE_MAX_BYTES, max(profile.gradient_bytes, 1.5 * profile.backward_s / per_byte))])
+    # float64 on every copy: the same dtype whichever bound wins (an int would make an int64 tensor)
+    nbytes = torch.tensor([min(PROBE_MAX_BYTES, max(profile.gradient_bytes, 1.5 * profile.backward_s / per_byte))],
+                          dtype=torch.float64)
     dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)  # every copy all-reduces the same size
     buffer = torch.zeros(int(nbytes.item()) // 4)
     idle_s = idle_allreduce_s(buffer)
@@ -277,7 +281,7 @@ def _join_copies(spec: dict):
     import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", spec["port"], spec["copies"], spec["copy"] == 0,
+    store = dist.TCPStore(spec["address"], spec["port"], spec["copies"], spec["copy"] == 0,
                           timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=spec["copy"], world_size=spec["copies"],
                             timeout=datetime.timedelta(seconds=300))
