@@ -22,13 +22,20 @@ test-all: setup data
 bench: setup data
 	$(VENV)/bin/gpulab bench all
 
-setup: $(VENV)/.installed
+# The stamp names the torch asked for, so `make TORCH=...` installs it into an existing venv too.
+INSTALLED = $(VENV)/.installed-$(shell printf '%s' '$(TORCH)' | md5sum | cut -c1-10)
 
-$(VENV)/.installed: pyproject.toml
+setup: $(INSTALLED)
+
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
+
+# torch first: installing gpulab before it would pull an unpinned torch.
+$(INSTALLED): $(VENV)/bin/python pyproject.toml
 	$(VENV)/bin/pip install -q "$(TORCH)"
 	$(VENV)/bin/pip install -q -e ".[dev,onnx]"
+	rm -f $(VENV)/.installed*
 	touch $@
 
 data: setup

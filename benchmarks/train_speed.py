@@ -8,18 +8,21 @@ gpulab: DeviceLoader (dataset resident on the device), nn.Module LeNet, DataPara
 metrics on the device, default (modern) recipe; on CPU by default channels_last and bf16
 autocast (where the CPU has native bf16). The two fp32 rows show what each setting adds.
 
-Both train one epoch (235 minibatches of 256) and are then evaluated on the test
-set. Prints samples/s, test accuracy and the ratio, and writes JSON next to the other results.
+Each contender trains one epoch (234 minibatches of 256) and is then evaluated on the test set;
+`--rounds` times, the contenders in turn each round, so that the machine's drift hits all alike.
+Prints each contender's samples/s, test accuracy and ratio to the textbook port (median over the
+rounds, [min .. max] of the per-round ratios); with `--out FILE` also writes every round as JSON
+(with the git commit it ran on).
 
-    PYTHONPATH=src python benchmarks/train_speed.py [--devices cpu] [--out FILE]
+    PYTHONPATH=src python benchmarks/train_speed.py [--devices cpu] [--rounds 3] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -28,7 +31,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from gpulab import data
+from gpulab.bench.environment import environment
 from gpulab.devices import describe, resolve
+from gpulab.io import atomic_write_json
 from gpulab.train import TrainConfig, build
 from gpulab.train.loop import evaluate, synchronize, train_epoch
 
@@ -110,32 +115,55 @@ def run_gpulab(devices: str, channels_last: str = "auto", precision: str = "auto
     return {"samples_per_s": epoch["samples_per_s"], "seconds": epoch["train_seconds"], "test_acc": evaluate(run)["test_acc"]}
 
 
+CONTENDERS = {
+    "textbook (DataLoader x4 workers, functional LeNet, manual SGD)": None,
+    "gpulab, fp32, channels_last off": ("off", "fp32"),
+    "gpulab, fp32, channels_last auto": ("auto", "fp32"),
+    "gpulab (default: channels_last auto, precision auto)": ("auto", "auto"),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", default="cpu")
-    parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--rounds", type=int, default=3, help="every contender once per round (default 3)")
+    parser.add_argument("--out", default=None, help="JSON file for the results (default: print only)")
     args = parser.parse_args()
 
     device = resolve(args.devices)[0]
     train_split, test_split = data.load()
-    steps = -(-len(train_split) // BATCH)  # one epoch, as gpulab's trainer runs it
-    rows = {
-        "textbook (DataLoader x4 workers, functional LeNet, manual SGD)": run_textbook(train_split, test_split, device, steps),
-        "gpulab, fp32, channels_last off": run_gpulab(args.devices, "off", "fp32"),
-        "gpulab, fp32, channels_last auto": run_gpulab(args.devices, "auto", "fp32"),
-        "gpulab (default: channels_last auto, precision auto)": run_gpulab(args.devices),
-    }
-    base = next(iter(rows.values()))["samples_per_s"]
-    print(f"{steps} steps of batch {BATCH} on {args.devices}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'contender':66} {'samples/s':>10} {'test acc':>9} {'vs textbook':>12}")
-    for name, r in rows.items():
-        r["ratio_vs_textbook"] = r["samples_per_s"] / base
-        print(f"{name:66} {r['samples_per_s']:>10,.0f} {r['test_acc']:>9.3f} {r['ratio_vs_textbook']:>11.2f}x")
+    steps = len(train_split) // BATCH  # one epoch, as gpulab's trainer runs it (the short last batch left out)
+    rounds = []
+    for r in range(args.rounds):
+        row = {}
+        for name, settings in CONTENDERS.items():
+            row[name] = (run_textbook(train_split, test_split, device, steps) if settings is None
+                         else run_gpulab(args.devices, *settings))
+        base = row[next(iter(CONTENDERS))]["samples_per_s"]
+        for result in row.values():
+            result["ratio_vs_textbook"] = result["samples_per_s"] / base
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{v['ratio_vs_textbook']:.2f}x" for v in row.values()))
+        rounds.append(row)
+
+    median = statistics.median
+    summary = {}
+    print(f"{steps} steps of batch {BATCH} on {args.devices}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds")
+    print(f"{'contender':66} {'samples/s':>10} {'test acc':>9} {'vs textbook [min .. max]':>26}")
+    for name in CONTENDERS:
+        ratios = [row[name]["ratio_vs_textbook"] for row in rounds]
+        summary[name] = {"samples_per_s": median(row[name]["samples_per_s"] for row in rounds),
+                         "test_acc": median(row[name]["test_acc"] for row in rounds),
+                         "ratio_vs_textbook": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        s = summary[name]
+        print(f"{name:66} {s['samples_per_s']:>10,.0f} {s['test_acc']:>9.3f} "
+              f"{s['ratio_vs_textbook']:>8.2f}x [{s['ratio_min']:.2f} .. {s['ratio_max']:.2f}]")
     if args.out:
         env = describe()
         result = {
             "benchmark": "train_speed",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "git_commit": environment()["git_commit"],
             "devices": args.devices,
             "steps": steps,
             "batch_size": BATCH,
@@ -144,10 +172,10 @@ def main() -> None:
             "cpu": env["cpu"]["model"],
             "gpus": [g["name"] for g in env["gpus"]],
             "machine": platform.machine(),
-            "rows": rows,
+            "rows": summary,
+            "rounds": rounds,
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(args.out), result)
 
 
 if __name__ == "__main__":

@@ -150,8 +150,8 @@ def test_resume_of_a_dir_that_is_not_a_run(tiny_data, tmp_path, capsys, exists):
 
 def test_resume_with_other_options(tiny_data, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code, _, err = run(["train", "--resume", str(run_dir), "--epochs", "5", "--sync-bn"], capsys)
-    assert_one_line_error(code, err, "drop --epochs, --sync-bn")
+    code, _, err = run(["train", "--resume", str(run_dir), "--lr", "5", "--sync-bn"], capsys)
+    assert_one_line_error(code, err, "drop --lr, --sync-bn")
     assert not run_dir.exists()
 
 
@@ -179,12 +179,16 @@ def test_sync_bn_on_a_model_without_batchnorm_says_so(tiny_data, tmp_path, capsy
     assert "--sync-bn has no effect here: this model has no BatchNorm layers" in stdout
 
 
-def test_train_then_resume(tiny_data, tmp_path, capsys):
+def test_train_then_resume_with_more_epochs(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     assert run([*TRAIN, "--out", str(out)], capsys)[0] == 0
     code, stdout, _ = run(["train", "--resume", str(out)], capsys)
-    assert code == 0
-    assert "test acc:" in stdout
+    assert code == 0 and "is complete: 1 of 1 epochs trained" in stdout
+    code, stdout, err = run(["train", "--resume", str(out), "--epochs", "2"], capsys)
+    assert code == 0, err
+    assert "extending from epoch 1 to 2: the learning rate follows a 2-epoch onecycle schedule" in stdout
+    assert "epoch  2/2" in stdout and "test acc:" in stdout
+    assert [r["epoch"] for r in json.loads((out / "metrics.json").read_text())] == [1, 2]
 
 
 def test_devices(capsys):

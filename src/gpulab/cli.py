@@ -171,7 +171,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--profile", action="store_const", const=True, default=None, help="sample utilisation and write a timeline, report and trace to <run dir>/profile/")
     p.add_argument(
         "--resume", metavar="RUN_DIR", default=None,
-        help="continue a run from its last checkpoint, with its saved options (only --data-dir may be given: where its data is now)",
+        help="continue a run from its last checkpoint, with its saved options; only --data-dir (where its data is now) "
+        "and --epochs (a new total, to train a finished run further) may be given",
     )
     p.add_argument(
         "--check-parity", action="store_true",
@@ -194,12 +195,12 @@ def run_train(args) -> int:
 
     given = {f: getattr(args, f) for f in _TRAIN_FIELDS if getattr(args, f) is not None}
     if args.resume:
-        others = [f for f in given if f != "data_dir"]  # --data-dir: where the run's data is now
+        others = [f for f in given if f not in ("data_dir", "epochs")]  # where the data is now; a new total
         if others:  # every rank of a torchrun job reads the same options: rank 0 says it
             raise SharedError(
                 f"--resume continues a run with its saved config; drop {', '.join('--' + f.replace('_', '-') for f in others)}"
             )
-        train(resume=args.resume, data_dir=given.get("data_dir"))
+        train(resume=args.resume, data_dir=given.get("data_dir"), epochs=given.get("epochs"))
         return 0
     try:
         cfg = TrainConfig(**given)

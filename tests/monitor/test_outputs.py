@@ -65,3 +65,52 @@ def test_gpu_run_outputs_render(tmp_path):
 def test_time_origin_is_the_earliest_clock_reading():
     assert timeline.time_origin([recording()], samples()) == 10.0
     assert trace.build([recording()], [], [], 10.0)["traceEvents"][0]["ph"] == "M"
+
+
+def cpu_recording(steps: int = 1000, start_up_s: float = 5.0) -> Recording:
+    """A CPU run: a long start-up, then many short steps with a 2% data wait and some .to() time."""
+    records = [{"type": "start", "t": 0.0, "pid": 7, "command": ["train.py"], "torch": "2.x", "torch_cuda_build": None,
+                "cpu_count": 2, "torch_threads": 2}]
+    t = start_up_s
+    for i in range(steps):
+        records.append({"type": "step", "i": i, "t0": t, "t1": t + 0.01, "profiled": False,
+                        "excl": {"data_wait": 0.0002, "h2d": 0.0005, "compute": 0.009, "other": 0.0003},
+                        "counts": {}, "data": [[t, t + 0.0002]], "spans": []})
+        t += 0.01
+    records.append({"type": "end", "t": t, "exit_code": 0, "error": None, "cuda": {"available": False}})
+    return Recording(records)
+
+
+def cpu_samples(until: float) -> list[dict]:
+    proc = {"cpu_pct": 190.0, "rss_mib": 500.0, "threads": 4, "workers": 0, "workers_cpu_pct": 0.0, "workers_rss_mib": 0.0}
+    return [{"t": 0.25 * k, "gpus": [], "proc": proc} for k in range(int(until / 0.25))]
+
+
+def test_a_cpu_timeline_a_person_can_read():
+    rec = cpu_recording()
+    report = build_report(rec, cpu_samples(15.0), [], {"interval_s": 0.25}, ProfileConfig(), exit_code=0)
+    fig = timeline.figure([rec], cpu_samples(15.0), [], report, "train.py")
+    fig.canvas.draw()
+    steps_ax = fig.axes[0]
+    labels = steps_ax.get_legend_handles_labels()[1]
+    assert "compute" in labels and "data wait" in labels
+    assert not any("host-to-device" in label for label in labels)  # no such thing without a GPU
+    for ax in fig.axes:  # legends beside the data, never on it
+        legend = ax.get_legend()
+        if legend is not None:
+            assert legend.get_window_extent().x0 >= ax.get_window_extent().x1
+    # The 5 s start-up is said, not drawn: the axis starts just before the first step.
+    assert 4.5 < steps_ax.get_xlim()[0] < 5.0
+    assert any("start-up" in t.get_text() and "5.0 s" in t.get_text() for t in fig.texts)
+    # 1000 data waits become one strip of binned shades at the bottom of each row, not 1000 spans.
+    strip = [c for c in fig.axes[1].collections if "waiting for data" in str(c.get_label())]
+    assert len(strip) == 1 and len(strip[0].get_paths()) <= timeline.STRIP_BINS
+
+
+def test_a_gpu_timeline_names_host_to_device_copies():
+    rec = cpu_recording(steps=50, start_up_s=0.01)
+    gpu_samples = [{**s, "gpus": [{"kernel_active_pct": 40.0, "memory_used_mib": 1024.0}]} for s in cpu_samples(1.0)]
+    report = build_report(rec, gpu_samples, [GPU], {"interval_s": 0.25}, ProfileConfig(), exit_code=0)
+    fig = timeline.figure([rec], gpu_samples, [GPU], report, "train.py")
+    assert "host-to-device copy" in fig.axes[0].get_legend_handles_labels()[1]
+    assert fig.axes[0].get_xlim()[0] == 0  # a short start-up is drawn

@@ -340,8 +340,8 @@ def test_a_relative_data_dir_is_stored_absolute_and_resume_may_move_it(tiny_data
 
 
 def test_resume_still_refuses_other_options(tiny_data, tmp_path, capsys):
-    code, _, err = run_cli(["train", "--resume", str(tmp_path / "run"), "--data-dir", "x", "--epochs", "3"], capsys)
-    assert_one_line_error(code, err, "drop --epochs")
+    code, _, err = run_cli(["train", "--resume", str(tmp_path / "run"), "--data-dir", "x", "--batch-size", "3"], capsys)
+    assert_one_line_error(code, err, "drop --batch-size")
     assert "--data-dir" not in err.split("drop")[1]
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from gpulab.errors import UserError
 from gpulab.train import RECIPES, TrainConfig, train
@@ -142,13 +143,36 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_data, tmp_path, d
     assert deterministic(metrics(crashed)) == deterministic(metrics(whole))
 
 
-def test_resume_of_a_finished_run_trains_nothing(tiny_data, tmp_path):
+def test_resume_of_a_finished_run_trains_nothing_and_says_so(tiny_data, tmp_path):
     out = tmp_path / "run"
     train(config(out, epochs=1))
     before = (out / CHECKPOINT).read_bytes()
-    final = train(resume=str(out))
+    console = Console(record=True, width=200)
+    final = train(resume=str(out), console=console)
     assert final["epoch"] == 1
     assert (out / CHECKPOINT).read_bytes() == before
+    said = console.export_text()
+    assert f"{out} is complete: 1 of 1 epochs trained" in said and "--epochs N" in said
+
+
+def test_a_finished_run_extended_with_more_epochs_equals_the_longer_run(tiny_data, tmp_path):
+    # A constant learning rate (the textbook recipe): 1 epoch, then 2 more, is a 3-epoch run.
+    whole, extended = tmp_path / "whole", tmp_path / "extended"
+    train(config(whole, epochs=3, recipe="textbook"))
+    train(config(extended, epochs=1, recipe="textbook"))
+    final = train(resume=str(extended), epochs=3)
+    assert final["epoch"] == 3
+    assert_same_weights(whole, extended)
+    assert deterministic(metrics(extended)) == deterministic(metrics(whole))
+    assert json.loads((extended / "config.json").read_text())["epochs"] == 3
+
+
+def test_extending_a_run_to_fewer_epochs_than_it_has_is_refused(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    train(config(out, epochs=2))
+    with pytest.raises(UserError, match="--epochs 1: .* has already trained 2 epochs; give a total of 2 or more"):
+        train(resume=str(out), epochs=1)
+    assert json.loads((out / "config.json").read_text())["epochs"] == 2
 
 
 def test_resume_without_checkpoint(tiny_data, tmp_path):

@@ -220,12 +220,19 @@ def plot(result: Result):
             if sel:
                 ax.plot([r["k"] for r in sel], [r["samples_per_s"] for r in sel], style, ms=4, label=f"measured, {mode}")
         ideal = [r for r in rows if r["model"] == model and r["k"] == 1 and r["mode"] == "per-device batch"]
+        # Virtual CPU replicas (cpu*k) share the same cores: the best they can do is k=1's rate.
+        virtual = all(r["devices"].startswith("cpu") for r in rows if r["model"] == model)
         if ideal:
             ks = sorted({r["k"] for r in rows if r["model"] == model})
-            ax.plot(ks, [ideal[0]["samples_per_s"] * k for k in ks], ":", color="grey", label="ideal (linear)")
-        ax.set_xlabel("devices k")
+            one = ideal[0]["samples_per_s"]
+            if virtual:
+                ax.plot(ks, [one for _ in ks], ":", color="grey", label="best possible on shared cores (k=1's rate)")
+            else:
+                ax.plot(ks, [one * k for k in ks], ":", color="grey", label="ideal (linear)")
+        ax.set_xlabel("virtual CPU replicas k (cpu*k, one set of cores)" if virtual else "devices k")
         ax.set_ylabel("samples/s")
-        ax.set_title(f"{model}: data-parallel throughput")
+        ax.set_title(f"{model}: data-parallel throughput" + ("\non virtual replicas: correctness and overhead, not speed-up" if virtual else ""),
+                     fontsize=9)
         ax.grid(alpha=0.3)
         if rows:
             ax.set_xticks(sorted({r["k"] for r in rows}))

@@ -185,28 +185,35 @@ def summarize(host_rows: list[dict], same_rows: list[dict]) -> dict:
 
 
 def plot(result: Result):
-    fig, (ax_host, ax_same) = figure(ncols=2, width=5.5)
     rows = result.tables["host_device"].rows if "host_device" in result.tables else []
+    if not rows:  # no GPU: one panel, and the title says why the other is missing
+        fig, (ax_same,) = figure(ncols=1, width=6)
+        _plot_same_device(ax_same, result)
+        skipped = "; ".join(s["why"] for s in result.skipped) or "no GPU"
+        ax_same.set_title(f"same device: copy_to vs place\n(no host <-> GPU copies measured: {skipped})", fontsize=8, wrap=True)
+        fig.tight_layout()
+        return fig
+    fig, (ax_host, ax_same) = figure(ncols=2, width=5.5)
     styles = {"host->device": "-", "device->host": "--"}
     markers = {("pageable", False): "o", ("pageable", True): "x", ("pinned", False): "s", ("pinned", True): "^"}
     for key in dict.fromkeys((r["device"], r["direction"], r["memory"], r["non_blocking"]) for r in rows):
         sel = [r for r in rows if (r["device"], r["direction"], r["memory"], r["non_blocking"]) == key]
         label = f"{key[0]} {key[1]} {key[2]}{' nb' if key[3] else ''}"
         ax_host.plot([r["bytes"] for r in sel], [r["gbps"] for r in sel], styles[key[1]], marker=markers[key[2:]], ms=3, label=label)
-    if rows:
-        ax_host.set_xscale("log", base=2)
-        ax_host.set_yscale("log")
-        ax_host.legend(fontsize=6)
-    else:
-        skipped = "; ".join(s["why"] for s in result.skipped) or "no GPU"
-        ax_host.text(0.5, 0.5, f"no host<->GPU rows:\n{skipped}", ha="center", va="center", fontsize=8, wrap=True)
-        ax_host.set_xticks([])
-        ax_host.set_yticks([])
+    ax_host.set_xscale("log", base=2)
+    ax_host.set_yscale("log")
+    ax_host.legend(fontsize=6)
     ax_host.set_xlabel("bytes per copy")
     ax_host.set_ylabel("GB/s")
     ax_host.set_title("host <-> device bandwidth")
     ax_host.grid(alpha=0.3, which="both")
+    _plot_same_device(ax_same, result)
+    ax_same.set_title("same device: copy_to vs place")
+    fig.tight_layout()
+    return fig
 
+
+def _plot_same_device(ax_same, result: Result) -> None:
     same = result.tables["same_device"].rows if "same_device" in result.tables else []
     for device in dict.fromkeys(r["device"] for r in same):
         sel = [r for r in same if r["device"] == device]
@@ -218,7 +225,4 @@ def plot(result: Result):
         ax_same.legend(fontsize=7)
     ax_same.set_xlabel("bytes")
     ax_same.set_ylabel("seconds per call")
-    ax_same.set_title("same device: copy_to vs place")
     ax_same.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    return fig

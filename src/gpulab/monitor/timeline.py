@@ -5,7 +5,11 @@ Four rows sharing the time axis, readable at a glance:
   device   GPU: NVML kernel-active % (and GPM SM-active % on Hopper+); CPU run: compute % of each step
   memory   GPU memory used, and the process's resident memory (with DataLoader workers)
   CPU      the training process and its workers (100 % = one core)
-Data-wait spans are shaded orange on every row; thin lines mark step boundaries when few enough.
+Waiting for data is a strip along the bottom of every row, darker where more of that moment
+was spent waiting (readable at 10 steps or 10,000); thin lines mark step boundaries when few
+enough. Legends sit right of the plots, never on the data, and name only what occurred. The
+script's start-up (imports, data loading) is left off the time axis and said in words, so that a
+short script's training is not squeezed into its last tenth.
 """
 
 from __future__ import annotations
@@ -36,17 +40,24 @@ _MAX_STEP_LINES = 300
 
 
 def render(lanes: list[Recording], samples: list[dict], gpus: list[dict], report: dict, title: str) -> bytes:
+    buf = io.BytesIO()
+    figure(lanes, samples, gpus, report, title).savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def figure(lanes: list[Recording], samples: list[dict], gpus: list[dict], report: dict, title: str) -> Figure:
     """The first lane is the diagnosed process; every lane gets a row of steps."""
     rec = lanes[0]
     origin = time_origin(lanes, samples)
-    fig = Figure(figsize=(11, 8.5), dpi=110)
+    fig = Figure(figsize=(12.5, 8.5), dpi=110)
     axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [0.8 * min(len(lanes), 4), 2, 1.5, 1.5]})
     ax_steps, ax_device, ax_memory, ax_cpu = axes
     steps = rec.steps + ([rec.tail] if rec.tail else [])
+    on_gpu = bool(gpus and any(s["gpus"] for s in samples))
 
     names = [f"rank {r.rank}" if r.rank is not None else f"pid {r.pid}" for r in lanes]
-    _plot_steps(ax_steps, [steps] + [r.steps for r in lanes[1:]], names, origin)
-    if gpus and any(s["gpus"] for s in samples):
+    _plot_steps(ax_steps, [steps] + [r.steps for r in lanes[1:]], names, origin, on_gpu)
+    if on_gpu:
         _plot_gpu_activity(ax_device, samples, gpus, origin)
     else:
         _plot_cpu_compute(ax_device, rec.steps, origin)
@@ -55,22 +66,59 @@ def render(lanes: list[Recording], samples: list[dict], gpus: list[dict], report
 
     spans = [(a - origin, b - a) for s in steps for a, b in s.get("data", [])]
     for ax in axes[1:]:
-        if spans:
-            ax.broken_barh(spans, (0, 1), transform=ax.get_xaxis_transform(), facecolors=COLORS["data_wait"],
-                           alpha=0.22, linewidth=0, label="waiting for data")
+        _data_wait_strip(ax, spans)
         if len(rec.steps) <= _MAX_STEP_LINES:
             ax.vlines([s["t1"] - origin for s in rec.steps], 0, 1, transform=ax.get_xaxis_transform(),
                       colors="k", linewidth=0.4, alpha=0.25)
         ax.grid(alpha=0.25)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
+            ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
     ax_cpu.set_xlabel("seconds since the script started")
-    ax_cpu.set_xlim(left=0)
+    _leave_out_start_up(ax_cpu, rec, steps, origin)
     fig.suptitle(_headline(report, title), fontsize=10)
-    fig.subplots_adjust(left=0.08, right=0.98, top=0.93, bottom=0.06, hspace=0.12)  # tight_layout: +0.25 s
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    fig.subplots_adjust(left=0.07, right=0.78, top=0.93, bottom=0.06, hspace=0.12)  # tight_layout: +0.25 s
+    return fig
+
+
+STRIP = 0.06
+"""Height of the data-wait strip, as a share of each row."""
+STRIP_BINS = 240
+
+
+def _data_wait_strip(ax, spans: list[tuple[float, float]]) -> None:
+    """Time spent waiting for data, binned along the axis: each bin's shade is the share of it
+    spent waiting (a few long waits and thousands of short ones read alike)."""
+    if not spans:
+        return
+    lo, hi = min(a for a, _ in spans), max(a + w for a, w in spans)
+    width = max(hi - lo, 1e-9) / STRIP_BINS
+    share = [0.0] * STRIP_BINS
+    for a, w in spans:
+        first, last = int((a - lo) / width), min(STRIP_BINS - 1, int((a + w - lo) / width))
+        for b in range(first, last + 1):
+            overlap = min(a + w, lo + (b + 1) * width) - max(a, lo + b * width)
+            share[b] += max(0.0, overlap) / width
+    bins = [(lo + b * width, width) for b in range(STRIP_BINS) if share[b] > 0]
+    from matplotlib.colors import to_rgba
+
+    colors = [to_rgba(COLORS["data_wait"], 0.25 + 0.75 * min(1.0, share[b])) for b in range(STRIP_BINS) if share[b] > 0]
+    ax.broken_barh(bins, (0, STRIP), transform=ax.get_xaxis_transform(), facecolors=colors, linewidth=0,
+                   label="waiting for data (darker: more of the time)")
+
+
+def _leave_out_start_up(ax, rec: Recording, steps: list[dict], origin: float) -> None:
+    """Start the time axis shortly before the first step; say how long the start-up took."""
+    if not rec.steps:
+        ax.set_xlim(left=0)
+        return
+    first, last = rec.steps[0]["t0"] - origin, steps[-1]["t1"] - origin
+    margin = 0.03 * max(last - first, 1e-3)
+    if first <= 4 * margin:  # a start-up too short to matter: show it
+        ax.set_xlim(left=0)
+        return
+    ax.set_xlim(left=first - margin)
+    ax.figure.text(0.07, 0.015, f"start-up (imports, data, model) before the first step: {first:.1f} s, not drawn",
+                   fontsize=8, ha="left")
 
 
 def time_origin(lanes: list[Recording], samples: list[dict]) -> float:
@@ -92,15 +140,19 @@ def _headline(report: dict, title: str) -> str:
     return line
 
 
-def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float) -> None:
+def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float, on_gpu: bool) -> None:
     """Each step as a bar from its start, split into its phases in a fixed order; one row per
-    training process (the ranks of a torchrun job: a straggler's row looks different)."""
+    training process (the ranks of a torchrun job: a straggler's row looks different). Without a
+    GPU there is no host-to-device copy: a `.to()` on the CPU is Python time ("other")."""
     for row, steps in enumerate(reversed(lanes)):
         bars: dict[str, list[tuple[float, float]]] = {c: [] for c in COLORS}
         for s in steps:
             x = s["t0"] - origin
+            excl = dict(s["excl"])
+            if not on_gpu:
+                excl["other"] = excl.get("other", 0.0) + excl.pop("h2d", 0.0)
             for category in COLORS:
-                width = s["excl"].get(category, 0.0)
+                width = excl.get(category, 0.0)
                 if width > 0:
                     bars[category].append((x, width))
                     x += width
@@ -115,7 +167,7 @@ def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float) ->
     ax.set_ylabel("steps", fontsize=8)
     ax.set_ylim(0, len(lanes))
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, 1.55), ncol=5, fontsize=7, frameon=False)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
 
 
 def _plot_gpu_activity(ax, samples: list[dict], gpus: list[dict], origin: float) -> None:

@@ -567,6 +567,14 @@ def load_weights(run: Run, checkpoint: dict, run_dir: RunDir) -> None:
         ) from None
 
 
+def new_total_epochs(epochs: int, done: int, saved: int | None, run_dir: RunDir) -> int:
+    """--resume with --epochs: a total no smaller than what the run has trained."""
+    if epochs < done:
+        raise UserError(f"--epochs {epochs}: {run_dir.path} has already trained {done} epochs; "
+                        f"give a total of {done} or more (it was {saved})")
+    return epochs
+
+
 def check_resumable(cfg: TrainConfig, history: list[dict], replicas: int) -> None:
     """Another number of replicas computes the same global batches, except with --scale-batch,
     where the batch, the learning rate and the warm-up follow the replica count."""
@@ -597,9 +605,11 @@ def train(
     loss_fn=None,
     optimizer=None,
     data_dir: str | None = None,
+    epochs: int | None = None,
 ) -> dict:
     """Train as configured, or continue the run in directory `resume` with its saved config
-    (`data_dir`: where its data is now, when it moved; it replaces the saved one).
+    (`data_dir`: where its data is now, when it moved; `epochs`: a new total, to train on after
+    the saved run's end; each replaces the saved value).
 
     Under torchrun (WORLD_SIZE > 1) this is one rank of the job: only rank 0 prints and writes.
     `train_data`/`test_data` (a Dataset or DataLoader each) replace Fashion-MNIST; `model` (an
@@ -611,14 +621,15 @@ def train(
     own = {"model": model, "loss_fn": loss_fn, "optimizer": optimizer}
     try:
         with claims():  # the run directory is this run's until it ends, however it ends
-            return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data, own, data_dir)
+            return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data, own, data_dir, epochs)
     except (PeerLost, Terminated) as e:  # before training began (the loop reports its own)
         raise world.failure(e, "set-up", "Nothing was trained yet") from None
     finally:
         world.close()
 
 
-def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_data, own: dict, data_dir=None) -> dict:
+def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_data, own: dict, data_dir=None,
+           epochs=None) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
     if not world.is_main:
         console = Console(quiet=True)
@@ -633,6 +644,8 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
             checkpoint = run_dir.load_checkpoint()
             if data_dir is not None:
                 config["data_dir"] = data_dir  # the data moved (made absolute by TrainConfig)
+            if epochs is not None:
+                config["epochs"] = new_total_epochs(epochs, checkpoint["epoch"], config.get("epochs"), run_dir)
             return config
 
         # Validated on rank 0 (a damaged config.json is said once); the others get the checked dict.
@@ -658,8 +671,8 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
         load_weights(run, checkpoint, run_dir)
         if world.is_main:
             try:
-                if data_dir is not None:
-                    run_dir.write_config(run.cfg.to_dict())  # later resumes find the data where it is now
+                if data_dir is not None or epochs is not None:
+                    run_dir.write_config(run.cfg.to_dict())  # later resumes find the data, and the new total
                 if history and run_dir.metrics_epochs() != [r["epoch"] for r in history]:
                     run_dir.write_metrics(history)  # a disk that filled up after the last checkpoint
             except OSError as e:
@@ -670,7 +683,16 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
         # a default name made unique), then config.json with what build() learnt (input shape).
         run_dir.path = Path(world.share("run-dir-claimed", lambda: run_dir.start(run.cfg.to_dict())))
 
+    if resume and start_epoch >= cfg.epochs:
+        console.print(escape(f"{run_dir.path} is complete: {start_epoch} of {cfg.epochs} epochs trained; to train "
+                             f"it further, give a new total: gpulab train --resume {run_dir.path} --epochs N"))
+        return history[-1]
     console.print(escape(banner(run, run_dir)))
+    if epochs is not None and run.schedule_lr:
+        steps = len(run.train_loader)
+        lr = lr_at(start_epoch * steps, cfg.epochs * steps, run.peak_lr, cfg.recipe_spec, run.warmup_steps)
+        console.print(escape(f"extending from epoch {start_epoch} to {cfg.epochs}: the learning rate follows a "
+                             f"{cfg.epochs}-epoch {cfg.recipe_spec.schedule} schedule from here (lr {lr:.3g} now)"))
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         console=console, transient=True, disable=not world.is_main,
@@ -700,6 +722,6 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
 
     final = history[-1]
     sec_per_epoch = sum(r["train_seconds"] for r in history) / len(history)
-    result = f"test acc: {final['test_acc']:.2f}" if final["test_acc"] is not None else f"test loss: {final['test_loss']:.4g}"
+    result = f"test acc: {final['test_acc']:.3f}" if final["test_acc"] is not None else f"test loss: {final['test_loss']:.4g}"
     console.print(escape(f"{result}, {sec_per_epoch:.1f} sec/epoch on {placement(run)}"))
     return final

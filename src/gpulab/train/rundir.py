@@ -266,25 +266,45 @@ class RunDir:
             return None
 
     def _plot_curves(self, history: list[dict]) -> None:
+        """Loss and accuracy by epoch, each on its own axes, every epoch a marker (so that a
+        1-epoch run shows its point), titled with the run."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         epochs = [r["epoch"] for r in history]
-        fig, ax = plt.subplots(figsize=(5.5, 3.5), dpi=120)
-        ax.plot(epochs, [r["train_loss"] for r in history], label="train loss")
-        ax.plot(epochs, [r["train_acc"] for r in history], "--", label="train acc")
-        ax.plot(epochs, [r["test_acc"] for r in history], "-.", label="test acc")
-        ax.set_xlabel("epoch")
-        ax.set_xlim(1, max(epochs[-1], 2))
-        ax.grid(alpha=0.3)
-        ax.legend()
+        classifier = history[-1].get("train_acc") is not None
+        fig, axes = plt.subplots(1, 2 if classifier else 1, figsize=(9 if classifier else 5.5, 3.6), dpi=120,
+                                 squeeze=False)
+        panels = [(axes[0][0], "loss", [("train_loss", "train"), ("test_loss", "test")])]
+        if classifier:
+            panels.append((axes[0][1], "accuracy", [("train_acc", "train"), ("test_acc", "test")]))
+        for ax, name, series in panels:
+            for key, label in series:
+                values = [r.get(key) for r in history]
+                if any(v is not None for v in values):
+                    ax.plot(epochs, values, "o-" if label == "train" else "s--", label=label)
+            ax.set_xlabel("epoch")
+            ax.set_ylabel(name)
+            ax.set_xlim(0.5, max(epochs[-1], 2) + 0.5)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle(self._title())
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         plt.close(fig)
         atomic_write_bytes(self.path / "curves.png", buf.getvalue())
+
+    def _title(self) -> str:
+        """The run's folder, with its model and devices when config.json says them."""
+        try:
+            config = json.loads((self.path / "config.json").read_text())
+            return f"{self.path.name}: {config['model']} on {config['devices']}"
+        except (OSError, ValueError, TypeError, KeyError):
+            return self.path.name
 
     def save_checkpoint(self, state: dict) -> None:
         buf = io.BytesIO()
