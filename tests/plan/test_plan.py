@@ -13,7 +13,7 @@ import pytest
 
 from gpulab.plan import collective, netns
 from gpulab.plan.links import LINKS, LinkCost, parse_link
-from gpulab.plan.predict import bucket_schedule, exposed_communication, predict
+from gpulab.plan.predict import bucket_schedule, exposed_communication, fit_overlap, predict
 from gpulab.plan.step import StepProfile
 from tests.conftest import assert_one_line_error, run_cli
 
@@ -100,6 +100,22 @@ def test_communication_during_backward_goes_at_the_measured_share_of_its_speed()
     half = profile([10, 20, 30], [5_000_000] * 3, overlap=0.5)
     # Half speed: the first takes 10-20 ms, the second 20-30 ms, the third (after backward) 30-35 ms.
     assert exposed_communication(half, link, 2) == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize("share", [0.05, 0.13, 0.37, 0.8, 1.0])
+def test_the_overlap_fit_recovers_the_share_that_made_the_exposed_time(share):
+    # Written out by hand: a 0.5 ms bucket at 5 ms (done by 15 ms at any share >= 0.05), a 100 ms
+    # one ready at 20 ms of a 60 ms backward (40 ms at `share` of full speed done by its end,
+    # the rest after), then a 30 ms one ready at the end.
+    ready, durations, backward = [0.005, 0.020, 0.060], [0.0005, 0.100, 0.030], 0.060
+    exposed = (0.100 - share * 0.040) + 0.030
+    assert fit_overlap(ready, durations, backward, exposed) == pytest.approx(share, abs=1e-6)
+
+
+def test_the_overlap_fit_stays_between_none_and_full():
+    ready, durations, backward = [0.01], [0.05], 0.03
+    assert fit_overlap(ready, durations, backward, 1.0) == 0.0  # more than no overlap at all exposes
+    assert fit_overlap(ready, durations, backward, 0.0) == 1.0  # less than full speed exposes
 
 
 def test_prediction_adds_exposed_communication_to_one_device_s_step():

@@ -152,7 +152,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
         return step.measure(cfg, batch // 2, max(1, usable_cores() // 2), seconds=profile_seconds, copies=2, hosts=hosts)
 
     with netns.test_hosts(s.rate_mbit) if s.hosts else nullcontext(None) as hosts:
-        before = profile(hosts)  # on test hosts: the overlap probe crosses their link, as the run's buckets will
+        before = profile(hosts)  # on test hosts the profile's gradient exchange crosses their link, as the run's
         link = None
         if s.devices > 1:
             sizes = collective.default_sizes(max(before.bucket_bytes))
@@ -177,7 +177,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
         "ideal": batch / ((before.step_s + after.step_s) / 2),
         "exposed_s": predict(before, link, s.devices).exposed_s,
         "link": link.__dict__ if link else None, "nominal_predicted": nominal, "command": measured.command,
-        "profile_step_s": [before.step_s, after.step_s],
+        "profile_step_s": [before.step_s, after.step_s], "overlap": [before.overlap, after.overlap],
     }
 
 

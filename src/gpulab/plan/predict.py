@@ -52,6 +52,25 @@ def _finish(start: float, work_s: float, backward_s: float, rate: float) -> floa
     return backward_s + work_s - during
 
 
+def fit_overlap(ready_s: list[float], durations_s: list[float], backward_s: float, exposed_s: float) -> float:
+    """The share of its idle speed at which communication must progress during backward for the
+    bucket schedule to leave `exposed_s` past backward's end (bisection: the exposed time falls
+    as the share grows). 0 when even no progress at all exposes less than that; 1 when full
+    speed exposes more."""
+    def exposed(share: float) -> float:
+        return max(0.0, bucket_schedule(ready_s, durations_s, backward_s, share)[-1][1] - backward_s)
+
+    if exposed_s >= exposed(0.0):
+        return 0.0
+    if exposed_s <= exposed(1.0):
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if exposed(mid) > exposed_s else (lo, mid)
+    return (lo + hi) / 2
+
+
 def exposed_communication(profile: StepProfile, link: LinkCost, k: int) -> float:
     """Seconds of allreduce that backward does not hide."""
     if k <= 1 or not profile.bucket_bytes:

@@ -52,9 +52,9 @@ class StepProfile:
     step_times_s: list[float]
     """Every timed step (of every copy): ranks wait for the slowest each step, so the spread counts."""
     overlap: float = 1.0
-    """How much communication backward can hide, as a share of backward's length: 1 when an
-    allreduce runs as fast during backward as on idle devices. Measured when copies > 1 (on a CPU,
-    gloo and the network stack need the cores backward is using); else 1, as for NCCL on a GPU."""
+    """The share of its idle speed at which an allreduce progresses during backward: 1 when it runs
+    as fast as on idle devices. Measured when copies > 1 (on a CPU, gloo and the network stack
+    need the cores backward is using); else 1, as for NCCL on a GPU."""
 
     @property
     def gradient_bytes(self) -> int:
@@ -81,7 +81,7 @@ def measure(cfg: dict, batch: int, threads: int, seconds: float = 3.0, warmup: i
     """Profile gpulab train's step (config fields in `cfg`) at `batch` samples per device: steps
     for about `seconds` after `warmup` steps (this machine's speed drifts by +-10% from one second
     to the next; a few seconds of steps average that out). Copy i runs on `hosts[i]` when given
-    (test hosts: their handshakes and overlap probe cross the link between them)."""
+    (test hosts: their handshakes and gradient exchange cross the link between them)."""
     hosts = hosts or [Host() for _ in range(copies)]
     address, port = rendezvous(hosts)
     with tempfile.TemporaryDirectory(prefix="gpulab-plan-") as tmp:
@@ -145,23 +145,25 @@ def _profile_main(spec: dict) -> None:
     model, buckets, device = strategy.replicas[0], strategy.buckets, strategy.devices[0]
     clock = _Clock(device)
     marks: dict = {}
-    probe: dict = {"buffer": None, "work": None, "group": None}
+    # The copies' gradient exchange, when on (to measure the overlap): each bucket all-reduced from
+    # the moment it is ready, all waited for as backward ends, as GradSync does in a real run.
+    exchange: dict = {"group": None, "works": []}
 
-    def forward_end(*_):
-        marks["forward_end"] = clock.now()
-        if probe["buffer"] is not None:  # the overlap probe: one allreduce in flight during backward
-            probe["work"] = torch.distributed.all_reduce(probe["buffer"], group=probe["group"], async_op=True)
-
-    model.register_forward_hook(forward_end)
+    model.register_forward_hook(lambda *_: marks.__setitem__("forward_end", clock.now()))
 
     def grad_ready(index: int):
         def hook(_param):
             b = buckets.bucket_of[index]
             if buckets.pending[0][b] == 0:  # the strategy's own hook ran first and counted it
                 marks.setdefault("buckets", {})[b] = clock.now()
-                if probe["work"] is not None and len(marks["buckets"]) == buckets.num_buckets:
-                    probe["work"].wait()  # backward's end: as the optimizer waits for the gradients
-                    probe["work"] = None
+                if exchange["group"] is not None:
+                    flat = buckets.buffers[0][b]
+                    exchange["works"].append((flat, torch.distributed.all_reduce(flat, group=exchange["group"], async_op=True)))
+                    if len(marks["buckets"]) == buckets.num_buckets:  # backward's end: the optimizer waits
+                        for flat, work in exchange["works"]:
+                            work.wait()
+                            flat.div_(spec["copies"])  # the mean, so that the copies go on training alike
+                        exchange["works"] = []
         return hook
 
     for i, p in enumerate(buckets.params[0]):
@@ -217,59 +219,55 @@ def _profile_main(spec: dict) -> None:
         step_times_s=[r[0] for r in rows], copies=spec["copies"],
     )
     if spec["copies"] > 1:
-        profile.overlap = _measure_overlap(lambda: one_step()[0][0], probe, profile)
+        profile.overlap = _measure_overlap(lambda: one_step()[0][0], exchange, buckets.buffers[0], profile)
     atomic_write_json(Path(spec["out"]), profile.to_dict())
 
 
-PROBE_MIN_PAIRS = 6
-PROBE_MAX_PAIRS = 100
-PROBE_SECONDS = 2.0
-PROBE_MAX_BYTES = 512 * 2**20
+OVERLAP_MIN_PAIRS = 6
+OVERLAP_MAX_PAIRS = 100
+OVERLAP_SECONDS = 2.0
 
 
-def _measure_overlap(step_s, probe: dict, profile: StepProfile) -> float:
-    """How much of an allreduce backward hides, as a share of backward's length, measured with the
-    copies' own steps: pairs of steps without and with one allreduce launched as backward begins
-    (and waited for as it ends, where the optimizer would wait), so that drift hits both alike.
-    The probe's time on idle copies minus what it added to the step is what backward hid.
-
-    The probe is sized to outlast backward on idle copies where it can (up to PROBE_MAX_BYTES), so the
-    hidden time is not capped by the probe's own length."""
+def _measure_overlap(step_s, exchange: dict, flats, profile: StepProfile) -> float:
+    """How fast an allreduce progresses during backward, as a share of its idle speed, measured
+    with the copies' own gradient buckets exchanged as a run exchanges them: pairs of steps
+    without and with the exchange (alternated, so that drift hits both alike) give what it adds
+    to the step; each bucket's allreduce timed on idle copies gives what it costs; the share is
+    the one at which the model's schedule (`predict.fit_overlap`) adds as much. It includes what
+    the exchange costs the computation (on a CPU, gloo and the network stack share its cores)."""
     import torch
     import torch.distributed as dist
 
-    group = dist.new_group(backend="gloo")  # the probe's own communicator, apart from the handshakes
-    probe["group"] = group
+    from gpulab.plan.predict import fit_overlap
 
-    def idle_allreduce_s(buffer) -> float:
-        times = []
+    exchange["group"] = group = dist.new_group(backend="gloo")  # apart from the handshakes' group
+
+    def idle_allreduce_s(flat) -> float:
+        copy, times = flat.clone(), []
         for _ in range(3):
             start = time.perf_counter()
-            dist.all_reduce(buffer, group=group)
+            dist.all_reduce(copy, group=group)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    per_byte = idle_allreduce_s(torch.zeros(profile.gradient_bytes // 4 + 1)) / profile.gradient_bytes
-    # float64 on every copy: the same dtype whichever bound wins (an int would make an int64 tensor)
-    nbytes = torch.tensor([min(PROBE_MAX_BYTES, max(profile.gradient_bytes, 1.5 * profile.backward_s / per_byte))],
-                          dtype=torch.float64)
-    dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)  # every copy all-reduces the same size
-    buffer = torch.zeros(int(nbytes.item()) // 4)
-    idle_s = idle_allreduce_s(buffer)
+    exchange["group"] = None
+    idle_s = [idle_allreduce_s(flat) for flat in flats]
     added, started = [], time.perf_counter()
     while True:
         plain = step_s()
-        probe["buffer"] = buffer
+        exchange["group"] = group
         added.append(step_s() - plain)
-        probe["buffer"] = None
-        # Copies stop together: they agree through the same 4-byte handshake as the steps.
-        enough = len(added) >= PROBE_MIN_PAIRS and time.perf_counter() - started >= PROBE_SECONDS
-        flag = torch.tensor([1.0 if enough or len(added) >= PROBE_MAX_PAIRS else 0.0])
+        exchange["group"] = None
+        # Copies stop together: they agree through an allreduce, as the steps' handshake does.
+        enough = len(added) >= OVERLAP_MIN_PAIRS and time.perf_counter() - started >= OVERLAP_SECONDS
+        flag = torch.tensor([1.0 if enough or len(added) >= OVERLAP_MAX_PAIRS else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if flag.item():
             break
-    exposed = max(0.0, statistics.median(added))
-    return min(1.0, max(0.0, (idle_s - exposed) / profile.backward_s))
+    # Every copy reports the same share: the mean of their added times.
+    mean_added = torch.tensor([statistics.median(added)], dtype=torch.float64)
+    dist.all_reduce(mean_added)
+    return fit_overlap(profile.bucket_ready_s, idle_s, profile.backward_s, mean_added.item() / dist.get_world_size())
 
 
 def _join_copies(spec: dict):
