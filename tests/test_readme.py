@@ -50,3 +50,22 @@ def test_the_readme_s_plan_figures_are_the_committed_results(path):
         for figure in (f"{row['predicted_samples_per_s']:,.0f}", f"{row['measured_samples_per_s']:,.0f}",
                        f"{row['error']:+.1%}"):
             assert figure in readme, f"{row['name']}: {figure} from {cited} is not in README.md"
+
+
+TRAIN_SPEED = ROOT / "benchmarks" / "results" / "cpu-amd-epyc-2core" / "train_speed.json"
+
+
+def test_the_readme_s_train_speed_figures_are_the_committed_results():
+    """The README's "speed vs the textbook" table quotes the committed train_speed.json: each
+    contender's median samples/s and ratio, and the ratio's range over the rounds."""
+    import json
+
+    result = json.loads(TRAIN_SPEED.read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert str(TRAIN_SPEED.relative_to(ROOT)) in readme
+    assert f"{len(result['rounds'])} rounds" in readme
+    for name, row in result["rows"].items():
+        figures = [f"{row['samples_per_s']:,.0f}", f"{row['ratio_vs_textbook']:.2f}x",
+                   f"[{row['ratio_min']:.2f} .. {row['ratio_max']:.2f}]"]
+        for figure in figures:
+            assert figure in readme, f"{name}: {figure} from train_speed.json is not in README.md"
