@@ -43,6 +43,16 @@ def test_fit_recovers_alpha_and_beta_through_noise():
     assert link.beta_s_per_byte == pytest.approx(beta, rel=0.1)
 
 
+def test_the_fit_prices_large_messages_at_the_bandwidth_they_get():
+    # Small messages slower per byte than large ones (as on a real link): the large ones set beta.
+    alpha, beta_large, beta_small = 100e-6, 1 / 90e6, 1 / 20e6
+    sizes = [4096 * 4**i for i in range(7)] + [25_000_000]
+    seconds = [2 * alpha + s * (beta_large if s >= 1_000_000 else beta_small) for s in sizes]
+    link = collective.fit(sizes, seconds, 2, "synthetic")
+    assert link.allreduce_s(25_000_000, 2) == pytest.approx(2 * alpha + 25_000_000 * beta_large, rel=0.02)
+    assert link.allreduce_s(19_400_000, 2) == pytest.approx(2 * alpha + 19_400_000 * beta_large, rel=0.02)
+
+
 def test_a_fit_is_never_negative():
     # Timings that fall with size (noise at tiny sizes) must not give a negative latency.
     link = collective.fit([1000, 2000, 4000], [3e-3, 2e-3, 4e-3], 2, "odd")
