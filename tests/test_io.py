@@ -44,7 +44,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(io.os, "fsync", full)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left"):
         io.atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]

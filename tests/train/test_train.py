@@ -435,9 +435,11 @@ def test_warmup_never_takes_the_whole_run():
 def test_resume_of_a_damaged_checkpoint_is_a_one_line_error(tiny_data, tmp_path):
     out = tmp_path / "run"
     train(config(out, epochs=1))
-    (out / CHECKPOINT).write_bytes((out / CHECKPOINT).read_bytes()[:100])
+    good = (out / CHECKPOINT).read_bytes()
+    (out / CHECKPOINT).write_bytes(good[:100])
     with pytest.raises(UserError, match="is unreadable"):
         train(resume=str(out))
+    (out / CHECKPOINT).write_bytes(good)  # now the config alone is damaged
     (out / "config.json").write_text('{"epochs": "ten"}')
-    with pytest.raises(UserError):
+    with pytest.raises(UserError, match="config.json has a value of the wrong type"):
         train(resume=str(out))
