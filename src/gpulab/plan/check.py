@@ -153,7 +153,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
 
     with netns.test_hosts(s.rate_mbit) if s.hosts else nullcontext(None) as hosts:
         before = profile(hosts)  # on test hosts the profile's gradient exchange crosses their link, as the run's
-        link = None
+        link, timings = None, None
         if s.devices > 1:
             sizes = collective.default_sizes(max(before.bucket_bytes))
             timings = collective.measure(2, sizes, hosts=hosts)
@@ -176,7 +176,8 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
         "predicted": predicted, "measured": measured.samples_per_s,
         "ideal": batch / ((before.step_s + after.step_s) / 2),
         "exposed_s": predict(before, link, s.devices).exposed_s,
-        "link": link.__dict__ if link else None, "nominal_predicted": nominal, "command": measured.command,
+        "link": link.__dict__ if link else None, "allreduce_timings": timings,  # raw, so that a fit can be redone
+        "nominal_predicted": nominal, "command": measured.command,
         "profile_step_s": [before.step_s, after.step_s], "overlap": [before.overlap, after.overlap],
     }
 

@@ -115,7 +115,9 @@ def figure(plan: Plan, check: list[dict] | None) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # Without a batch sweep (--no-sweep) there is nothing for a second panel to show.
+    fig, axes = plt.subplots(1, 2 if plan.sweep else 1, figsize=(11 if plan.sweep else 6, 4.2), squeeze=False)
+    left = axes[0][0]
     by_nodes: dict[int, list] = {}
     for row in plan.rows:
         by_nodes.setdefault(row.nodes, []).append(row)
@@ -138,6 +140,17 @@ def figure(plan: Plan, check: list[dict] | None) -> bytes:
     left.set_ylim(0, 1.05)
     left.set_title(f"global batch {plan.one_device.global_batch}")
     left.legend(fontsize=7)
+    if plan.sweep:
+        _plot_sweep(axes[0][1], plan)
+    fig.suptitle(f"gpulab plan: {plan.config.train['model']}, one device = {describe_device(plan)}")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _plot_sweep(right, plan: Plan) -> None:
     for (nodes, per_node), points in plan.sweep.items():
         right.plot([p.prediction.per_device_batch for p in points], [p.prediction.efficiency for p in points], marker="o",
                    label=f"{nodes} x {per_node} devices")
@@ -148,9 +161,3 @@ def figure(plan: Plan, check: list[dict] | None) -> bytes:
     right.set_ylim(0, 1.05)
     right.set_title("efficiency by per-device batch")
     right.legend(fontsize=7)
-    fig.suptitle(f"gpulab plan: {plan.config.train['model']}, one device = {describe_device(plan)}")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    return buffer.getvalue()
