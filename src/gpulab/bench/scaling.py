@@ -220,13 +220,13 @@ def plot(result: Result):
             if sel:
                 ax.plot([r["k"] for r in sel], [r["samples_per_s"] for r in sel], style, ms=4, label=f"measured, {mode}")
         ideal = [r for r in rows if r["model"] == model and r["k"] == 1 and r["mode"] == "per-device batch"]
-        # Virtual CPU replicas (cpu*k) share the same cores: the best they can do is k=1's rate.
-        virtual = all(r["devices"].startswith("cpu") for r in rows if r["model"] == model)
+        # Virtual CPU replicas (cpu*k) share the same cores: k=1's rate is the reference, not k times it.
+        virtual = all("cuda" not in str(r["devices"]) for r in rows if r["model"] == model)
         if ideal:
             ks = sorted({r["k"] for r in rows if r["model"] == model})
             one = ideal[0]["samples_per_s"]
             if virtual:
-                ax.plot(ks, [one for _ in ks], ":", color="grey", label="best possible on shared cores (k=1's rate)")
+                ax.plot(ks, [one for _ in ks], ":", color="grey", label="k=1's rate: the same cores, no speed-up expected")
             else:
                 ax.plot(ks, [one * k for k in ks], ":", color="grey", label="ideal (linear)")
         ax.set_xlabel("virtual CPU replicas k (cpu*k, one set of cores)" if virtual else "devices k")

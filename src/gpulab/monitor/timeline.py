@@ -36,7 +36,8 @@ LABELS = {
     "sync": "host sync",
     "other": "other (Python)",
 }
-_MAX_STEP_LINES = 300
+_MAX_STEP_LINES = 60
+"""More step boundaries than this would grey the rows like hatching: they are left out."""
 
 
 def render(lanes: list[Recording], samples: list[dict], gpus: list[dict], report: dict, title: str) -> bytes:
@@ -101,7 +102,8 @@ def _data_wait_strip(ax, spans: list[tuple[float, float]]) -> None:
     bins = [(lo + b * width, width) for b in range(STRIP_BINS) if share[b] > 0]
     from matplotlib.colors import to_rgba
 
-    colors = [to_rgba(COLORS["data_wait"], 0.25 + 0.75 * min(1.0, share[b])) for b in range(STRIP_BINS) if share[b] > 0]
+    # Shade by share: a 1% wait stays faint, half the time waiting is solid.
+    colors = [to_rgba(COLORS["data_wait"], min(1.0, 0.05 + 2 * share[b])) for b in range(STRIP_BINS) if share[b] > 0]
     ax.broken_barh(bins, (0, STRIP), transform=ax.get_xaxis_transform(), facecolors=colors, linewidth=0,
                    label="waiting for data (darker: more of the time)")
 
@@ -117,8 +119,8 @@ def _leave_out_start_up(ax, rec: Recording, steps: list[dict], origin: float) ->
         ax.set_xlim(left=0)
         return
     ax.set_xlim(left=first - margin)
-    ax.figure.text(0.07, 0.015, f"start-up (imports, data, model) before the first step: {first:.1f} s, not drawn",
-                   fontsize=8, ha="left")
+    ax.set_xlabel(f"seconds since the script started (its first {first:.1f} s, start-up before the first step: "
+                  "imports, data, model, not drawn)")
 
 
 def time_origin(lanes: list[Recording], samples: list[dict]) -> float:
