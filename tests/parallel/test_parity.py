@@ -84,6 +84,30 @@ def test_parity_float64(k, batch_size, optimizer, model):
     assert max_diff(reference, dp) <= 1e-9
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_learning_rate_schedule_set_each_step_is_plain_pytorch_s(k):
+    """The trainer sets the learning rate every step through the strategy (set_lr); plain PyTorch
+    sets it on its one optimizer's param_groups."""
+    torch.manual_seed(0)
+    net = LeNet().double()
+    data = batches(24)
+    rates = [0.05, 0.02, 0.08, 0.01]
+    loss_fn = nn.functional.cross_entropy
+    model = copy.deepcopy(net)
+    opt = OPTIMIZERS["sgd-momentum"](model.parameters())
+    for lr, (X, y) in zip(rates, data):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        loss_fn(model(X), y).backward()
+        opt.step()
+    dp = DataParallel(copy.deepcopy(net), resolve(f"cpu*{k}"), optimizer=OPTIMIZERS["sgd-momentum"])
+    for lr, (X, y) in zip(rates, data):
+        dp.set_lr(lr)
+        dp.train_step(X, y, loss_fn)
+    assert max_diff(model, dp) <= 1e-9
+
+
 @pytest.mark.parametrize("k,accumulate", [(1, 3), (2, 2), (3, 3)])
 def test_accumulation_equals_the_whole_batch(k, accumulate):
     torch.manual_seed(0)

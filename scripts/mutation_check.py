@@ -1,0 +1,118 @@
+"""Plant a known bug, run the tests that should catch it, and say whether they did.
+
+Each mutation is one textual change to gpulab's source, made in a scratch copy of the checkout
+(the checkout itself is never touched). A mutation the tests let pass is a hole in the tests.
+
+    .venv/bin/python scripts/mutation_check.py            # every mutation (a few minutes on 2 cores)
+    .venv/bin/python scripts/mutation_check.py --list     # what would be planted
+    .venv/bin/python scripts/mutation_check.py --only 2   # one of them
+
+Exit status 0 when every mutation was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARITY_TESTS = ["tests/parallel/test_parity.py"]
+TORCHRUN_TESTS = ["tests/parallel/test_distributed.py"]
+
+
+@dataclass
+class Mutation:
+    what: str
+    file: str
+    old: str
+    new: str
+    tests: list[str]
+
+
+MUTATIONS = [
+    Mutation("every optimizer update applied twice (k devices, one process)", "src/gpulab/parallel/data_parallel.py",
+             "                    opt.step()\n", "                    opt.step()\n                    opt.step()\n", PARITY_TESTS),
+    Mutation("the first gradient bucket left out of the allreduce", "src/gpulab/parallel/allreduce.py",
+             "        for b in range(self.num_buckets):\n            allreduce(",
+             "        for b in range(1, self.num_buckets):\n            allreduce(", PARITY_TESTS),
+    Mutation("each shard's loss weighted 1/k instead of its share of the batch", "src/gpulab/parallel/data_parallel.py",
+             "weight = len(y_shards[i]) / n", "weight = 1 / len(y_shards)", PARITY_TESTS),
+    Mutation("the learning rate multiplied by the device count", "src/gpulab/parallel/data_parallel.py",
+             "        set_lr(self.optimizers, lr)", "        set_lr(self.optimizers, lr * len(self.devices))", PARITY_TESTS),
+    Mutation("every optimizer update applied twice (torchrun ranks)", "src/gpulab/parallel/distributed.py",
+             "            self.optimizer.step()\n", "            self.optimizer.step()\n            self.optimizer.step()\n",
+             TORCHRUN_TESTS),
+    Mutation("the last gradient bucket never sent between ranks", "src/gpulab/parallel/distributed.py",
+             "            self.handles.append(dist.all_reduce(flat, group=self.group, async_op=True))\n",
+             "            if self.next_bucket < self.buckets.num_buckets - 1:\n"
+             "                self.handles.append(dist.all_reduce(flat, group=self.group, async_op=True))\n", TORCHRUN_TESTS),
+]
+
+
+def scratch_copy(into: Path) -> Path:
+    """The checkout's source and tests, without the venv, git or run outputs."""
+    ignore = shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__", "*.egg-info", "bench-out", "profiles")
+    for name in ("src", "tests", "pyproject.toml"):
+        source = ROOT / name
+        (shutil.copytree if source.is_dir() else shutil.copy2)(source, into / name, **({"ignore": ignore} if source.is_dir() else {}))
+    return into
+
+
+def plant(copy: Path, m: Mutation) -> None:
+    path = copy / m.file
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutation '{m.what}': the text to change is not in {m.file} exactly once; update this script")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def run_tests(copy: Path, tests: list[str]) -> tuple[bool, str, float]:
+    """(whether a test failed, the first failure or pytest's last line, seconds)."""
+    env = {**os.environ, "PYTHONPATH": str(copy / "src")}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=copy,
+                          env=env, capture_output=True, text=True)
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    said = (done.stdout.strip() or done.stderr.strip() or f"exit code {done.returncode}").splitlines()[-1]
+    return done.returncode != 0, (failed[0] if failed else said), time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--only", type=int, nargs="*", help="mutation numbers (1-based)")
+    args = parser.parse_args()
+    chosen = [(i, m) for i, m in enumerate(MUTATIONS, start=1) if not args.only or i in args.only]
+    if args.list:
+        for i, m in chosen:
+            print(f"{i}. {m.what} ({m.file}; tests: {' '.join(m.tests)})")
+        return 0
+    survivors = 0
+    with tempfile.TemporaryDirectory(prefix="gpulab-mutation-") as tmp:
+        clean = scratch_copy(Path(tmp) / "clean")
+        failed, line, _ = run_tests(clean, sorted({t for _, m in chosen for t in m.tests}))
+        if failed:
+            print(f"the unmutated tests fail ({line}): fix them first")
+            return 2
+        for i, m in chosen:
+            copy = Path(tmp) / f"m{i}"
+            shutil.copytree(clean, copy)
+            plant(copy, m)
+            caught, line, seconds = run_tests(copy, m.tests)
+            survivors += not caught
+            print(f"{i}. {m.what}: {'caught' if caught else 'NOT CAUGHT'} ({seconds:.0f} s) {line if caught else ''}".rstrip(),
+                  flush=True)
+            shutil.rmtree(copy)
+    print(f"{len(chosen) - survivors} of {len(chosen)} mutations caught")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
