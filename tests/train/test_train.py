@@ -401,6 +401,16 @@ def test_train_on_a_users_dataset_or_dataloader(tmp_path, as_loader, monkeypatch
         train(resume=str(out))
 
 
+def test_the_banner_says_the_batch_your_dataloader_uses(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPULAB_DATA", str(tmp_path / "nowhere"))
+    train_set, test_set = user_datasets()
+    loader = torch.utils.data.DataLoader(train_set, batch_size=20, shuffle=True)
+    console = Console(record=True, width=300)
+    train(config(tmp_path / "run", epochs=1, devices="cpu*2"), train_data=loader, test_data=test_set, console=console)
+    said = console.export_text()
+    assert "batch 20 (~10 per device)" in said and "batch 32" not in said  # not the config's batch_size
+
+
 def test_train_data_without_test_data_is_refused(tmp_path):
     train_set, _ = user_datasets()
     with pytest.raises(UserError, match="both train_data and test_data"):
