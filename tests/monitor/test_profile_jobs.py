@@ -154,10 +154,10 @@ def start_signals_job(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, lis
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     deadline = time.monotonic() + 60
-    while not (pids_file.exists() and pids_file.read_text().strip()):
-        assert time.monotonic() < deadline and gpulab.poll() is None, "the script did not start"
+    trained = Path(f"{pids_file}.trained")  # the script has taken 20 steps (a loaded machine is slow)
+    while not (pids_file.exists() and pids_file.read_text().strip() and trained.exists()):
+        assert time.monotonic() < deadline and gpulab.poll() is None, "the script did not start training"
         time.sleep(0.1)
-    time.sleep(1.0)  # some steps
     return gpulab, [int(p) for p in pids_file.read_text().split()]
 
 

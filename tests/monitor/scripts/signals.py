@@ -1,6 +1,7 @@
 """Planted: a script with its own SIGINT cleanup, a DataLoader worker and a child process.
 
-With --steps N it trains N steps and ends normally. Writes its pid and its children's pids to the file given as argv[1], then trains until stopped.
+With --steps N it trains N steps and ends normally. Writes its pid and its children's pids to the file given as argv[1], then trains until stopped;
+after 20 steps it creates argv[1] + ".trained".
 On KeyboardInterrupt it prints "signals: cleanup ran" and exits with 130; with --ignore-sigint
 it ignores SIGINT altogether.
 """
@@ -21,6 +22,10 @@ class Forever(Dataset):
     def __getitem__(self, i):
         time.sleep(0.001)
         return torch.randn(8)
+
+
+TRAINED_MARK = 20
+"""After this many steps the script says so (PIDS_FILE.trained)."""
 
 
 def idle():
@@ -45,6 +50,7 @@ def main():
     with open(sys.argv[1], "w") as f:
         f.write(" ".join(map(str, pids)))
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else None
+    done = 0
     try:
         while steps is None or steps > 0:
             steps = steps - 1 if steps is not None else None
@@ -53,6 +59,9 @@ def main():
             loss.backward()
             optimizer.step()
             X = next(loader)
+            done += 1
+            if done == TRAINED_MARK:  # a test waits for this rather than for a guessed time
+                open(sys.argv[1] + ".trained", "w").close()
     except KeyboardInterrupt:
         print("signals: cleanup ran", flush=True)
         child.terminate()
