@@ -240,7 +240,7 @@ def _measure_overlap(step_s, exchange: dict, flats, profile: StepProfile) -> flo
 
     from gpulab.plan.predict import fit_overlap
 
-    exchange["group"] = group = dist.new_group(backend="gloo")  # apart from the handshakes' group
+    group = dist.new_group(backend="gloo")  # apart from the handshakes' group
 
     def idle_allreduce_s(flat) -> float:
         copy, times = flat.clone(), []
@@ -250,7 +250,6 @@ def _measure_overlap(step_s, exchange: dict, flats, profile: StepProfile) -> flo
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    exchange["group"] = None
     idle_s = [idle_allreduce_s(flat) for flat in flats]
     added, started = [], time.perf_counter()
     while True:
@@ -264,7 +263,7 @@ def _measure_overlap(step_s, exchange: dict, flats, profile: StepProfile) -> flo
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if flag.item():
             break
-    # Every copy reports the same share: the mean of their added times.
+    # Every copy reports the same share: from the mean over copies of their median added time.
     mean_added = torch.tensor([statistics.median(added)], dtype=torch.float64)
     dist.all_reduce(mean_added)
     return fit_overlap(profile.bucket_ready_s, idle_s, profile.backward_s, mean_added.item() / dist.get_world_size())
