@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-import pytest
+import matplotlib
 
-from gpulab.train.rundir import RunDir
+matplotlib.use("Agg")
+import matplotlib.figure  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from gpulab.train.rundir import RunDir  # noqa: E402
 
 C0, C1 = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two line colours: train, test
 
@@ -17,29 +22,9 @@ def row(epoch: int, loss: float, acc: float | None) -> dict:
             "test_acc": None if acc is None else acc - 0.02}
 
 
-def pixels_of(png, colour) -> int:
-    import matplotlib.image
-
-    rgb = (matplotlib.image.imread(png)[..., :3] * 255).round().astype(int)
-    return int((np.abs(rgb - np.array(colour)).sum(axis=-1) <= 30).sum())
-
-
-@pytest.mark.parametrize("classifier", [True, False])
-def test_a_one_epoch_run_shows_its_point(tmp_path, classifier):
-    (tmp_path / "config.json").write_text(json.dumps({"model": "lenet", "devices": "cpu"}))
-    RunDir(tmp_path).write_metrics([row(1, 0.9, 0.7 if classifier else None)])
-    png = tmp_path / "curves.png"
-    # A line through one point draws nothing; a marker does (train in C0, test in C1).
-    assert pixels_of(png, C0) > 20 and pixels_of(png, C1) > 20
-
-
-def test_loss_and_accuracy_have_their_own_axes_and_the_run_its_title(tmp_path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    (tmp_path / "config.json").write_text(json.dumps({"model": "lenet", "devices": "cpu*2"}))
+def drawn_figure(tmp_path, history: list[dict], devices: str = "cpu"):
+    """write_metrics(history), keeping the figure it saved as curves.png."""
+    (tmp_path / "config.json").write_text(json.dumps({"model": "lenet", "devices": devices}))
     drawn = []
     real_savefig = matplotlib.figure.Figure.savefig
 
@@ -49,8 +34,38 @@ def test_loss_and_accuracy_have_their_own_axes_and_the_run_its_title(tmp_path):
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(matplotlib.figure.Figure, "savefig", keep)
-        RunDir(tmp_path).write_metrics([row(1, 0.9, 0.7), row(2, 0.6, 0.8)])
+        RunDir(tmp_path).write_metrics(history)
     (fig,) = drawn
+    return fig
+
+
+def colour_at(fig, ax, x: float, y: float) -> np.ndarray:
+    """The rendered colour at data point (x, y) of `ax` (the middle of a 3x3 patch)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the saved figure was closed: draw it again, at the same size
+    canvas.draw()
+    pixels = np.asarray(canvas.buffer_rgba())[..., :3].astype(int)
+    px, py = ax.transData.transform((x, y))
+    r, c = int(round(pixels.shape[0] - py)), int(round(px))
+    patch = pixels[r - 1:r + 2, c - 1:c + 2].reshape(-1, 3)
+    return patch[np.abs(patch - 255).sum(axis=1).argmax()]  # the least white pixel of the patch
+
+
+@pytest.mark.parametrize("classifier", [True, False])
+def test_a_one_epoch_run_shows_its_point(tmp_path, classifier):
+    history = [row(1, 0.9, 0.7 if classifier else None)]
+    fig = drawn_figure(tmp_path, history)
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # A line through one point draws nothing there; a marker does (train in C0, test in C1).
+    loss_ax = fig.axes[0]
+    assert np.abs(colour_at(fig, loss_ax, 1, 0.9) - C0).sum() <= 40
+    assert np.abs(colour_at(fig, loss_ax, 1, 0.99) - C1).sum() <= 40
+    plt.close("all")
+
+
+def test_loss_and_accuracy_have_their_own_axes_and_the_run_its_title(tmp_path):
+    fig = drawn_figure(tmp_path, [row(1, 0.9, 0.7), row(2, 0.6, 0.8)], devices="cpu*2")
     assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "accuracy"]
     assert fig._suptitle.get_text() == f"{tmp_path.name}: lenet on cpu*2"
     plt.close("all")

@@ -65,16 +65,18 @@ def figure(lanes: list[Recording], samples: list[dict], gpus: list[dict], report
     _plot_memory(ax_memory, samples, gpus, origin)
     _plot_cpu(ax_cpu, samples, rec.start.get("cpu_count"), origin)
 
-    spans = [(a - origin, b - a) for s in steps for a, b in s.get("data", [])]
+    strip = _data_wait_strip([(a - origin, b - a) for s in steps for a, b in s.get("data", [])])
     for ax in axes[1:]:
-        _data_wait_strip(ax, spans)
+        if strip:
+            bins, colors = strip
+            ax.broken_barh(bins, (0, STRIP), transform=ax.get_xaxis_transform(), facecolors=colors, linewidth=0,
+                           label="waiting for data (darker: more of the time)")
         if len(rec.steps) <= _MAX_STEP_LINES:
             ax.vlines([s["t1"] - origin for s in rec.steps], 0, 1, transform=ax.get_xaxis_transform(),
                       colors="k", linewidth=0.4, alpha=0.25)
         ax.grid(alpha=0.25)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
-    ax_cpu.set_xlabel("seconds since the script started")
     _leave_out_start_up(ax_cpu, rec, steps, origin)
     fig.suptitle(_headline(report, title), fontsize=10)
     fig.subplots_adjust(left=0.07, right=0.78, top=0.93, bottom=0.06, hspace=0.12)  # tight_layout: +0.25 s
@@ -86,11 +88,12 @@ STRIP = 0.06
 STRIP_BINS = 240
 
 
-def _data_wait_strip(ax, spans: list[tuple[float, float]]) -> None:
-    """Time spent waiting for data, binned along the axis: each bin's shade is the share of it
-    spent waiting (a few long waits and thousands of short ones read alike)."""
+def _data_wait_strip(spans: list[tuple[float, float]]) -> tuple[list, list] | None:
+    """Time spent waiting for data, binned along the axis: (bins as (start, width), their
+    colours), each bin shaded by the share of it spent waiting (a few long waits and thousands of
+    short ones read alike); None without waits. Computed once, drawn on every row."""
     if not spans:
-        return
+        return None
     lo, hi = min(a for a, _ in spans), max(a + w for a, w in spans)
     width = max(hi - lo, 1e-9) / STRIP_BINS
     share = [0.0] * STRIP_BINS
@@ -104,12 +107,12 @@ def _data_wait_strip(ax, spans: list[tuple[float, float]]) -> None:
 
     # Shade by share: a 1% wait stays faint, half the time waiting is solid.
     colors = [to_rgba(COLORS["data_wait"], min(1.0, 0.05 + 2 * share[b])) for b in range(STRIP_BINS) if share[b] > 0]
-    ax.broken_barh(bins, (0, STRIP), transform=ax.get_xaxis_transform(), facecolors=colors, linewidth=0,
-                   label="waiting for data (darker: more of the time)")
+    return bins, colors
 
 
 def _leave_out_start_up(ax, rec: Recording, steps: list[dict], origin: float) -> None:
     """Start the time axis shortly before the first step; say how long the start-up took."""
+    ax.set_xlabel("seconds since the script started")
     if not rec.steps:
         ax.set_xlim(left=0)
         return
