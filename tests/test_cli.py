@@ -189,6 +189,9 @@ def test_train_then_resume_with_more_epochs(tiny_data, tmp_path, capsys):
     assert "extending from epoch 1 to 2: the learning rate follows a 2-epoch onecycle schedule" in stdout
     assert "epoch  2/2" in stdout and "test acc:" in stdout
     assert [r["epoch"] for r in json.loads((out / "metrics.json").read_text())] == [1, 2]
+    # The same total again is no extension: the run is complete, and nothing is said of extending.
+    code, stdout, _ = run(["train", "--resume", str(out), "--epochs", "2"], capsys)
+    assert code == 0 and "is complete: 2 of 2 epochs trained" in stdout and "extending" not in stdout
 
 
 def test_devices(capsys):

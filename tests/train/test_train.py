@@ -167,6 +167,15 @@ def test_a_finished_run_extended_with_more_epochs_equals_the_longer_run(tiny_dat
     assert json.loads((extended / "config.json").read_text())["epochs"] == 3
 
 
+def test_resuming_a_crashed_run_with_its_own_total_is_not_called_extending(tiny_data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(config(out, epochs=2), on_epoch_end=crash_after(1))
+    console = Console(record=True, width=200)
+    assert train(resume=str(out), epochs=2, console=console)["epoch"] == 2
+    assert "extending" not in console.export_text()
+
+
 def test_extending_a_run_to_fewer_epochs_than_it_has_is_refused(tiny_data, tmp_path):
     out = tmp_path / "run"
     train(config(out, epochs=2))

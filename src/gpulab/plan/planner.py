@@ -98,7 +98,7 @@ class Profiles:
         return 1, 1
 
 
-def measured_device_link(kind: str, gradient_bytes: int, say=print) -> LinkCost:
+def measured_device_link(kind: str, largest_bucket: int, say=print) -> LinkCost:
     """Allreduce between 2 ranks of this machine: gloo over loopback, or NCCL between 2 GPUs."""
     if kind == "cuda":
         import torch
@@ -106,8 +106,8 @@ def measured_device_link(kind: str, gradient_bytes: int, say=print) -> LinkCost:
         if torch.cuda.device_count() < 2:
             raise UserError("one GPU here: say what joins the GPUs of a machine with --device-link (e.g. nvlink4, pcie5)")
     backend = "nccl" if kind == "cuda" else "gloo"
-    sizes = collective.default_sizes(gradient_bytes)
-    say(f"measuring allreduce between 2 ranks ({backend}) at {len(sizes)} sizes up to {gradient_bytes:,} bytes")
+    sizes = collective.default_sizes(largest_bucket)
+    say(f"measuring allreduce between 2 ranks ({backend}) at {len(sizes)} sizes up to {largest_bucket:,} bytes")
     r = collective.measure(2, sizes, backend=backend)
     where = "2 GPUs" if kind == "cuda" else "loopback"
     return collective.fit(r["sizes"], r["seconds"], 2, f"measured: {backend}, 2 ranks on {where}")

@@ -56,10 +56,6 @@ class StepProfile:
     as fast as on idle devices. Measured when copies > 1 (on a CPU, gloo and the network stack
     need the cores backward is using); else 1, as for NCCL on a GPU."""
 
-    @property
-    def gradient_bytes(self) -> int:
-        return sum(self.bucket_bytes)
-
     def expected_slowest_s(self, groups: int) -> float:
         """The mean step time when `groups` such groups of copies wait for each other every step,
         each group's step drawn from the measured steps (independently): the expected maximum
@@ -158,11 +154,10 @@ def _profile_main(spec: dict) -> None:
                 marks.setdefault("buckets", {})[b] = clock.now()
                 if exchange["group"] is not None:
                     flat = buckets.buffers[0][b]
-                    exchange["works"].append((flat, torch.distributed.all_reduce(flat, group=exchange["group"], async_op=True)))
+                    exchange["works"].append(torch.distributed.all_reduce(flat, group=exchange["group"], async_op=True))
                     if len(marks["buckets"]) == buckets.num_buckets:  # backward's end: the optimizer waits
-                        for flat, work in exchange["works"]:
+                        for work in exchange["works"]:
                             work.wait()
-                            flat.div_(spec["copies"])  # the mean, so that the copies go on training alike
                         exchange["works"] = []
         return hook
 
@@ -179,6 +174,11 @@ def _profile_main(spec: dict) -> None:
     source = batches()
     meter = Meter(device)
 
+    def summed_to_mean(out, y):
+        # As a run does (each rank's loss weighted by its share of the global batch): the summed
+        # gradients are the mean, so the copies go on training alike, at no cost in the step.
+        return run.loss_fn(out, y) / spec["copies"]
+
     def one_step(enough: bool = False):
         """(step seconds, seconds before backward, each bucket's ready time), and whether every
         copy has timed enough."""
@@ -186,7 +186,7 @@ def _profile_main(spec: dict) -> None:
         start = clock.now()
         X, y = next(source)
         strategy.set_lr(run.peak_lr)
-        strategy.train_step(X, y, run.loss_fn, meter)
+        strategy.train_step(X, y, run.loss_fn if exchange["group"] is None else summed_to_mean, meter)
         all_done = in_step(enough)
         end = clock.now()
         clock.settle()
@@ -219,7 +219,7 @@ def _profile_main(spec: dict) -> None:
         step_times_s=[r[0] for r in rows], copies=spec["copies"],
     )
     if spec["copies"] > 1:
-        profile.overlap = _measure_overlap(lambda: one_step()[0][0], exchange, buckets.buffers[0], profile)
+        profile.overlap = _measure_overlap(one_step, exchange, buckets.buffers[0], profile)
     atomic_write_json(Path(spec["out"]), profile.to_dict())
 
 
@@ -228,7 +228,7 @@ OVERLAP_MAX_PAIRS = 100
 OVERLAP_SECONDS = 2.0
 
 
-def _measure_overlap(step_s, exchange: dict, flats, profile: StepProfile) -> float:
+def _measure_overlap(one_step, exchange: dict, flats, profile: StepProfile) -> float:
     """How fast an allreduce progresses during backward, as a share of its idle speed, measured
     with the copies' own gradient buckets exchanged as a run exchanges them: pairs of steps
     without and with the exchange (alternated, so that drift hits both alike) give what it adds
@@ -253,15 +253,15 @@ def _measure_overlap(step_s, exchange: dict, flats, profile: StepProfile) -> flo
     idle_s = [idle_allreduce_s(flat) for flat in flats]
     added, started = [], time.perf_counter()
     while True:
-        plain = step_s()
+        (plain, *_), _ = one_step()
         exchange["group"] = group
-        added.append(step_s() - plain)
+        # Copies stop together: the exchanged step's handshake carries "timed enough", as in the profile.
+        pairs = len(added) + 1
+        enough = pairs >= OVERLAP_MAX_PAIRS or (pairs >= OVERLAP_MIN_PAIRS and time.perf_counter() - started >= OVERLAP_SECONDS)
+        (exchanged, *_), all_done = one_step(enough)
         exchange["group"] = None
-        # Copies stop together: they agree through an allreduce, as the steps' handshake does.
-        enough = len(added) >= OVERLAP_MIN_PAIRS and time.perf_counter() - started >= OVERLAP_SECONDS
-        flag = torch.tensor([1.0 if enough or len(added) >= OVERLAP_MAX_PAIRS else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if flag.item():
+        added.append(exchanged - plain)
+        if all_done:
             break
     # Every copy reports the same share: from the mean over copies of their median added time.
     mean_added = torch.tensor([statistics.median(added)], dtype=torch.float64)

@@ -633,19 +633,20 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
     console = console or Console(highlight=False, soft_wrap=True)
     if not world.is_main:
         console = Console(quiet=True)
-    checkpoint = None
+    checkpoint, saved_epochs = None, None
     if resume:
         run_dir = RunDir(Path(resume))
 
         def read_saved_run() -> dict:
-            nonlocal checkpoint  # read before build: a run with nothing to resume says so before loading data
+            nonlocal checkpoint, saved_epochs  # read before build: a run with nothing to resume says so before loading data
             config = run_dir.read_config()
             run_dir.claim_for_resume()  # this run's from here on: a second one is refused
             checkpoint = run_dir.load_checkpoint()
             if data_dir is not None:
                 config["data_dir"] = data_dir  # the data moved (made absolute by TrainConfig)
+            saved_epochs = config.get("epochs")
             if epochs is not None:
-                config["epochs"] = new_total_epochs(epochs, checkpoint["epoch"], config.get("epochs"), run_dir)
+                config["epochs"] = new_total_epochs(epochs, checkpoint["epoch"], saved_epochs, run_dir)
             return config
 
         # Validated on rank 0 (a damaged config.json is said once); the others get the checked dict.
@@ -688,7 +689,7 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
                              f"it further, give a new total: gpulab train --resume {run_dir.path} --epochs N"))
         return history[-1]
     console.print(escape(banner(run, run_dir)))
-    if epochs is not None and run.schedule_lr:
+    if epochs is not None and epochs != saved_epochs and run.schedule_lr:  # (only rank 0 knows; only it prints)
         steps = len(run.train_loader)
         lr = lr_at(start_epoch * steps, cfg.epochs * steps, run.peak_lr, cfg.recipe_spec, run.warmup_steps)
         console.print(escape(f"extending from epoch {start_epoch} to {cfg.epochs}: the learning rate follows a "
