@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from gpulab import data
 from gpulab.bench.environment import environment
-from gpulab.devices import describe, resolve
+from gpulab.devices import resolve
 from gpulab.io import atomic_write_json
 from gpulab.train import TrainConfig, build
 from gpulab.train.loop import evaluate, synchronize, train_epoch
@@ -159,11 +159,11 @@ def main() -> None:
         print(f"{name:66} {s['samples_per_s']:>10,.0f} {s['test_acc']:>9.3f} "
               f"{s['ratio_vs_textbook']:>8.2f}x [{s['ratio_min']:.2f} .. {s['ratio_max']:.2f}]")
     if args.out:
-        env = describe()
+        env = environment()  # the same record every benchmark JSON carries
         result = {
             "benchmark": "train_speed",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "git_commit": environment()["git_commit"],
+            "git_commit": env["git_commit"],
             "devices": args.devices,
             "steps": steps,
             "batch_size": BATCH,

@@ -4,7 +4,7 @@ One module per benchmark; each has the same four parts, top to bottom:
 
     LESSON   one sentence: the claim the benchmark measures
     Config   a dataclass of sizes, with presets 'full' (for reports), 'quick' (CI, smoke
-             tests: all eight in under 2 minutes on a 2-core CPU) and 'tiny' (the test suite)
+             tests: all eight took 14 s on a quiet 2-core CPU) and 'tiny' (the test suite)
     run()    check that the compared ways compute the same result, then time them with the
              shared harness (`harness.measure`), filling a `report.Result`
     plot()   a matplotlib figure of the result
