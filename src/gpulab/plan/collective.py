@@ -3,7 +3,9 @@
 `measure(k, sizes)` starts k processes (this module run as a script), joined by torch.distributed
 on the given backend over TCP: on one machine over loopback, or, with `Host`s, each rank in its
 own network namespace (`gpulab.plan.netns`) so the bytes cross a real, rate-limited link. Each
-size is all-reduced a few times after a warm-up; rank 0 writes the median times.
+size is all-reduced in rounds that go through all the sizes, after a warm-up (a hiccup of this
+shared machine then costs each size one sample, not one size all of its samples); rank 0 writes
+the median times.
 
 `fit(sizes, seconds, k)` fits T(S) = a + b*S, b from the large messages and a from the small
 ones, then reads the ring model's per-step alpha and per-byte beta out of a and b for the k the
@@ -27,10 +29,10 @@ from pathlib import Path
 from gpulab.errors import UserError
 from gpulab.plan.links import LinkCost
 
-MIN_REPEATS = 3
-MAX_REPEATS = 15
+MIN_ROUNDS = 3
+MAX_ROUNDS = 40
 SECONDS_PER_SIZE = 1.0
-"""Repeat each size until this much time is spent (at least MIN_REPEATS times)."""
+"""Go on with rounds until this much time per size is spent (at least MIN_ROUNDS, at most MAX_ROUNDS)."""
 
 
 @dataclass
@@ -44,30 +46,40 @@ class Host:
 
 def fit(sizes: list[float], seconds: list[float], k: int, source: str) -> LinkCost:
     """alpha and beta of the ring model from allreduce timings of `sizes` bytes over k ranks, read
-    as nccl-tests figures are read: the per-byte cost from the large messages (the least-squares
-    slope through the larger half of the sizes, where bytes dominate), the latency from the small
-    ones (the median of what is left of their time once their bytes are paid). Gradient buckets
-    are large: a fit on relative error over all sizes let the 4 KiB messages set the slope, and
-    priced a 25 MB bucket up to 30% low over a 1 Gbit/s test link."""
+    as nccl-tests figures are read: the per-byte cost from the large messages, the latency from the
+    small ones (the median of what is left of their time once their bytes are paid). Gradient
+    buckets are large: a fit on relative error over all sizes let the 4 KiB messages set the slope,
+    and priced a 25 MB bucket up to 30% low over a 1 Gbit/s test link. The slope is the median of
+    the slopes through the larger half (Siegel's repeated median), so that one size that met a busy
+    moment of this shared machine cannot set it: a least-squares line priced a 516 KB bucket at
+    3.7 ms on loopback, where it takes about 1 ms."""
     if k < 2 or len(sizes) < 2 or len(sizes) != len(seconds):
         raise ValueError("fit needs timings of at least two sizes over k >= 2 ranks")
     pairs = sorted(zip(sizes, seconds))
     half = len(pairs) // 2
     large, small = pairs[min(half, len(pairs) - 2):], pairs[:max(half, 1)]
-    mean_s = statistics.fmean(s for s, _ in large)
-    mean_t = statistics.fmean(t for _, t in large)
-    b = max(0.0, sum((s - mean_s) * (t - mean_t) for s, t in large) / sum((s - mean_s) ** 2 for s, _ in large))
+    b = max(0.0, repeated_median_slope(large))
     a = max(0.0, statistics.median(t - b * s for s, t in small))
     steps = 2 * (k - 1)
     return LinkCost(alpha_s=a / steps, beta_s_per_byte=b / (steps / k), source=source)
 
 
+def repeated_median_slope(points: list[tuple[float, float]]) -> float:
+    """For each point the median slope to the others, then the median of those: a line that up to
+    half of the points, however wrong, cannot move."""
+    return statistics.median(
+        statistics.median((t2 - t1) / (s2 - s1) for s2, t2 in points if s2 != s1) for s1, t1 in points)
+
+
 def default_sizes(largest: int) -> list[int]:
-    """4 KiB, 16 KiB, ... up to and including `largest` bytes (a model's largest bucket)."""
+    """4 KiB, 8 KiB, 16 KiB, ... and `largest` bytes (a model's largest bucket) to end with: sizes
+    a factor of 2 apart, so that the larger half, which sets the per-byte cost, has enough of them
+    for a median to outvote one bad timing. A power of 2 within 1.5x of `largest` is left out:
+    two sizes that close give a slope that is mostly noise."""
     sizes, s = [], 4096
-    while s < largest:
+    while s * 1.5 <= largest:
         sizes.append(s)
-        s *= 4
+        s *= 2
     return sizes + [max(largest, 4096)]
 
 
@@ -147,27 +159,29 @@ def _rank_main(spec: dict) -> None:
     dist.init_process_group(spec["backend"], store=store, rank=rank, world_size=k,
                             timeout=datetime.timedelta(seconds=120))
     device = torch.device("cuda", rank % torch.cuda.device_count()) if spec["backend"] == "nccl" else torch.device("cpu")
-    medians = []
-    for nbytes in [max(spec["sizes"])] * 3:  # warm-up: connections, buffers, TCP windows
-        dist.all_reduce(torch.zeros(max(1, nbytes // 4), device=device))
-    for nbytes in spec["sizes"]:
-        t = torch.zeros(max(1, nbytes // 4), device=device)
-        dist.all_reduce(t)
-        times: list[float] = []
-        while len(times) < MIN_REPEATS or (sum(times) < SECONDS_PER_SIZE and len(times) < MAX_REPEATS):
+    tensors = [torch.zeros(max(1, nbytes // 4), device=device) for nbytes in spec["sizes"]]
+    for _ in range(2):  # warm-up: connections, buffers, TCP windows
+        for t in tensors:
+            dist.all_reduce(t)
+    times: list[list[float]] = [[] for _ in tensors]
+    rounds = 0
+    while True:
+        for t, timed in zip(tensors, times):
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(t)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-            # Every rank must make the same number of calls: rank 0 decides whether to go on.
-            more = torch.tensor([len(times) < MIN_REPEATS or (sum(times) < SECONDS_PER_SIZE and len(times) < MAX_REPEATS)],
-                                device=device)
-            dist.broadcast(more, src=0)
-            if not more.item():
-                break
-        medians.append(statistics.median(times))
+            timed.append(time.perf_counter() - t0)
+        rounds += 1
+        spent = sum(map(sum, times))
+        # Every rank must make the same number of calls: rank 0 decides whether to go on.
+        more = torch.tensor([rounds < MIN_ROUNDS or (spent < SECONDS_PER_SIZE * len(tensors) and rounds < MAX_ROUNDS)],
+                            device=device)
+        dist.broadcast(more, src=0)
+        if not more.item():
+            break
+    medians = [statistics.median(timed) for timed in times]
     if rank == 0:
         atomic_write_json(Path(spec["out"]), {"k": k, "backend": spec["backend"], "sizes": spec["sizes"], "seconds": medians})
     dist.barrier()
