@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader
 
 from gpulab import data
 from gpulab.bench.environment import environment
-from gpulab.devices import resolve
+from gpulab.devices import resolve, synchronize
 from gpulab.io import atomic_write_json
 from gpulab.train import TrainConfig, build
-from gpulab.train.loop import evaluate, synchronize, train_epoch
+from gpulab.train.loop import evaluate, train_epoch
 
 BATCH = 256
 

@@ -38,7 +38,7 @@ TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
     "args, fragments",
     [
         (["--model", "vgg"], ["--model vgg", "unknown model", "lenet"]),
-        (["--data", "cifar10"], ["--data cifar10", "unknown dataset", "fashion-mnist"]),
+        (["--data", "cifar10"], ["--data cifar10", "choose one of fashion-mnist"]),
         (["--devices", "tpu"], ["unknown device 'tpu'", "available: cpu"]),
         (["--devices", "cpu*0"], ["cpu*K with K >= 1"]),
         (["--devices", "cpu,cpu"], ["lists a device twice"]),
@@ -52,7 +52,7 @@ TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
         (["--epochs", "two"], ["--epochs", "invalid int value"]),
         (["--eval-batch-size", "0"], ["--eval-batch-size 0"]),
         (["--recipe", "textbook", "--model", "resnet18"], ["use --model lenet"]),
-        (["--recipe", "fast"], ["--recipe fast", "unknown recipe", "textbook"]),
+        (["--recipe", "fast"], ["--recipe fast", "choose one of modern, textbook"]),
         (["--frobnicate"], ["unrecognized arguments: --frobnicate"]),
     ],
 )
@@ -65,6 +65,27 @@ def test_train_bad_input(tiny_data, tmp_path, capsys, args, fragments):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_train_options_are_the_config_fields_with_their_types():
+    from gpulab.cli import build_parser
+    from gpulab.options import given_options, train_fields
+
+    args = build_parser().parse_args(["train", "--batch-size", "64", "--lr", "0.05", "--sync-bn", "--precision", "bf16",
+                                      "--data-dir", "d", "--timeout", "5"])
+    given = given_options(args, train_fields())
+    assert given == {"batch_size": 64, "lr": 0.05, "sync_bn": True, "precision": "bf16", "data_dir": "d", "timeout": 5.0}
+    assert type(given["timeout"]) is float and type(given["batch_size"]) is int
+    cfg = TrainConfig(**given)
+    assert (cfg.batch_size, cfg.lr, cfg.sync_bn, cfg.epochs) == (64, 0.05, True, 10)  # the rest: TrainConfig's defaults
+
+
+def test_every_recipe_name_is_a_choice_of_recipe():
+    import typing
+
+    from gpulab.config import RECIPES, RecipeName
+
+    assert set(typing.get_args(RecipeName)) == set(RECIPES)
+
+
 def test_train_unavailable_gpu(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     code, _, err = run([*TRAIN, "--out", str(out), "--devices", "cuda:0"], capsys)

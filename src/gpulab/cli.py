@@ -139,36 +139,10 @@ def _fmt(value, unit: str, limit=None) -> str:
 
 
 def add_train_parser(sub) -> None:
-    from gpulab.options import add_step_options
+    from gpulab.options import add_config_options, train_fields
 
-    # No choices= here: importing the model/recipe tables would import torch just to build the
-    # parser (2 s before `gpulab profile` can start a script). TrainConfig validates every value.
     p = sub.add_parser("train", help="train a model, data-parallel over the chosen devices")
-    # Every default is None so that only options the user typed override TrainConfig's defaults.
-    add_step_options(p)
-    p.add_argument("--data", default=None, help="dataset (fashion-mnist)")
-    p.add_argument("--epochs", type=int, default=None, help="number of epochs (default 10)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the initial weights and the batch order (default 0)")
-    p.add_argument("--allreduce", default=None, help="gradient allreduce in one process: auto (default), naive, ring or nccl")
-    p.add_argument("--backend", default=None, help="under torchrun: auto (default: nccl on GPUs, else gloo), gloo or nccl")
-    p.add_argument(
-        "--timeout", type=float, default=None,
-        help="under torchrun: seconds a training collective waits for the other ranks before the job stops "
-        "(default 60; must cover rank 0 writing a checkpoint)",
-    )
-    p.add_argument(
-        "--accumulate", type=int, default=None,
-        help="compute each batch as N micro-batches in turn, exchanging gradients once per step (default 1)",
-    )
-    p.add_argument("--sync-bn", action="store_const", const=True, default=None, help="BatchNorm statistics over the whole minibatch")
-    p.add_argument(
-        "--scale-batch", action="store_const", const=True, default=None,
-        help="multiply the batch and the learning rate by the number of devices (with one epoch of warm-up)",
-    )
-    p.add_argument("--eval-batch-size", type=int, default=None, help="batch size of evaluation (default 1024): no gradients, so it can be larger")
-    p.add_argument("--out", default=None, help="run directory (default runs/<timestamp>-<model>)")
-    p.add_argument("--profile", action="store_const", const=True, default=None, help="sample utilisation and write a timeline, report and trace to <run dir>/profile/")
+    add_config_options(p, train_fields())
     p.add_argument(
         "--resume", metavar="RUN_DIR", default=None,
         help="continue a run from its last checkpoint, with its saved options; only --data-dir (where its data is now) "
@@ -182,18 +156,12 @@ def add_train_parser(sub) -> None:
     p.set_defaults(func=run_train)
 
 
-_TRAIN_FIELDS = (
-    "model", "data", "data_dir", "devices", "epochs", "batch_size", "lr", "recipe", "seed", "allreduce", "sync",
-    "backend", "timeout", "accumulate", "sync_bn", "scale_batch", "eval_batch_size", "channels_last", "precision",
-    "out", "profile",
-)
-
-
 def run_train(args) -> int:
+    from gpulab.options import given_options, train_fields
     from gpulab.parallel.world import SharedError
     from gpulab.train import TrainConfig, train
 
-    given = {f: getattr(args, f) for f in _TRAIN_FIELDS if getattr(args, f) is not None}
+    given = given_options(args, train_fields())
     if args.resume:
         others = [f for f in given if f not in ("data_dir", "epochs")]  # where the data is now; a new total
         if others:  # every rank of a torchrun job reads the same options: rank 0 says it

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import platform
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -238,6 +238,12 @@ def check_same_device(*tensors: torch.Tensor) -> torch.device:
 
 
 # ----------------------------------------------------------------------------- describing
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait until every CUDA device in `devices` has finished its queued work (CPU: nothing to do)."""
+    for d in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(d)
 
 
 def _cpu_model() -> str:

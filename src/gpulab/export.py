@@ -90,7 +90,7 @@ def check_out(out: Path) -> None:
 
 def load_run(run_dir: Path):
     """(TrainConfig, model state dict, epoch) of a run directory, with one-line errors."""
-    from gpulab.train.config import TrainConfig
+    from gpulab.config import TrainConfig
     from gpulab.train.rundir import CHECKPOINT, RunDir
 
     if not run_dir.exists():

@@ -1,29 +1,50 @@
-"""The command-line options that say what one training step is: gpulab train and gpulab plan
-both take them (argparse only; TrainConfig validates the values)."""
+"""The command-line options of a training run, built from TrainConfig's fields (gpulab.config):
+the flag, the type, the choices and the help text each come from the one field that declares them.
+gpulab train takes every field; gpulab plan the ones that say what one training step is.
+
+Every option's argparse default is None, so that only the options the user typed override
+TrainConfig's defaults (and a resumed run can tell which ones were given)."""
 
 from __future__ import annotations
 
-_STEP_FIELDS = ("model", "data_dir", "devices", "batch_size", "recipe", "sync", "channels_last", "precision")
+import typing
+from dataclasses import fields
+
+from gpulab.config import TrainConfig, choices
+
+STEP_FIELDS = ("model", "data_dir", "devices", "batch_size", "recipe", "sync", "channels_last", "precision")
+"""What one training step is: the options gpulab plan shares with gpulab train."""
 
 
-def add_step_options(p) -> None:
-    """What one training step is: the options gpulab train and gpulab plan share."""
-    p.add_argument("--model", default=None, help="lenet (default), resnet18, or your own: package.module:factory (a callable returning an nn.Module that takes 1x28x28 images and gives 10 class scores)")
-    p.add_argument("--data-dir", default=None, help="folder with the IDX files (default: $GPULAB_DATA, cache, Debian's path)")
-    p.add_argument("--devices", default=None, help="auto or all (default: every GPU, else the CPU) | cpu | cpu*K | cuda:0,cuda:1 | gpu:N")
-    p.add_argument(
-        "--batch-size", type=int, default=None,
-        help="GLOBAL minibatch size (default 256): with k devices each device gets about batch-size/k",
-    )
-    p.add_argument("--recipe", default=None, help="modern (default) or textbook (SGD, lr 0.2)")
-    p.add_argument(
-        "--sync", default=None,
-        help="under torchrun: gpulab (default: bucketed all-reduce overlapped with backward) or ddp (PyTorch's DDP)",
-    )
-    p.add_argument("--channels-last", default=None, help="auto (default: on for CPU), on or off")
-    p.add_argument("--precision", default=None, help="auto (default: bf16 autocast on CPUs with native bf16), fp32 or bf16")
+def train_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(TrainConfig) if f.metadata["cli"])
 
 
-def step_options(args) -> dict:
-    """The step options the user gave (None: not given)."""
-    return {f: getattr(args, f) for f in _STEP_FIELDS if getattr(args, f) is not None}
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_options(parser, names: tuple[str, ...]) -> None:
+    """One option per TrainConfig field in `names`."""
+    by_name = {f.name: f for f in fields(TrainConfig)}
+    hints = typing.get_type_hints(TrainConfig)
+    for name in names:
+        f, hint = by_name[name], hints[name]
+        help_text = f.metadata["help"] + ("" if f.default is None or f.default is False else f" (default {f.default})")
+        if hint is bool:
+            parser.add_argument(flag(name), action="store_const", const=True, default=None, help=help_text)
+            continue
+        allowed = choices(TrainConfig, name)
+        # No argparse choices=: TrainConfig checks them, with the one-line error that lists them.
+        metavar = "{" + ",".join(allowed) + "}" if allowed else None
+        parser.add_argument(flag(name), type=value_type(hint), default=None, metavar=metavar, help=help_text)
+
+
+def value_type(hint) -> type:
+    """What argparse turns the text into: int or float for those fields (also `float | None`), else str."""
+    return next((t for t in (int, float) if hint is t or t in typing.get_args(hint)), str)
+
+
+def given_options(args, names: tuple[str, ...]) -> dict:
+    """The options the user gave (None: not given)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}

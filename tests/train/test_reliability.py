@@ -17,6 +17,7 @@ import torch
 
 from tests.conftest import assert_one_line_error, run_cli
 from gpulab.errors import UserError
+from gpulab.parallel import DataParallel
 from gpulab.train import TrainConfig, train
 from gpulab.train import loop, rundir
 from gpulab.train.rundir import CHECKPOINT
@@ -371,7 +372,7 @@ def test_divergence_stops_within_the_epoch_without_a_host_read_per_step(tiny_dat
     monkeypatch.setattr(loop, "CHECK_EVERY", 4)
     reads = HostReads(monkeypatch)
     steps = []
-    real_step = loop.DataParallel.train_step
+    real_step = DataParallel.train_step
 
     def train_step(self, X, y, loss_fn, meter=None):
         steps.append(1)
@@ -381,7 +382,7 @@ def test_divergence_stops_within_the_epoch_without_a_host_read_per_step(tiny_dat
         finally:
             reads.active = False
 
-    monkeypatch.setattr(loop.DataParallel, "train_step", train_step)
+    monkeypatch.setattr(DataParallel, "train_step", train_step)
     real_epoch = loop.train_epoch
     seen = {}
 
@@ -486,6 +487,7 @@ def test_the_divergence_rule():
 NAN_WITHIN_EPOCH_JOB = '''
 import os, sys, torch
 from gpulab.errors import UserError
+from gpulab.parallel.distributed import Distributed
 from gpulab.train import TrainConfig, loop, train
 
 loop.CHECK_EVERY = 2
@@ -494,11 +496,11 @@ X, y = torch.randn(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), ge
 X[5] = float("nan")  # one sample: it lands in one rank's part of one batch
 data = torch.utils.data.TensorDataset(X, y)
 steps = []
-real_step = loop.Distributed.train_step
+real_step = Distributed.train_step
 def train_step(self, *args, **kwargs):
     steps.append(1)
     return real_step(self, *args, **kwargs)
-loop.Distributed.train_step = train_step
+Distributed.train_step = train_step
 try:
     train(TrainConfig(devices="cpu", epochs=1, batch_size=16, precision="fp32", out=sys.argv[1]),
           train_data=data, test_data=data)

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from gpulab.errors import UserError
 from gpulab.train import RECIPES, TrainConfig, train
-from gpulab.train.loop import lr_at
+from gpulab.train.recipe import lr_at
 from gpulab.train.rundir import CHECKPOINT, LOCK, RunDir, check_writable, default_run_dir
 
 TIMING_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds"}
@@ -292,8 +292,8 @@ def test_divergence_later_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
 def test_config_validation():
     for bad, match in (
         (dict(model="vgg"), "--model vgg: unknown model"),
-        (dict(data="cifar10"), "--data cifar10: unknown dataset"),
-        (dict(recipe="fast"), "--recipe fast: unknown recipe"),
+        (dict(data="cifar10"), "--data cifar10: choose one of fashion-mnist, custom"),
+        (dict(recipe="fast"), "--recipe fast: choose one of modern, textbook"),
         (dict(epochs=0), "at least 1 epoch"),
         (dict(batch_size=0), "batch size must be >= 1"),
         (dict(eval_batch_size=0), "must be >= 1"),
@@ -301,8 +301,10 @@ def test_config_validation():
         (dict(lr=-0.1), "positive number"),
         (dict(lr=float("nan")), "positive number"),
         (dict(lr=float("inf")), "positive number"),
-        (dict(channels_last="maybe"), "use auto, on or off"),
-        (dict(allreduce="carrier-pigeon"), "--allreduce carrier-pigeon"),
+        (dict(channels_last="maybe"), "--channels-last maybe: choose one of auto, on, off"),
+        (dict(allreduce="carrier-pigeon"), "--allreduce carrier-pigeon: choose one of auto, naive, ring, nccl"),
+        (dict(sync="horovod"), "--sync horovod: choose one of gpulab, ddp"),
+        (dict(backend="mpi"), "--backend mpi: choose one of auto, gloo, nccl"),
     ):
         with pytest.raises(UserError, match=match):
             TrainConfig(**bad)
@@ -428,11 +430,11 @@ def test_train_data_without_test_data_is_refused(tmp_path):
 
 def test_precision_choice(tiny_data, tmp_path, capsys):
     from gpulab.devices import resolve
-    from gpulab.train.loop import autocast_dtype
+    from gpulab.train.precision import autocast_dtype
 
     assert autocast_dtype(TrainConfig(precision="fp32"), resolve("cpu")) is None
     assert autocast_dtype(TrainConfig(precision="bf16"), resolve("cpu")) is torch.bfloat16
-    with pytest.raises(UserError, match="--precision fp16: use auto, fp32 or bf16"):
+    with pytest.raises(UserError, match="--precision fp16: choose one of auto, fp32, bf16"):
         TrainConfig(precision="fp16")
     train(config(tmp_path / "run", epochs=1, precision="bf16"))
     assert "bf16 autocast" in capsys.readouterr().out

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from gpulab.devices import synchronize
+
 
 @dataclass
 class Timing:
@@ -51,12 +53,6 @@ class Timing:
     @property
     def rel_spread(self) -> float:
         return self.iqr_s / self.median_s if self.median_s > 0 else 0.0
-
-
-def synchronize(devices: Iterable[torch.device]) -> None:
-    """Wait until every CUDA device in `devices` has finished its queued work (CPU: nothing to do)."""
-    for d in {d for d in devices if d.type == "cuda"}:
-        torch.cuda.synchronize(d)
 
 
 def pick_clock(devices: Iterable[torch.device], clock: str = "auto") -> str:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpulab.bench.harness import measure, synchronize
+from gpulab.bench.harness import measure
+from gpulab.devices import synchronize
 from gpulab.bench.report import Column, Result, figure, fmt_bytes, fmt_seconds
 from gpulab.devices import copy_to, place
 
@@ -42,13 +43,12 @@ class Config:
     min_sample_s: float = 0.02
     max_total_s: float = 3.0
 
-    @classmethod
-    def preset(cls, name: str) -> Config:
-        if name == "quick":
-            return cls(sizes=[4**i * 1024 for i in range(0, 7)], repeats=5, min_sample_s=0.005, max_total_s=0.3)
-        if name == "tiny":
-            return cls(sizes=[1024, 64 * 1024], repeats=3, min_sample_s=0.001, max_total_s=0.05)
-        return cls()
+
+PRESETS = {  # `--preset NAME`: the sizes of each run; "full" is Config's defaults
+    "full": {},
+    "quick": dict(sizes=[4**i * 1024 for i in range(0, 7)], repeats=5, min_sample_s=0.005, max_total_s=0.3),
+    "tiny": dict(sizes=[1024, 64 * 1024], repeats=3, min_sample_s=0.001, max_total_s=0.05),
+}
 
 
 def run(cfg: Config, ctx, result: Result) -> None:

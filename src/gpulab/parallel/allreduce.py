@@ -17,14 +17,16 @@ move bytes itself: `torch.distributed.all_reduce` (gloo, NCCL) sums the same buc
 
 from __future__ import annotations
 
+import typing
 import weakref
 from contextlib import contextmanager
 
 import torch
 
+from gpulab.config import Allreduce
 from gpulab.errors import UserError
 
-ALGORITHMS = ("auto", "naive", "ring", "nccl")
+ALGORITHMS = typing.get_args(Allreduce)
 
 
 def _check(tensors: list[torch.Tensor]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -29,7 +28,7 @@ from gpulab.devices import device_of, place
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose, weak_hook
 from gpulab.parallel.meter import Meter, correct_count
-from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
+from gpulab.parallel.strategy import LossFn, autocast, eval_batch, phase, set_lr
 from gpulab.parallel.sync_bn import convert_to_sync, exchanges
 
 
@@ -67,10 +66,6 @@ def micro_batches(X: torch.Tensor, y: torch.Tensor, accumulate: int):
     """`accumulate` micro-batches of (X, y), computed one after another to save memory."""
     parts = min(accumulate, len(y))
     return list(zip(torch.tensor_split(X, parts), torch.tensor_split(y, parts)))
-
-
-def no_phase(name: str):
-    return nullcontext()
 
 
 class DataParallel:
@@ -112,7 +107,7 @@ class DataParallel:
         probes = [torch.empty(0, device=d) for d in self.devices]
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
         self.description = f"allreduce {self.allreduce_algorithm}"
-        self.phase = timer.phase if timer is not None else no_phase
+        self.timer = timer
 
     @property
     def module(self) -> nn.Module:
@@ -142,9 +137,9 @@ class DataParallel:
         self.buckets.zero_()
         total = torch.zeros((), device=first)
         for X_micro, y_micro in micro_batches(X, y, self.accumulate):
-            with self.phase("scatter"):
+            with phase(self.timer, "scatter"):
                 X_shards, y_shards = split_batch(X_micro, y_micro, self.devices)
-            with self.phase("forward_backward"):
+            with phase(self.timer, "forward_backward"):
                 self.buckets.expect_gradients()
                 outputs, losses = self._forward(X_shards, y_shards, loss_fn, n)
                 torch.autograd.backward(losses)
@@ -153,10 +148,10 @@ class DataParallel:
             if meter is not None:
                 correct = sum(place(correct_count(o, t), first) for o, t in zip(outputs, y_shards))
                 meter.add(loss * n, correct, len(y_micro))
-        with self.phase("allreduce"):
+        with phase(self.timer, "allreduce"):
             if len(self.devices) > 1:
                 self.buckets.allreduce(self.allreduce_algorithm)
-        with self.phase("optimizer"):
+        with phase(self.timer, "optimizer"):
             # A parameter no replica used gets no update, as plain PyTorch skips a None .grad.
             with self.buckets.hidden_grads(self.buckets.unused_here()):
                 for opt in self.optimizers:

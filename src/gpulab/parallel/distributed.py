@@ -24,21 +24,23 @@ the parts differ in size by one sample.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import torch
 from torch import nn
 
+from gpulab.config import Sync
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, FIRST_BUCKET_BYTES, Buckets, weak_hook
-from gpulab.parallel.data_parallel import micro_batches, no_phase
+from gpulab.parallel.data_parallel import micro_batches
 from gpulab.parallel.meter import Meter, correct_count, summarize
-from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
+from gpulab.parallel.strategy import LossFn, autocast, eval_batch, phase, set_lr
 from gpulab.parallel.sync_bn import convert_across_ranks
 from gpulab.parallel.world import World
 
-SYNCS = ("gpulab", "ddp")
+SYNCS = typing.get_args(Sync)
 
 
 class GradSync:
@@ -122,7 +124,7 @@ class Distributed:
         """`batch_size`: the global batch (all ranks together) of every training step.
         `sync_bn`: BatchNorm statistics over the whole global batch (a collective per BN layer)."""
         if sync not in SYNCS:
-            raise UserError(f"--sync {sync}: choose gpulab or ddp")
+            raise UserError(f"--sync {sync}: choose one of {', '.join(SYNCS)}")
         self.world = world
         self.devices = [device]
         self.num_replicas = world.world_size
@@ -131,7 +133,7 @@ class Distributed:
         self.autocast = autocast
         self.buffers_stale = True
         self.sync = sync
-        self.phase = timer.phase if timer is not None else no_phase
+        self.timer = timer
         self.module = module.to(device)
         self.replicas = [self.module]  # this process's copies of the model (DataParallel has k)
         self._broadcast_from_main(self.module)
@@ -181,7 +183,7 @@ class Distributed:
         with self.world.collectives():
             for j, (X_micro, y_micro) in enumerate(parts):
                 last = j == len(parts) - 1
-                with self.phase("forward_backward"), self._communication(last):
+                with phase(self.timer, "forward_backward"), self._communication(last):
                     with autocast(self.devices[0], self.autocast):
                         out = self.model(X_micro)
                         loss = loss_fn(out, y_micro) * (len(y_micro) / self.batch_size)
@@ -189,11 +191,11 @@ class Distributed:
                 total = total + loss.detach()
                 if meter is not None:
                     meter.add(loss.detach() * self.batch_size, correct_count(out, y_micro), len(y_micro))
-            with self.phase("allreduce"):  # the exchange not hidden behind backward
+            with phase(self.timer, "allreduce"):  # the exchange not hidden behind backward
                 unused = self.grad_sync.finish() if self.grad_sync else []
         # Parameters no rank used are skipped, as plain PyTorch skips a parameter whose .grad is None.
         hidden = self.grad_sync.buckets.hidden_grads(unused) if unused else nullcontext()
-        with self.phase("optimizer"), hidden:
+        with phase(self.timer, "optimizer"), hidden:
             self.optimizer.step()
         return total
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 from pathlib import Path
 
@@ -10,14 +9,14 @@ from gpulab.errors import UserError
 
 
 def add_plan_parser(sub) -> None:
-    from gpulab.options import add_step_options
+    from gpulab.options import STEP_FIELDS, add_config_options
 
     p = sub.add_parser(
         "plan", help="predict whether k devices or n machines would make this training faster, from measurements",
         description="Measure one training step and the allreduce here, predict k devices / n machines, "
         "and with --check compare the prediction with real runs on this machine.",
     )
-    add_step_options(p)
+    add_config_options(p, STEP_FIELDS)
     p.add_argument("--devices-per-node", type=int, nargs="+", default=[1, 2], metavar="K",
                    help="devices per machine to plan for (default: 1 2)")
     p.add_argument("--nodes", type=int, nargs="+", default=[1], metavar="N", help="machines to plan for (default: 1)")
@@ -40,13 +39,13 @@ def add_plan_parser(sub) -> None:
 def run_plan(args) -> int:
     from rich.console import Console
 
-    from gpulab.options import step_options
+    from gpulab.options import STEP_FIELDS, given_options
     from gpulab.io import check_writable
     from gpulab.plan import report
     from gpulab.plan.planner import PlanConfig, device_kind, make_plan
     from gpulab.train import TrainConfig
 
-    given = step_options(args)
+    given = given_options(args, STEP_FIELDS)
     checked = TrainConfig(**given)  # every train option checked the way gpulab train checks it
     train = {**given, "model": checked.model, "batch_size": checked.batch_size}
     cfg = PlanConfig(train=train, devices_per_node=args.devices_per_node, nodes=args.nodes, link=args.link,

@@ -130,8 +130,8 @@ def _profile_main(spec: dict) -> None:
     from gpulab.io import atomic_write_json
     from gpulab.parallel.meter import Meter
     from gpulab.parallel.world import World
-    from gpulab.train.config import TrainConfig
-    from gpulab.train.loop import build
+    from gpulab.config import TrainConfig
+    from gpulab.train.build import build
 
     torch.set_num_threads(spec["threads"])
     in_step = _join_copies(spec) if spec["copies"] > 1 else (lambda done: done)

@@ -1,6 +1,7 @@
 """Training: config dataclasses, recipes, the loop, run directories and checkpoints."""
 
-from gpulab.train.config import RECIPES, Recipe, TrainConfig
-from gpulab.train.loop import build, train
+from gpulab.config import RECIPES, Recipe, TrainConfig
+from gpulab.train.build import build
+from gpulab.train.loop import train
 
 __all__ = ["RECIPES", "Recipe", "TrainConfig", "build", "train"]

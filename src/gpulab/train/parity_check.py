@@ -20,8 +20,10 @@ from gpulab import data, models
 from gpulab.devices import format_devices
 from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training, reordered
 from gpulab.parallel.world import PeerLost, Terminated, World, from_environment
-from gpulab.train.config import TrainConfig
-from gpulab.train.loop import build, make_loaders, make_optimizer, make_strategy, use_channels_last
+from gpulab.config import TrainConfig
+from gpulab.train.build import build, make_loaders, make_strategy
+from gpulab.train.precision import use_channels_last
+from gpulab.train.recipe import make_optimizer
 
 
 def check_parity(cfg: TrainConfig, num_steps: int = 5) -> int:

@@ -1,0 +1,247 @@
+"""Everything a run needs, built from a TrainConfig (and the caller's own data, model, loss,
+optimizer): devices, data loaders, model, strategy, learning rate. Every check that can fail
+runs here, before anything is written."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from gpulab import data, models
+from gpulab.config import TrainConfig
+from gpulab.devices import for_rank, resolve
+from gpulab.errors import UserError
+from gpulab.host import fix_malloc_thresholds
+from gpulab.monitor.phases import PhaseTimer
+from gpulab.parallel import DataParallel, World
+from gpulab.parallel.distributed import Distributed
+from gpulab.parallel.meter import classifies
+from gpulab.parallel.strategy import Strategy
+from gpulab.parallel.world import choose_backend
+from gpulab.train.precision import autocast_dtype, use_channels_last
+from gpulab.train.recipe import make_optimizer
+
+
+@dataclass
+class Run:
+    """Everything built from a config, ready to train."""
+
+    cfg: TrainConfig
+    world: World
+    strategy: Strategy
+    train_loader: data.DeviceLoader | data.HostLoader
+    test_loader: data.DeviceLoader | data.HostLoader
+    loss_fn: torch.nn.Module
+    timer: PhaseTimer
+    batch_size: int
+    peak_lr: float
+    warmup_steps: int
+    schedule_lr: bool = True
+    """The recipe's schedule sets the learning rate each step; a caller's own optimizer keeps its own."""
+    position: str = "set-up"
+    """Where the loop is ("epoch 2, step 37"), for the message when another rank fails."""
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return self.strategy.devices
+
+
+
+def make_loaders(cfg: TrainConfig, world: World, device: torch.device, batch_size: int, channels_last: bool,
+                 train_data, test_data) -> tuple[data.DeviceLoader | data.HostLoader, data.DeviceLoader | data.HostLoader]:
+    """Fashion-MNIST's splits go to the device whole (DeviceLoader); a user's data is batched on the host."""
+    if isinstance(train_data, data.Split):
+        args = dict(device=device, channels_last=channels_last, normalize=cfg.recipe_spec.normalize,
+                    rank=world.rank, world_size=world.world_size)
+        return (
+            data.DeviceLoader(train_data, batch_size, shuffle=True, seed=cfg.seed, drop_last=True, **args),
+            data.DeviceLoader(test_data, cfg.eval_batch_size, **args),
+        )
+    args = dict(device=device, seed=cfg.seed, rank=world.rank, world_size=world.world_size, channels_last=channels_last)
+    return (
+        data.user_loader(train_data, batch_size, train=True, **args),
+        data.user_loader(test_data, cfg.eval_batch_size, train=False, **args),
+    )
+
+
+
+def check_image_shape(source, model: str) -> None:
+    """Fail with one line, not a shape error deep inside forward, when images do not fit a built-in
+    model (the user's own model takes whatever its data holds)."""
+    if model not in models.MODELS:
+        return
+    shape = data.sample_shape(source)
+    if shape is None:
+        return
+    fits = len(shape) == 3 and shape[0] == 1 and (model != "lenet" or shape[1:] == (28, 28))
+    if not fits:
+        want = "1x28x28" if model == "lenet" else "1xHxW"
+        raise UserError(f"train_data images have shape {'x'.join(map(str, shape))}; --model {model} takes {want} images")
+
+
+
+def choose_devices(cfg: TrainConfig, world: World) -> list[torch.device]:
+    """This process's devices: the --devices list in one process, one device per torchrun rank."""
+    if world.world_size == 1:
+        return resolve(cfg.devices)
+    device = for_rank(cfg.devices, world.local_rank, world.local_world_size)
+    choose_backend(cfg.backend, device)  # refuse nccl without GPUs before any rank connects
+    return [device]
+
+
+
+def global_batch_size(cfg: TrainConfig, replicas: int, train_data) -> int:
+    """The batch of every step: --batch-size (x replicas with --scale-batch), or the caller's
+    DataLoader's own batch_size when it passes one."""
+    if isinstance(train_data, torch.utils.data.DataLoader) and train_data.batch_size is not None:
+        return train_data.batch_size
+    return cfg.batch_size * (replicas if cfg.scale_batch else 1)
+
+
+
+def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int, train_data, test_data) -> None:
+    if isinstance(train_data, torch.utils.data.DataLoader) and train_data.batch_size is None and world.world_size > 1:
+        raise UserError("under torchrun gpulab batches your data itself: pass a DataLoader with a batch_size, or the Dataset")
+    if batch_size < replicas * cfg.accumulate:
+        what = f"the {replicas} {'ranks' if world.world_size > 1 else 'devices'}"
+        if cfg.accumulate > 1:
+            what += f" x {cfg.accumulate} micro-batches (--accumulate)"
+        raise UserError(f"--batch-size {batch_size} is smaller than {what}: use at least {replicas * cfg.accumulate}")
+    if (train_data is None) != (test_data is None):
+        raise UserError("pass both train_data and test_data, or neither (to use Fashion-MNIST)")
+    if cfg.data == "custom" and train_data is None:
+        raise UserError("this run trains on the caller's own data: pass train_data and test_data to train()")
+    if train_data is not None:
+        check_image_shape(train_data, cfg.model)
+    if cfg.sync_bn and world.world_size > 1 and cfg.sync == "ddp":
+        raise UserError("--sync-bn with --sync ddp is not supported (gpulab's sync BN runs with --sync gpulab): drop one")
+    if cfg.recipe_spec.init == "textbook" and cfg.model != "lenet":
+        raise UserError("--recipe textbook initialises the textbook's LeNet only: use --model lenet")
+
+
+
+def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, devices: list[torch.device],
+                  batch_size: int, lr: float, timer: PhaseTimer | None = None, optimizer=None) -> Strategy:
+    optimizer = optimizer or make_optimizer(cfg.recipe_spec, lr)
+    autocast = autocast_dtype(cfg, devices)
+    if world.world_size > 1:
+        return Distributed(
+            model, world, devices[0], batch_size, optimizer, sync=cfg.sync, accumulate=cfg.accumulate,
+            sync_bn=cfg.sync_bn, timer=timer, autocast=autocast,
+        )
+    return DataParallel(
+        model, devices, optimizer=optimizer, allreduce=cfg.allreduce, sync_bn=cfg.sync_bn, timer=timer,
+        autocast=autocast, accumulate=cfg.accumulate,
+    )
+
+
+
+def check_own_model(model: torch.nn.Module) -> None:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) > 1:
+        listing = ", ".join(sorted(str(d) for d in devices))
+        raise UserError(f"the model's parameters are on several devices ({listing}): gpulab places one whole copy "
+                        "per device itself - pass the model on one device (e.g. model.cpu())")
+
+
+
+class CheckedLoss:
+    """The loss function, checked on its first call: one-line errors instead of a broadcast error or
+    a silently wrong gradient deep in the step. Also learns whether accuracy applies (class scores
+    for integer labels), from shapes alone."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn = loss_fn
+        self.checked = False
+        self.classifies = True
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.checked:
+            return self.loss_fn(outputs, targets)
+        if not isinstance(outputs, torch.Tensor):
+            raise UserError(f"the model returned a {type(outputs).__name__}: gpulab trains models whose forward "
+                            "returns one tensor (wrap the model to return the one the loss takes)")
+        if outputs.shape[:1] != targets.shape[:1]:
+            raise UserError(f"the model's outputs have batch size {outputs.shape[0] if outputs.dim() else 'none'} "
+                            f"(shape {tuple(outputs.shape)}) but the labels have {targets.shape[0] if targets.dim() else 'none'}: "
+                            "the first dimension of both must be the batch")
+        if classifies(outputs, targets) and len(targets):
+            # One host read, on the first step only: labels the class scores cannot index give
+            # an IndexError deep in cross_entropy otherwise.
+            low, high = torch.stack([targets.min(), targets.max()]).tolist()
+            if low < 0 or high >= outputs.shape[1]:
+                raise UserError(f"labels run from {low} to {high}, but the model gives {outputs.shape[1]} class scores "
+                                f"(labels must be 0..{outputs.shape[1] - 1}; the built-in models have 10 classes): "
+                                "relabel the data or use a model with more outputs")
+        loss = self.loss_fn(outputs, targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UserError(f"the loss returned {shape}, not one number: gpulab needs the batch's mean loss "
+                            "(e.g. reduction='mean', PyTorch's default)")
+        self.classifies = classifies(outputs, targets)
+        self.checked = True
+        return loss
+
+
+
+def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_data=None,
+          model: torch.nn.Module | None = None, loss_fn=None, optimizer=None) -> Run:
+    """Everything a run needs. `train_data`/`test_data`: a Dataset or DataLoader of (input, label)
+    to train on instead of Fashion-MNIST (the built-in data is loaded only when they are None).
+    `model`: your own nn.Module instead of `cfg.model`; `loss_fn(outputs, labels)`: the batch's
+    mean loss (default: cross-entropy); `optimizer`: a factory `params -> torch.optim.Optimizer`
+    (default: the recipe's, with its learning-rate schedule; yours keeps its own learning rate)."""
+    world = world or World()
+    fix_malloc_thresholds()  # before the data is loaded: every step then reuses freed host memory
+    if model is not None:
+        check_own_model(model)
+        cfg = dataclasses.replace(cfg, model=models.OBJECT)  # the run's config must not claim LeNet
+    # Every check that needs no data runs before the first collective, on every rank together.
+    devices = world.all_or_none(lambda: choose_devices(cfg, world))
+    replicas = len(devices) * world.world_size
+    recipe = cfg.recipe_spec
+    batch_size = global_batch_size(cfg, replicas, train_data)
+    peak_lr = (cfg.lr or recipe.lr) * (replicas if cfg.scale_batch else 1)
+    world.all_or_none(lambda: check_inputs(cfg, world, batch_size, replicas, train_data, test_data))
+    world.connect(devices[0], cfg.backend, cfg.timeout)
+    if train_data is None:
+        # One rank per machine finds (or downloads) the files first; the others then read them.
+        train_data, test_data = world.local_main_first(lambda: data.load(cfg.data_dir, download=True))
+    shape = data.sample_shape(train_data)
+    if shape is not None:
+        cfg = dataclasses.replace(cfg, input_shape=list(shape))  # for gpulab export
+    # channels_last is a layout of images (C, H, W); other inputs keep theirs.
+    channels_last = use_channels_last(cfg, devices) and (shape is None or len(shape) == 3)
+    train_loader, test_loader = world.all_or_none(
+        lambda: make_loaders(cfg, world, devices[0], batch_size, channels_last, train_data, test_data)
+    )
+
+    torch.manual_seed(cfg.seed)
+    if model is None:
+        model = models.build(cfg.model)
+    if recipe.init == "textbook":
+        model.init_textbook()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if any(d.type == "cuda" for d in devices):
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
+
+    timer = PhaseTimer(devices)
+    strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, timer, optimizer)
+    # Linear scaling needs a warm-up: a k-times larger lr from step 0 diverges (Goyal et al. 2017).
+    warmup_steps = len(train_loader) if cfg.scale_batch and replicas > 1 else 0
+    return Run(
+        cfg=cfg,
+        world=world,
+        strategy=strategy,
+        train_loader=train_loader,
+        test_loader=test_loader,
+        loss_fn=CheckedLoss(loss_fn or torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)),
+        timer=timer,
+        batch_size=batch_size,
+        peak_lr=peak_lr,
+        warmup_steps=warmup_steps,
+        schedule_lr=optimizer is None,
+    )

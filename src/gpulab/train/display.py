@@ -1,0 +1,60 @@
+"""What a run prints: the banner, one line per epoch, the result (rich renders them; rank 0 prints)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from gpulab import models
+from gpulab.devices import format_devices
+from gpulab.parallel.strategy import Strategy
+from gpulab.train.build import Run
+from gpulab.train.rundir import RunDir
+
+
+def placement(run: Run) -> str:
+    """"[cpu*2]", "[cuda:0, cuda:1]", or "4 ranks x [cuda:0]" (this rank's device) under torchrun."""
+    where = format_devices(run.devices)
+    return f"{run.world.world_size} ranks x {where}" if run.world.world_size > 1 else where
+
+
+
+def banner(run: Run, run_dir: RunDir) -> str:
+    cfg, strategy = run.cfg, run.strategy
+    per = "rank" if run.world.world_size > 1 else "device"
+    model = "your model" if cfg.model == models.OBJECT else cfg.model
+    schedule = f"recipe {cfg.recipe}, lr {run.peak_lr:g}" if run.schedule_lr else "your optimizer and its lr"
+    no_batchnorm = cfg.sync_bn and not models.has_batchnorm(strategy.replicas[0])
+    return (
+        f"training {model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
+        f"(~{run.batch_size // strategy.num_replicas} per {per}), {schedule}, "
+        f"{'bf16 autocast' if strategy.autocast else 'fp32'}, {strategy.description} -> {run_dir.path}"
+        + ("\n--sync-bn has no effect here: this model has no BatchNorm layers" if no_batchnorm else "")
+    )
+
+
+
+def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:
+    if row["train_acc"] is None:  # not a classifier: the losses say it all
+        metrics = f"loss {row['train_loss']:.4f}  test loss {row['test_loss']:.4f}"
+    else:
+        metrics = f"loss {row['train_loss']:.4f}  train acc {row['train_acc']:.3f}  test acc {row['test_acc']:.3f}"
+    line = (f"epoch {row['epoch']:>2}/{epochs}  {metrics}  {row['train_seconds']:.1f} s  "
+            f"{row['samples_per_s']:,.0f} samples/s")
+    if strategy.num_replicas > 1:
+        shares = "/".join(f"{s:.0%}" for s in row["allreduce_share"])
+        line += f"  waiting for gradients {shares}"
+    return line
+
+
+def result_line(history: list[dict], run: Run) -> str:
+    final = history[-1]
+    sec_per_epoch = sum(r["train_seconds"] for r in history) / len(history)
+    result = f"test acc: {final['test_acc']:.3f}" if final["test_acc"] is not None else f"test loss: {final['test_loss']:.4g}"
+    return f"{result}, {sec_per_epoch:.1f} sec/epoch on {placement(run)}"
+
+
+def progress_bar(console: Console, show: bool) -> Progress:
+    """The current epoch's steps, erased when the epoch's line is printed."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=console, transient=True, disable=not show)
