@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from gpulab.nvml import start_nvml
+
 # The CUDA versions PyTorch publishes wheels for (https://download.pytorch.org/whl/cuXYZ).
 PUBLISHED_CUDA_WHEELS: tuple[tuple[int, int], ...] = ((11, 8), (12, 1), (12, 4), (12, 6), (12, 8), (12, 9), (13, 0))
 WHEEL_INDEX = "https://download.pytorch.org/whl"
@@ -185,14 +187,8 @@ def bare_uuid(uuid: str) -> str:
 
 def read_nvml() -> NvmlFacts:
     """Every NVIDIA GPU NVML knows, in NVML order. An NVML error never escapes: it becomes text."""
-    try:
-        import pynvml
-    except ImportError:
-        return NvmlFacts("not_installed", "nvidia-ml-py is not installed")
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # NVML raises its own error types, one per cause
-        kind, why = _init_failure(pynvml, e)
+    pynvml, kind, why = start_nvml()
+    if pynvml is None:
         return NvmlFacts(kind, why)
     try:
         return _read_initialised(pynvml)
@@ -201,19 +197,6 @@ def read_nvml() -> NvmlFacts:
             pynvml.nvmlShutdown()
         except Exception:
             pass  # nothing to undo when shutting down fails
-
-
-def _init_failure(nv, error: Exception) -> tuple[str, str]:
-    code = getattr(error, "value", None)
-    if code == getattr(nv, "NVML_ERROR_LIBRARY_NOT_FOUND", None):
-        return "no_driver", (
-            "NVML library libnvidia-ml.so.1 not found: no NVIDIA driver here (or not mounted into this container)"
-        )
-    if code == getattr(nv, "NVML_ERROR_DRIVER_NOT_LOADED", None):
-        return "no_driver", "the NVIDIA kernel driver is not loaded"
-    if code == getattr(nv, "NVML_ERROR_NO_PERMISSION", None):
-        return "no_permission", f"permission denied starting NVML ({error})"
-    return "error", f"NVML failed to start: {error}"
 
 
 def _read_initialised(nv) -> NvmlFacts:

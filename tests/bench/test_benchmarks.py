@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpulab import bench
 from gpulab.bench import allreduce, concurrency, input_pipeline, matmul, scaling, vectorize
 from gpulab.bench.runner import Context
 from gpulab.errors import UserError
@@ -42,7 +43,7 @@ def test_allreduce_ks():
 
 
 def test_allreduce_device_pools():
-    cfg = allreduce.Config.preset("tiny")
+    cfg = bench.config(allreduce, "tiny")
     assert allreduce.device_sets(cfg, Context(devices=[CPU] * 3)) == [[CPU] * 3]
     # a lone 'cpu' has nothing to reduce: it stands for the default virtual replicas
     assert allreduce.device_sets(cfg, Context(devices=[CPU])) == [[CPU] * cfg.cpu_replicas]
@@ -59,7 +60,7 @@ def test_concurrency_setups():
 
 
 def test_scaling_pool():
-    cfg = scaling.Config.preset("tiny")
+    cfg = bench.config(scaling, "tiny")
     assert scaling.pool(cfg, Context(devices=[CPU])) == [CPU] * cfg.cpu_replicas
     assert scaling.pool(cfg, Context(devices=[G0, G1])) == [G0, G1]
     assert scaling.pool(cfg, Context(devices=[CPU] * 3)) == [CPU] * 3
@@ -84,7 +85,7 @@ def test_one_hot_ways_agree():
 
 
 def test_padded_masked_loss_equals_the_per_image_loop():
-    cfg = vectorize.Config.preset("tiny")
+    cfg = bench.config(vectorize, "tiny")
     logits, targets = vectorize.variable_batch(cfg, CPU)
     assert len({tuple(t.shape) for t in targets}) > 1  # really different sizes
     loop = vectorize.loss_loop(logits, targets)
@@ -124,15 +125,15 @@ def test_every_benchmark_has_each_preset(name):
 
     for benchmark in bench.BENCHMARKS:
         module = bench.load(benchmark)
-        cfg = module.Config.preset(name)
+        cfg = bench.config(module, name)
         assert module.LESSON and callable(module.run) and callable(module.plot)
-        assert cfg is not None
+        assert isinstance(cfg, module.Config)
 
 
 def test_gloo_ranks_in_threads_sum_exactly():
     from gpulab.bench.report import Result
 
-    cfg = allreduce.Config.preset("tiny")
+    cfg = bench.config(allreduce, "tiny")
     result = Result(name="t", lesson="", config={}, env={}, preset="tiny")
     ranks = allreduce._gloo_ranks(3, result)
     if ranks is None:

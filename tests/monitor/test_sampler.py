@@ -47,7 +47,7 @@ def test_without_nvidia_ml_py_the_sampler_still_records_the_process(monkeypatch)
         wait_for_samples(s, 2)
     finally:
         s.stop()
-    assert s.gpu.status == "nvidia-ml-py not installed"
+    assert s.gpu.status == "nvidia-ml-py is not installed"
     assert s.samples and all(row["gpus"] == [] and row["proc"] for row in s.samples)
 
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.nn.modules import module as module_module
 from torch.optim import optimizer as optim_module
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import gpulab.monitor
 from gpulab.errors import UserError
-from gpulab.monitor import phases
+from gpulab.monitor import patches
 from gpulab.monitor.phases import PhaseTimer
 
 
@@ -56,15 +58,17 @@ def test_explicit_step_marks_replace_optimizer_steps(tmp_path):
 
 def test_everything_is_restored_after_the_session(tmp_path):
     originals = (nn.Module.__call__, DataLoader.__iter__, _BaseDataLoaderIter.__next__, torch.autograd.backward,
-                 torch.optim.Optimizer.zero_grad)
-    hooks = (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks))
+                 torch.optim.Optimizer.zero_grad, PhaseTimer.phase)
+    hooks = (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks),
+             len(module_module._global_forward_pre_hooks), len(module_module._global_forward_hooks))
     model, optimizer = tiny()
     with gpulab.monitor.profile(out=tmp_path, quiet=True):
         train_steps(model, optimizer, [(torch.randn(4, 8), torch.randint(0, 3, (4,)))])
     assert (nn.Module.__call__, DataLoader.__iter__, _BaseDataLoaderIter.__next__, torch.autograd.backward,
-            torch.optim.Optimizer.zero_grad) == originals
-    assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks)) == hooks
-    assert phases.span_hook is None
+            torch.optim.Optimizer.zero_grad, PhaseTimer.phase) == originals
+    assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks),
+            len(module_module._global_forward_pre_hooks), len(module_module._global_forward_hooks)) == hooks
+    assert not patches.installed()
     assert "item" not in vars(torch.Tensor)  # CUDA wrappers (if any were installed) are gone too
 
 
@@ -157,7 +161,10 @@ def test_torch_compile_traces_through_the_patched_calls_without_graph_breaks(tmp
     compiled = torch.compile(model, backend="aot_eager")  # no C++ toolchain needed
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,)))] * 4
-    with gpulab.monitor.profile(out=tmp_path, quiet=True) as p:
-        train_steps(compiled, optimizer, batches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpulab.monitor.profile(out=tmp_path, quiet=True) as p:
+            train_steps(compiled, optimizer, batches)
     assert p.report["steps"] == 4
     assert not torch._dynamo.utils.counters["graph_break"]
+    assert not [w for w in caught if "global hooks" in str(w.message)]  # gpulab's hooks warn nobody

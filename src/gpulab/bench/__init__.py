@@ -3,8 +3,9 @@
 One module per benchmark; each has the same four parts, top to bottom:
 
     LESSON   one sentence: the claim the benchmark measures
-    Config   a dataclass of sizes, with presets 'full' (for reports), 'quick' (CI, smoke
-             tests: all eight took 14 s on a quiet 2-core CPU) and 'tiny' (the test suite)
+    Config   a dataclass of sizes (its defaults: the 'full' run, for reports)
+    PRESETS  the other sizes by name: 'quick' (CI, smoke tests: all eight took 14 s on a quiet
+             2-core CPU) and 'tiny' (the test suite)
     run()    check that the compared ways compute the same result, then time them with the
              shared harness (`harness.measure`), filling a `report.Result`
     plot()   a matplotlib figure of the result
@@ -38,6 +39,13 @@ def load(name: str) -> ModuleType:
     if name not in BENCHMARKS:
         raise UserError(f"unknown benchmark '{name}': choose all or one of {', '.join(BENCHMARKS)}")
     return importlib.import_module(f"gpulab.bench.{name.replace('-', '_')}")
+
+
+def config(module: ModuleType, preset: str):
+    """A benchmark's Config at the sizes of `preset`."""
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset '{preset}': choose one of {', '.join(PRESETS)}")
+    return module.Config(**module.PRESETS[preset])
 
 
 def expand(names: list[str]) -> list[str]:

@@ -55,15 +55,18 @@ class Config:
     min_sample_s: float = 0.02
     max_total_s: float = 2.0
 
-    @classmethod
-    def preset(cls, name: str) -> Config:
-        if name == "quick":
-            return cls(
-                sizes=[4**i * 1024 for i in range(0, 6)], bucket_models=["lenet"], repeats=5, min_sample_s=0.005, max_total_s=0.2
-            )
-        if name == "tiny":
-            return cls(sizes=[1024, 64 * 1024], cpu_replicas=2, bucket_models=["lenet"], repeats=3, min_sample_s=0.001, max_total_s=0.05)
-        return cls()
+
+PRESETS = {  # `--preset NAME`: the sizes of each run; "full" is Config's defaults
+    "full": {},
+    "quick": dict(
+        sizes=[4**i * 1024 for i in range(0, 6)], bucket_models=["lenet"], repeats=5, min_sample_s=0.005,
+        max_total_s=0.2,
+    ),
+    "tiny": dict(
+        sizes=[1024, 64 * 1024], cpu_replicas=2, bucket_models=["lenet"], repeats=3, min_sample_s=0.001,
+        max_total_s=0.05,
+    ),
+}
 
 
 def ks_for(n: int) -> list[int]:

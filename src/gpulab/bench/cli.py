@@ -50,7 +50,7 @@ def add_bench_parser(sub) -> None:
 
 
 def run_bench(args) -> int:
-    from gpulab.bench.environment import environment
+    from gpulab.bench.environment import contention_warning, environment
     from gpulab.bench.runner import Context, run_benchmark
     from gpulab.devices import resolve
     from gpulab.io import check_writable
@@ -76,11 +76,8 @@ def run_bench(args) -> int:
         f"torch {env['torch']}; {env['date']} -> {out_dir}"
     ))
     if env["cpu_busy_pct"] > BUSY_PCT:
-        console.print(escape(
-            f"warning: the CPU is {env['cpu_busy_pct']:.0f}% busy before we start (load average "
-            f"{env['load_avg_1m']}): other processes distort CPU timings (a thread pool waits for its slowest, "
-            "descheduled thread at every parallel region); rerun on a quiet machine for numbers to report"
-        ), style="bold yellow")
+        when = f"before the start (load average {env['load_avg_1m']})"
+        console.print(escape("warning: " + contention_warning(env["cpu_busy_pct"], when)), style="bold yellow")
     started = time.perf_counter()
     results = [run_benchmark(name, ctx, out_dir, command=command, env=env) for name in names]
     total = time.perf_counter() - started

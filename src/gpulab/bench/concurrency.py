@@ -40,13 +40,12 @@ class Config:
     repeats: int = 7
     max_total_s: float = 8.0
 
-    @classmethod
-    def preset(cls, name: str) -> Config:
-        if name == "quick":
-            return cls(gpu_sizes=[256, 2048], cpu_sizes=[64, 512], reps=8, repeats=5, max_total_s=1.0)
-        if name == "tiny":
-            return cls(gpu_sizes=[64], cpu_sizes=[32], reps=2, repeats=3, max_total_s=0.1)
-        return cls()
+
+PRESETS = {  # `--preset NAME`: the sizes of each run; "full" is Config's defaults
+    "full": {},
+    "quick": dict(gpu_sizes=[256, 2048], cpu_sizes=[64, 512], reps=8, repeats=5, max_total_s=1.0),
+    "tiny": dict(gpu_sizes=[64], cpu_sizes=[32], reps=2, repeats=3, max_total_s=0.1),
+}
 
 
 def _inputs(n: int, devices: list[torch.device], seed: int = 0):

@@ -88,6 +88,13 @@ def _slug(text: str) -> str:
     return "-".join(part for part in out.split("-") if part)
 
 
+def contention_warning(others_pct: float, when: str) -> str:
+    """What other processes' CPU use does to the timings (one wording for before and during a run)."""
+    return (f"other processes used {others_pct:.0f}% of the CPU {when}: CPU timings are inflated and noisy (a "
+            "thread pool waits for its descheduled threads at every parallel region); rerun on a quiet machine "
+            "for numbers to report")
+
+
 class OtherLoad:
     """The share of the CPU that *other* processes used while a benchmark ran.
 

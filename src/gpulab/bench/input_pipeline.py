@@ -46,13 +46,12 @@ class Config:
     repeats: int = 3
     max_total_s: float = 20.0
 
-    @classmethod
-    def preset(cls, name: str) -> Config:
-        if name == "quick":
-            return cls(batch=128, batches=8, workers=[0, 2], repeats=2, max_total_s=1.0)
-        if name == "tiny":
-            return cls(batch=16, batches=2, workers=[0, 2], repeats=1, max_total_s=0.1)
-        return cls()
+
+PRESETS = {  # `--preset NAME`: the sizes of each run; "full" is Config's defaults
+    "full": {},
+    "quick": dict(batch=128, batches=8, workers=[0, 2], repeats=2, max_total_s=1.0),
+    "tiny": dict(batch=16, batches=2, workers=[0, 2], repeats=1, max_total_s=0.1),
+}
 
 
 def dataset(num_samples: int) -> tuple[data.Split, str]:

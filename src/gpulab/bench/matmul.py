@@ -50,13 +50,15 @@ class Config:
     min_sample_s: float = 0.05
     max_total_s: float = 8.0
 
-    @classmethod
-    def preset(cls, name: str) -> Config:
-        if name == "quick":
-            return cls(sizes=[2**i for i in range(4, 11)], cpu_max_product_s=0.5, repeats=5, min_sample_s=0.01, max_total_s=1.0)
-        if name == "tiny":
-            return cls(sizes=[16, 32, 64], repeats=3, min_sample_s=0.001, max_total_s=0.2)
-        return cls()
+
+PRESETS = {  # `--preset NAME`: the sizes of each run; "full" is Config's defaults
+    "full": {},
+    "quick": dict(
+        sizes=[2**i for i in range(4, 11)], cpu_max_product_s=0.5, repeats=5, min_sample_s=0.01,
+        max_total_s=1.0,
+    ),
+    "tiny": dict(sizes=[16, 32, 64], repeats=3, min_sample_s=0.001, max_total_s=0.2),
+}
 
 
 @contextmanager

@@ -12,11 +12,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from gpulab import bench
-from gpulab.bench.environment import OtherLoad, environment
+from gpulab.bench.environment import OtherLoad, contention_warning, environment
 from gpulab.bench.harness import ResultMismatch
 from gpulab.bench.report import Result, render, write_json, write_png
 from gpulab.devices import cpu, format_devices, num_gpus
-from gpulab.errors import UserError
 
 OTHER_LOAD_WARN_PCT = 10.0
 """Note in a benchmark's output when other processes used more of the CPU than this meanwhile."""
@@ -66,9 +65,7 @@ def _spec(devices: list[torch.device]) -> str:
 def run_benchmark(name: str, ctx: Context, out_dir: Path, command: str | None = None, env: dict | None = None) -> Result:
     """Run one benchmark, print its tables, write DIR/<name>.json and DIR/<name>.png."""
     module = bench.load(name)
-    if ctx.preset not in bench.PRESETS:
-        raise UserError(f"unknown preset '{ctx.preset}': choose one of {', '.join(bench.PRESETS)}")
-    cfg = module.Config.preset(ctx.preset)
+    cfg = bench.config(module, ctx.preset)
     result = Result(
         name=name, lesson=module.LESSON, config=asdict(cfg), env=env or environment(), preset=ctx.preset, command=command
     )
@@ -89,10 +86,7 @@ def run_benchmark(name: str, ctx: Context, out_dir: Path, command: str | None = 
     result.wall_s = time.perf_counter() - started
     result.other_load_pct = round(other_load.pct(), 1)
     if result.other_load_pct > OTHER_LOAD_WARN_PCT:
-        result.note(
-            f"other processes used {result.other_load_pct:.0f}% of the CPU meanwhile: CPU timings are inflated "
-            "and noisy (a thread pool waits for its descheduled threads at every parallel region)"
-        )
+        result.note(contention_warning(result.other_load_pct, "meanwhile"))
     render(result, ctx.console)
     if result.error:
         ctx.console.print(f"[bold red]FAILED[/] {escape(result.error)}")

@@ -54,19 +54,18 @@ class Config:
     min_sample_s: float = 0.2
     max_total_s: float = 6.0
 
-    @classmethod
-    def preset(cls, name: str) -> Config:
-        if name == "quick":
-            return cls(
-                cpu_batch={"lenet": 64, "resnet18": 4}, gpu_batch={"lenet": 256, "resnet18": 64}, cpu_replicas=2,
-                modes=["per-device batch"], warmup=1, repeats=3, min_sample_s=0.02, max_total_s=0.5,
-            )
-        if name == "tiny":
-            return cls(
-                models=["lenet"], cpu_batch={"lenet": 8}, gpu_batch={"lenet": 32}, cpu_replicas=2, modes=["per-device batch"],
-                parity_batch=4, warmup=1, repeats=2, min_sample_s=0.0, max_total_s=0.05,
-            )
-        return cls()
+
+PRESETS = {  # `--preset NAME`: the sizes of each run; "full" is Config's defaults
+    "full": {},
+    "quick": dict(
+        cpu_batch={"lenet": 64, "resnet18": 4}, gpu_batch={"lenet": 256, "resnet18": 64}, cpu_replicas=2,
+        modes=["per-device batch"], warmup=1, repeats=3, min_sample_s=0.02, max_total_s=0.5,
+    ),
+    "tiny": dict(
+        models=["lenet"], cpu_batch={"lenet": 8}, gpu_batch={"lenet": 32}, cpu_replicas=2,
+        modes=["per-device batch"], parity_batch=4, warmup=1, repeats=2, min_sample_s=0.0, max_total_s=0.05,
+    ),
+}
 
 
 def pool(cfg: Config, ctx) -> list[torch.device]:

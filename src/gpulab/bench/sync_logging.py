@@ -35,13 +35,12 @@ class Config:
     repeats: int = 7
     max_total_s: float = 10.0
 
-    @classmethod
-    def preset(cls, name: str) -> Config:
-        if name == "quick":
-            return cls(repeats=5, max_total_s=2.0)
-        if name == "tiny":
-            return cls(steps=50, repeats=3, max_total_s=0.2)
-        return cls()
+
+PRESETS = {  # `--preset NAME`: the sizes of each run; "full" is Config's defaults
+    "full": {},
+    "quick": dict(repeats=5, max_total_s=2.0),
+    "tiny": dict(steps=50, repeats=3, max_total_s=0.2),
+}
 
 
 def workload(cfg: Config, device: torch.device):

@@ -49,19 +49,18 @@ class Config:
     min_sample_s: float = 0.05
     max_total_s: float = 3.0
 
-    @classmethod
-    def preset(cls, name: str) -> Config:
-        if name == "quick":
-            return cls(
-                mask_batch=4, mask_hw=64, loss_images=8, loss_min_hw=16, loss_max_hw=64, permute_shape=(8, 32, 16, 16),
-                repeats=5, min_sample_s=0.01, max_total_s=0.3,
-            )
-        if name == "tiny":
-            return cls(
-                classes=8, mask_batch=2, mask_hw=8, loss_images=3, loss_min_hw=4, loss_max_hw=9, permute_shape=(2, 4, 3, 3),
-                repeats=3, min_sample_s=0.001, max_total_s=0.05,
-            )
-        return cls()
+
+PRESETS = {  # `--preset NAME`: the sizes of each run; "full" is Config's defaults
+    "full": {},
+    "quick": dict(
+        mask_batch=4, mask_hw=64, loss_images=8, loss_min_hw=16, loss_max_hw=64,
+        permute_shape=(8, 32, 16, 16), repeats=5, min_sample_s=0.01, max_total_s=0.3,
+    ),
+    "tiny": dict(
+        classes=8, mask_batch=2, mask_hw=8, loss_images=3, loss_min_hw=4, loss_max_hw=9,
+        permute_shape=(2, 4, 3, 3), repeats=3, min_sample_s=0.001, max_total_s=0.05,
+    ),
+}
 
 
 # ----------------------------------------------------------------------------- 1. one-hot masks

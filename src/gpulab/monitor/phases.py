@@ -11,15 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
-
-# While a profiling session runs (gpulab.monitor.profile, `gpulab train --profile`) it sets this to
-# see the trainer's phases as spans on its timeline; None otherwise.
-span_hook: Callable[[str], AbstractContextManager] | None = None
-
 
 class PhaseTimer:
     def __init__(self, devices: list[torch.device], enabled: bool = True):
@@ -34,19 +28,19 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
-        with span_hook(name) if span_hook is not None else nullcontext():
-            if not self.enabled:
-                yield
-                return
-            if self.cuda:
-                starts = [self._record(d) for d in self.devices]
-                yield
-                ends = [self._record(d) for d in self.devices]
-                self._events[name].append((starts, ends))
-            else:
-                t0 = time.perf_counter()
-                yield
-                self._wall[name] += time.perf_counter() - t0
+        """Time the block as phase `name` (a profiling session also sees it: monitor/patches.py)."""
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            starts = [self._record(d) for d in self.devices]
+            yield
+            ends = [self._record(d) for d in self.devices]
+            self._events[name].append((starts, ends))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._wall[name] += time.perf_counter() - t0
 
     @staticmethod
     def _record(device: torch.device):

@@ -1,7 +1,7 @@
 """Recording what a training loop does, from outside the user's code.
 
-The recorder patches a handful of PyTorch entry points for the duration of a session and puts
-every moment of the training thread into one of six categories:
+While a session records, the hooks and patches of gpulab.monitor.patches call the recorder, and
+it puts every moment of the training thread into one of six categories:
 
     data_wait  blocked in a DataLoader (creating its iterator, or fetching the next batch) -
                everything that runs inside the fetch: Dataset.__getitem__, transforms (also
@@ -38,9 +38,7 @@ JSON-lines file about once a second, so a process that crashes still leaves most
 
 from __future__ import annotations
 
-import inspect
 import json
-import multiprocessing.process
 import os
 import sys
 import threading
@@ -51,36 +49,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils.data import DataLoader
-from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from gpulab.errors import UserError
-from gpulab.monitor import phases
-from gpulab.monitor.attach import after_import, block_signals_in_this_thread
+from gpulab.monitor import patches
+from gpulab.monitor.attach import block_signals_in_this_thread
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.cuda_hooks import CudaHooks
 from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX
 from gpulab.monitor.frames import user_site
 
-
-# gpulab's own trainer reports its phases through PhaseTimer; this is where each one belongs.
-PHASE_CATEGORY = {
-    "data": "data_wait",
-    "scatter": "h2d",
-    "forward_backward": "compute",
-    "allreduce": "collective",
-    "optimizer": "compute",
-}
-
-# torch.distributed calls that block until the collective is done (unless async_op=True, when the
-# wait comes later, in Work.wait). Each is timed as "collective".
-DISTRIBUTED_CALLS = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "barrier", "monitored_barrier",
-    "all_to_all", "all_to_all_single", "gather", "scatter", "gather_object", "scatter_object_list",
-    "send", "recv",
-)
 
 _FLUSH_EVERY_S = 1.0
 _DDP_READ_EVERY_S = 0.2
@@ -90,26 +66,6 @@ _DDP_READ_EVERY_S = 0.2
 # interval keeps that bias well under the 20 ms sampling period.
 _SWITCH_INTERVAL_S = 0.001
 _MAX_DATA_SPANS_PER_STEP = 64
-
-_active: "Recorder | None" = None
-
-
-def _in_forked_child() -> None:
-    # The child inherits the patched functions and the recorder's state. A DataLoader worker
-    # (forked while the loader starts its workers) and a child of an in-process session record
-    # nothing and never write to the parent's file; any other child (multiprocessing, os.fork)
-    # is a process of the job: it gets its own lane.
-    if _active is None:
-        return
-    if _active.events_path is None or _active.loading_data():
-        _active.detach()
-    else:
-        _active.become_forked_lane()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX; without fork there is nothing to follow
-    os.register_at_fork(after_in_child=_in_forked_child)
-
 
 class Recorder:
     def __init__(self, cfg: ProfileConfig, events_path: Path | None = None):
@@ -121,9 +77,9 @@ class Recorder:
         self._ident: int | None = None
         self._detached = False
         self._stopping = False
-        self._undo: list = []
+        self._patches: patches.Patches | None = None  # in place while recording
+        self._restore_switch_interval = None
         self._transform_sites: dict[int, str] = {}  # id(transform) -> where the user built it
-        self._ddp_class: type = type(None)  # DistributedDataParallel once torch.distributed is hooked
         self._ddp_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._ddp_stats: dict | None = None
         self._ddp_read_at = float("-inf")
@@ -152,8 +108,8 @@ class Recorder:
         self._primary_optimizer = None  # weakref to the optimizer whose step ends a training step
         self._optimizer_tokens: dict[int, int] = {}
         self._counts_total = Counter({"backward": 0, "optimizer_step": 0})
-        self._in_forward = False
-        self._in_backward = False
+        self.in_forward = False  # inside the outermost module call (patches.py)
+        self.in_backward = False
         self._last_flush = time.perf_counter()
         self._stop_sampling = threading.Event()
         self._stack_thread: threading.Thread | None = None
@@ -161,17 +117,13 @@ class Recorder:
     # ------------------------------------------------------------------ session
 
     def start(self, command: list[str] | None = None) -> "Recorder":
-        global _active
-        if _active is not None:
-            raise UserError("a gpulab profile is already running in this process: end it before starting another")
-        _active = self
+        self._patches = patches.install(self)  # refuses a second recorder in this process
         self._ident = threading.get_ident()
         self._emit_start(command if command is not None else list(sys.argv))
-        self._install()
         if self.cfg.stack_interval_s > 0:
             previous_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(previous_interval, _SWITCH_INTERVAL_S))
-            self._undo.append(lambda: sys.setswitchinterval(previous_interval))
+            self._restore_switch_interval = lambda: sys.setswitchinterval(previous_interval)
             self._start_stack_sampler()
         return self
 
@@ -219,18 +171,17 @@ class Recorder:
     def stop_in_any_process(self, exit_code: int | None = None, error: str | None = None) -> None:
         """stop(), if this process's recording is still running (atexit, signals, multiprocessing
         children: whichever comes first)."""
-        if _active is self and not self._detached and not self._stopping and self._pid == os.getpid():
+        if self.recording() and not self._detached and self._pid == os.getpid():
             self.stop(exit_code=exit_code, error=error)
 
     def stop(self, exit_code: int | None = None, error: str | None = None) -> None:
         """End the session: close the open step as the run's tail, restore torch, flush."""
-        global _active
-        if _active is not self or self._stopping:
+        if not self.recording():
             return
         # A signal can arrive while stopping (SIGTERM during the atexit flush): stop only once.
         self._stopping = True
         if self._ident is not None:
-            self._end_step_after_backward()  # the last step of the backward rule ends with the run
+            self.end_step_after_backward()  # the last step of the backward rule ends with the run
         now = time.perf_counter()
         if self._t_last is not None and self._ident is not None:
             self._charge(now)
@@ -240,12 +191,26 @@ class Recorder:
             self._stack_thread.join(timeout=1.0)  # never hang an exiting process on the profiler
         with self.cuda.suppressed():
             self.cuda.finish(self._step_index)
-        self._uninstall()
+        self._patches.undo()
+        if self._restore_switch_interval is not None:
+            self._restore_switch_interval()
         self._emit({"type": "end", "t": now, "exit_code": exit_code, "error": error or self.error,
                     "cuda": self.cuda.usage()})
         self.flush(final=True)
         self._ident = None
-        _active = None
+        self._patches = None
+
+    def recording(self) -> bool:
+        """Started, and not stopped (nor stopping)."""
+        return self._patches is not None and not self._stopping
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child (patches._follow_forks): a DataLoader worker or a child of an
+        in-process session records nothing; any other child becomes its own lane."""
+        if self.events_path is None or self.loading_data():
+            self.detach()
+        else:
+            self.become_forked_lane()
 
     def here(self) -> bool:
         """Is the caller the recorded (training) thread?"""
@@ -319,7 +284,7 @@ class Recorder:
             self._step_rule = rule
         return True
 
-    def _end_step_after_backward(self) -> None:
+    def end_step_after_backward(self) -> None:
         """Backward rule: the loop came back for data or a forward after a backward: a step ended."""
         if self._backward_since_step and self._step_rule in (None, "backward"):
             self._use_step_rule("backward")
@@ -477,66 +442,6 @@ class Recorder:
 
     # ------------------------------------------------------------------ hooks
 
-    def _install(self) -> None:
-        self._patch(DataLoader, "__iter__", self._wrap_loader_iter)
-        if self.cfg.dataloader_overrides:
-            self._patch(DataLoader, "__init__", self._wrap_loader_init)
-        self._patch(_BaseDataLoaderIter, "__next__", self._wrap_loader_next)
-        self._patch(torch.nn.Module, "__call__", self._wrap_module_call)
-        self._patch(torch.autograd, "backward", lambda orig: self._wrap_autograd(orig, "backward"))
-        self._patch(torch.autograd, "grad", lambda orig: self._wrap_autograd(orig, "autograd.grad"))
-        self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
-        self._patch(multiprocessing.process.BaseProcess, "_bootstrap", _wrap_process_bootstrap)
-        self._hook_torchvision_transforms()
-        pre = register_optimizer_step_pre_hook(self._on_optimizer_pre)
-        post = register_optimizer_step_post_hook(self._on_optimizer_post)
-        self._undo += [pre.remove, post.remove]
-        previous_hook = phases.span_hook
-        phases.span_hook = self._phase_span
-
-        def restore_phase_hook():
-            phases.span_hook = previous_hook
-
-        self._undo.append(restore_phase_hook)
-        self._hook_distributed()
-        self.cuda.install(self._patch)
-
-    def _hook_distributed(self) -> None:
-        """Time torch.distributed's collectives and waits as their own category. DDP's bucket waits
-        happen inside backward in C++, out of reach: DDP's own runtime timers report them
-        (ddp_runtime_stats, read at each flush)."""
-        if not torch.distributed.is_available():
-            return
-        import torch.distributed.distributed_c10d as c10d
-        from torch.nn.parallel import DistributedDataParallel
-
-        self._ddp_class = DistributedDataParallel
-        for name in DISTRIBUTED_CALLS:
-            if not hasattr(c10d, name):
-                continue
-            original = getattr(c10d, name)
-            wrapper = self._wrap_collective(original, f"dist.{name}")
-            # `dist.all_reduce` and `c10d.all_reduce` are one function under two names: patch both.
-            for owner in (c10d, torch.distributed):
-                if getattr(owner, name, None) is original:
-                    self._patch(owner, name, lambda orig, w=wrapper: w)
-        self._patch(torch._C._distributed_c10d.Work, "wait", lambda orig: self._wrap_collective(orig, "Work.wait"))
-
-    def _wrap_collective(self, original, name: str):
-        rec = self
-
-        def wrapper(*args, **kwargs):
-            if not rec.here():
-                return original(*args, **kwargs)
-            token = rec.enter(name, "collective")
-            try:
-                return original(*args, **kwargs)
-            finally:
-                rec.exit(token)
-
-        wrapper.__wrapped__ = original
-        return wrapper
-
     def ddp_runtime_stats(self) -> dict | None:
         """DDP's own timers for its backward (it samples some iterations): how long its bucket
         allreduces ran and how much of that overlapped the backward computation. The rest, the
@@ -561,119 +466,23 @@ class Recorder:
                 "bucket_cap_bytes": data.get("bucket_cap_bytes"), "backend": data.get("backend_name")}
         return self._ddp_stats
 
-    def _uninstall(self) -> None:
-        self.cuda.uninstall()
-        while self._undo:
-            self._undo.pop()()
+    def note_module(self, module: torch.nn.Module) -> None:
+        """A top-level module call: DDP's own timers are read from the DDP module (ddp_runtime_stats)."""
+        if torch.distributed.is_available():
+            from torch.nn.parallel import DistributedDataParallel
 
-    def _patch(self, owner, name: str, make_wrapper) -> None:
-        """Replace owner.name by make_wrapper(original) until the session ends."""
-        had_own = name in vars(owner)
-        original = getattr(owner, name)
-        setattr(owner, name, make_wrapper(original))
+            if isinstance(module, DistributedDataParallel):
+                self._ddp_modules.add(module)
 
-        def undo():
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+    def backward_done(self) -> None:
+        self._backward_since_step += 1
+        self._counts_total["backward"] += 1
 
-        self._undo.append(undo)
-
-    def _wrap_loader_iter(self, original):
-        rec = self
-
-        def __iter__(loader):
-            if not rec.here():
-                return original(loader)
-            rec._end_step_after_backward()
-            rec._note_loader(loader, sys._getframe(1))
-            token = rec.enter("DataLoader.__iter__", "data_wait")
-            try:
-                return original(loader)
-            finally:
-                rec.exit(token)
-
-        return __iter__
-
-    def _wrap_loader_next(self, original):
-        rec = self
-
-        def __next__(iterator):
-            if not rec.here():
-                return original(iterator)
-            rec._end_step_after_backward()
-            token = rec.enter("next(DataLoader)", "data_wait")
-            try:
-                return original(iterator)
-            finally:
-                rec.exit(token)
-
-        return __next__
-
-    def _wrap_module_call(self, original):
-        rec = self
-        is_compiling = torch.compiler.is_compiling
-
-        def __call__(module, *args, **kwargs):
-            # Only the outermost call is a span: a model's submodules add nothing but cost.
-            if rec._in_forward or is_compiling() or not rec.here():
-                return original(module, *args, **kwargs)
-            if rec.loading_data():  # a transform inside the fetch (torchvision's are nn.Modules)
-                return rec.call_transform(module, original, module, *args, **kwargs)
-            rec._end_step_after_backward()
-            if isinstance(module, rec._ddp_class):
-                rec._ddp_modules.add(module)
-            rec._in_forward = True
-            token = rec.enter(type(module).__name__, "compute")
-            try:
-                return original(module, *args, **kwargs)
-            finally:
-                rec._in_forward = False
-                rec.exit(token)
-
-        return __call__
-
-    def _wrap_autograd(self, original, name: str):
-        rec = self
-        is_compiling = torch.compiler.is_compiling
-
-        def wrapper(*args, **kwargs):
-            if rec._in_backward or is_compiling() or not rec.here():
-                return original(*args, **kwargs)
-            rec._end_step_after_backward()  # a loop with neither a DataLoader nor a module call
-            rec._in_backward = True
-            token = rec.enter(name, "compute")
-            try:
-                return original(*args, **kwargs)
-            finally:
-                rec._in_backward = False
-                rec.exit(token)
-                rec._backward_since_step += 1
-                rec._counts_total["backward"] += 1
-
-        wrapper.__wrapped__ = original
-        return wrapper
-
-    def _wrap_zero_grad(self, original):
-        rec = self
-
-        def zero_grad(optimizer, *args, **kwargs):
-            if not rec.here():
-                return original(optimizer, *args, **kwargs)
-            token = rec.enter(f"{type(optimizer).__name__}.zero_grad", "compute")
-            try:
-                return original(optimizer, *args, **kwargs)
-            finally:
-                rec.exit(token)
-
-        return zero_grad
-
-    def _on_optimizer_pre(self, optimizer, args, kwargs) -> None:
+    def on_optimizer_pre(self, optimizer, args, kwargs) -> None:
         if self.here():
             self._optimizer_tokens[id(optimizer)] = self.enter(f"{type(optimizer).__name__}.step", "compute")
 
-    def _on_optimizer_post(self, optimizer, args, kwargs) -> None:
+    def on_optimizer_post(self, optimizer, args, kwargs) -> None:
         if not self.here():
             return
         token = self._optimizer_tokens.pop(id(optimizer), None)
@@ -691,79 +500,44 @@ class Recorder:
         if optimizer is primary:
             self.end_step()
 
-    @contextmanager
-    def _phase_span(self, name: str):
-        with self.span(name, PHASE_CATEGORY.get(name, "compute")):
-            yield
-
     # ------------------------------------------------------------------ transforms (data time)
 
     _TRANSFORM_DEPTH = 2  # a Compose and its members; deeper calls are part of their transform
 
-    def call_transform(self, transform, call, *args, **kwargs):
-        """Run one transform inside a fetch as its own data_wait span, to rank transforms by cost."""
+    def begin_transform(self, transform) -> int | None:
+        """A transform inside a fetch starts: its own data_wait span, to rank transforms by cost
+        (None: nested too deep, part of its parent's span)."""
         if self._transform_depth >= self._TRANSFORM_DEPTH:
-            return call(*args, **kwargs)
+            return None
         name = type(transform).__name__
         entry = self.transforms.get(name)
         if entry is None:
-            where = self._transform_sites.get(id(transform)) or user_site(sys._getframe(2))
+            where = self._transform_sites.get(id(transform)) or user_site(sys._getframe(1))
             entry = self.transforms[name] = {"calls": 0, "where": where}
         entry["calls"] += 1
         self._transform_depth += 1
-        token = self.enter(TRANSFORM_PREFIX + name, "data_wait")
+        return self.enter(TRANSFORM_PREFIX + name, "data_wait")
+
+    def end_transform(self, token: int) -> None:
+        self.exit(token)
+        self._transform_depth -= 1
+
+    def call_transform(self, transform, call, *args, **kwargs):
+        """call(*args, **kwargs) as the transform span of `transform` (one that is no nn.Module)."""
+        token = self.begin_transform(transform)
+        if token is None:
+            return call(*args, **kwargs)
         try:
             return call(*args, **kwargs)
         finally:
-            self.exit(token)
-            self._transform_depth -= 1
+            self.end_transform(token)
 
-    def _hook_torchvision_transforms(self) -> None:
-        """Time each member of torchvision's Compose (v1 members need not be nn.Modules) and note
-        the line that built it. torchvision loads after torch: hook it when it does."""
-        for module, members_call in (("torchvision.transforms.transforms", True), ("torchvision.transforms.v2._container", False)):
-            self._undo.append(after_import(module, lambda m, c=members_call: self._patch_compose(m.Compose, c)))
-
-    def _patch_compose(self, compose, members_call: bool) -> None:
-        rec = self
-
-        def wrap_init(original):
-            def __init__(composed, transforms, *args, **kwargs):
-                where = user_site(sys._getframe(1))
-                for t in transforms:
-                    rec._transform_sites.setdefault(id(t), where)
-                return original(composed, transforms, *args, **kwargs)
-            return __init__
-
-        def wrap_call(original):
-            def __call__(composed, img):
-                if not (rec.here() and rec.loading_data()):
-                    return original(composed, img)
-                for t in composed.transforms:  # what Compose.__call__ does, one span per member
-                    img = t(img) if isinstance(t, torch.nn.Module) else rec.call_transform(t, t, img)
-                return img
-            return __call__
-
-        self._patch(compose, "__init__", wrap_init)
-        if members_call:
-            self._patch(compose, "__call__", wrap_call)
+    def note_transforms(self, transforms, where: str | None) -> None:
+        """Where the user built these transforms (a Compose of them)."""
+        for t in transforms:
+            self._transform_sites.setdefault(id(t), where)
 
     # ------------------------------------------------------------------ `gpulab profile --try`
-
-    def _wrap_loader_init(self, original):
-        overrides = self.cfg.dataloader_overrides
-        signature = inspect.signature(original)
-
-        def __init__(loader, *args, **kwargs):
-            bound = signature.bind(loader, *args, **kwargs)
-            bound.apply_defaults()
-            bound.arguments.update(overrides)
-            if not bound.arguments.get("num_workers"):  # these only exist with workers
-                bound.arguments["persistent_workers"] = False
-                bound.arguments["prefetch_factor"] = None
-            return original(*bound.args, **bound.kwargs)
-
-        return __init__
 
     def _end_process_early(self) -> None:
         """`--try` measures the first K steps: write the record and leave at once (whatever the
@@ -773,7 +547,7 @@ class Recorder:
         sys.stderr.flush()
         os._exit(0)
 
-    def _note_loader(self, loader: DataLoader, caller) -> None:
+    def note_loader(self, loader, caller) -> None:
         if id(loader) in self._loaders:
             return
         self._loaders.add(id(loader))
@@ -786,19 +560,6 @@ class Recorder:
             "pin_memory": bool(loader.pin_memory),
             "persistent_workers": bool(loader.persistent_workers),
         })
-
-
-def _wrap_process_bootstrap(original):
-    """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here."""
-
-    def _bootstrap(process, *args, **kwargs):
-        try:
-            return original(process, *args, **kwargs)
-        finally:
-            if _active is not None:
-                _active.stop_in_any_process()
-
-    return _bootstrap
 
 
 def _env_int(name: str) -> int | None:

@@ -21,6 +21,8 @@ import time
 
 import psutil
 
+from gpulab.nvml import start_nvml
+
 # NVML field ids of the cumulative PCIe byte counters (nvml.h); read as rates between samples.
 _FI_PCIE_TX_BYTES = 197
 _FI_PCIE_RX_BYTES = 198
@@ -71,15 +73,9 @@ class GpuReader:
         self._gpm: dict[int, list] = {}  # index -> [previous sample, current sample, have previous]
         self._gpm_taken_at: dict[int, float] = {}
         self._gpm_failures: dict[int, int] = {}
-        try:
-            import pynvml
-        except ImportError:
-            self.status = "nvidia-ml-py not installed"
-            return
-        try:
-            pynvml.nvmlInit()
-        except Exception as e:  # no driver / no library: NVML raises its own error types
-            self.status = f"NVML unavailable ({type(e).__name__})"
+        pynvml, _, why = start_nvml()
+        if pynvml is None:
+            self.status = why
             return
         self._nvml = pynvml
         try:

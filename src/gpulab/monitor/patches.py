@@ -1,0 +1,367 @@
+"""Everything the profiler changes in PyTorch and Python while it records, in one place:
+PyTorch's own hooks where they exist, a patch where none does. `install(rec)` puts them all in;
+`Patches.undo()` takes every one out again, in reverse order. docs/profiling.md lists them, with
+the torch version they were checked against (2.13.0).
+
+PyTorch's hooks
+    nn.Module forward     register_module_forward_pre_hook / register_module_forward_hook
+                          (always_call): the outermost module call is compute; a module called
+                          inside a DataLoader fetch is a transform (torchvision's are modules)
+    Optimizer.step        register_optimizer_step_pre_hook / _post_hook: compute; ends the step
+Patches (no hook exists for these)
+    DataLoader.__iter__, _BaseDataLoaderIter.__next__   a fetch is a data wait
+    DataLoader.__init__   only for `gpulab profile --try` (DataLoader settings changed)
+    torch.autograd.backward, torch.autograd.grad        compute; a step ends after it (backward rule)
+    Optimizer.zero_grad   compute
+    torch.distributed's collectives (DISTRIBUTED_CALLS), Work.wait   collective
+    multiprocessing's BaseProcess._bootstrap            a child's recording ends (it leaves with os._exit)
+    torchvision's Compose.__init__ / __call__ (v1, once imported)   a span per transform, and where it was built
+    gpulab's PhaseTimer.phase   gpulab's own trainer's phases (data, scatter, allreduce, ...)
+    CUDA builds only (cuda_hooks.py, through the same `Patches`): Tensor's syncing methods,
+    Tensor.to / .cuda, torch.cuda.synchronize, Event/Stream.synchronize; torch's sync debug mode
+Process-wide
+    os.register_at_fork   a forked child records as its own lane (a DataLoader worker: nothing)
+
+Only the thread that started the recorder is recorded: every wrapper lets other threads' calls
+straight through. A second recorder in the same process is refused: the patches are the shared
+resource, so that is what `install` checks.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import sys
+import warnings
+import weakref
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from gpulab.errors import UserError
+from gpulab.monitor.attach import after_import
+from gpulab.monitor.frames import user_site
+from gpulab.monitor.phases import PhaseTimer
+
+# torch.distributed calls that block until the collective is done (unless async_op=True, when the
+# wait comes later, in Work.wait). Each is timed as "collective".
+DISTRIBUTED_CALLS = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "barrier", "monitored_barrier",
+    "all_to_all", "all_to_all_single", "gather", "scatter", "gather_object", "scatter_object_list",
+    "send", "recv",
+)
+
+# gpulab's own trainer reports its phases through PhaseTimer; this is where each one belongs.
+PHASE_CATEGORY = {
+    "data": "data_wait",
+    "scatter": "h2d",
+    "forward_backward": "compute",
+    "allreduce": "collective",
+    "optimizer": "compute",
+}
+
+_MARK = "__gpulab_patch__"
+
+
+class Patches:
+    """The patches and hooks of one recording session, and how to undo each."""
+
+    def __init__(self):
+        self._undo: list = []
+
+    def patch(self, owner, name: str, make_wrapper) -> None:
+        """Replace owner.name by make_wrapper(original) until undo()."""
+        had_own = name in vars(owner)
+        original = getattr(owner, name)
+        wrapper = make_wrapper(original)
+        setattr(wrapper, _MARK, True)
+        setattr(owner, name, wrapper)
+
+        def undo():
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+        self._undo.append(undo)
+
+    def on_undo(self, undo) -> None:
+        self._undo.append(undo)
+
+    def ignore_warning(self, message: str) -> None:
+        """Hide a warning that gpulab's own hooks cause (`message`: a regex of its start)."""
+        warnings.filterwarnings("ignore", message=message)
+        added = warnings.filters[0]
+
+        def undo():
+            if added in warnings.filters:
+                warnings.filters.remove(added)
+                warnings._filters_mutated()
+
+        self._undo.append(undo)
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def installed() -> bool:
+    """Is a recorder's set of patches in place in this process?"""
+    return getattr(DataLoader.__iter__, _MARK, False)
+
+
+def install(rec) -> Patches:
+    """Hook and patch everything listed above for the recorder `rec`."""
+    if installed():
+        raise UserError("a gpulab profile is already running in this process: end it before starting another")
+    p = Patches()
+    p.patch(DataLoader, "__iter__", partial(_loader_iter, rec))
+    if rec.cfg.dataloader_overrides:
+        p.patch(DataLoader, "__init__", partial(_loader_init, rec.cfg.dataloader_overrides))
+    p.patch(_BaseDataLoaderIter, "__next__", partial(_loader_next, rec))
+    _hook_module_calls(rec, p)
+    p.patch(torch.autograd, "backward", partial(_autograd, rec, "backward"))
+    p.patch(torch.autograd, "grad", partial(_autograd, rec, "autograd.grad"))
+    p.patch(torch.optim.Optimizer, "zero_grad", partial(_zero_grad, rec))
+    for handle in (register_optimizer_step_pre_hook(rec.on_optimizer_pre),
+                   register_optimizer_step_post_hook(rec.on_optimizer_post)):
+        p.on_undo(handle.remove)
+    p.patch(multiprocessing.process.BaseProcess, "_bootstrap", partial(_process_bootstrap, rec))
+    for module, members_call in (("torchvision.transforms.transforms", True),
+                                 ("torchvision.transforms.v2._container", False)):
+        p.on_undo(after_import(module, lambda m, c=members_call: _patch_compose(rec, p, m.Compose, c)))
+    p.patch(PhaseTimer, "phase", partial(_phase, rec))
+    _hook_distributed(rec, p)
+    _follow_forks(rec)
+    rec.cuda.install(p.patch)
+    p.on_undo(rec.cuda.uninstall)  # first out: sync debug mode and the warning filter
+    return p
+
+
+# ----------------------------------------------------------------------------- data
+
+def _loader_iter(rec, original):
+    def __iter__(loader):
+        if not rec.here():
+            return original(loader)
+        rec.end_step_after_backward()
+        rec.note_loader(loader, sys._getframe(1))
+        token = rec.enter("DataLoader.__iter__", "data_wait")
+        try:
+            return original(loader)
+        finally:
+            rec.exit(token)
+
+    return __iter__
+
+
+def _loader_next(rec, original):
+    def __next__(iterator):
+        if not rec.here():
+            return original(iterator)
+        rec.end_step_after_backward()
+        token = rec.enter("next(DataLoader)", "data_wait")
+        try:
+            return original(iterator)
+        finally:
+            rec.exit(token)
+
+    return __next__
+
+
+def _loader_init(overrides: dict, original):
+    """`--try num_workers=4`: every DataLoader the script makes gets these settings."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def __init__(loader, *args, **kwargs):
+        bound = signature.bind(loader, *args, **kwargs)
+        bound.apply_defaults()
+        bound.arguments.update(overrides)
+        if not bound.arguments.get("num_workers"):  # these only exist with workers
+            bound.arguments["persistent_workers"] = False
+            bound.arguments["prefetch_factor"] = None
+        return original(*bound.args, **bound.kwargs)
+
+    return __init__
+
+
+def _patch_compose(rec, p: Patches, compose, members_call: bool) -> None:
+    """torchvision's Compose: note where each transform was built; v1 (whose members need not be
+    nn.Modules): time each member as its own transform span."""
+
+    def wrap_init(original):
+        def __init__(composed, transforms, *args, **kwargs):
+            rec.note_transforms(transforms, user_site(sys._getframe(1)))
+            return original(composed, transforms, *args, **kwargs)
+        return __init__
+
+    def wrap_call(original):
+        def __call__(composed, img):
+            if not (rec.here() and rec.loading_data()):
+                return original(composed, img)
+            for t in composed.transforms:  # what Compose.__call__ does, one span per member
+                img = t(img) if isinstance(t, torch.nn.Module) else rec.call_transform(t, t, img)
+            return img
+        return __call__
+
+    p.patch(compose, "__init__", wrap_init)
+    if members_call:
+        p.patch(compose, "__call__", wrap_call)
+
+
+# ----------------------------------------------------------------------------- compute
+
+def _hook_module_calls(rec, p: Patches) -> None:
+    """The outermost module call is a compute span (a model's submodules add nothing but cost); a
+    module called inside a DataLoader fetch is a transform span. always_call: the span also ends
+    when forward raises."""
+    is_compiling = torch.compiler.is_compiling
+    open_calls: list[tuple[torch.nn.Module, int, bool]] = []  # (module, token, is a transform)
+
+    def before(module, args):
+        if is_compiling() or rec.in_forward or not rec.here():
+            return
+        if rec.loading_data():
+            token = rec.begin_transform(module)
+            if token is not None:
+                open_calls.append((module, token, True))
+            return
+        rec.end_step_after_backward()
+        rec.note_module(module)
+        rec.in_forward = True
+        open_calls.append((module, rec.enter(type(module).__name__, "compute"), False))
+
+    def after(module, args, output):
+        # is_compiling() first: torch.compile traces global hooks, and folds this one away here.
+        if is_compiling() or not open_calls or open_calls[-1][0] is not module:
+            return
+        _, token, transform = open_calls.pop()
+        if transform:
+            rec.end_transform(token)
+        else:
+            rec.in_forward = False
+            rec.exit(token)
+
+    for handle in (register_module_forward_pre_hook(before), register_module_forward_hook(after, always_call=True)):
+        p.on_undo(handle.remove)
+    # torch warns that global hooks fire for a compiled module's wrapper too; these expect it (the
+    # wrapper is the outermost call) and the warning is about gpulab, not the script.
+    p.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks")
+
+
+def _autograd(rec, name: str, original):
+    is_compiling = torch.compiler.is_compiling
+
+    def wrapper(*args, **kwargs):
+        if rec.in_backward or is_compiling() or not rec.here():
+            return original(*args, **kwargs)
+        rec.end_step_after_backward()  # a loop with neither a DataLoader nor a module call
+        rec.in_backward = True
+        token = rec.enter(name, "compute")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            rec.in_backward = False
+            rec.exit(token)
+            rec.backward_done()
+
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
+def _zero_grad(rec, original):
+    def zero_grad(optimizer, *args, **kwargs):
+        if not rec.here():
+            return original(optimizer, *args, **kwargs)
+        token = rec.enter(f"{type(optimizer).__name__}.zero_grad", "compute")
+        try:
+            return original(optimizer, *args, **kwargs)
+        finally:
+            rec.exit(token)
+
+    return zero_grad
+
+
+def _phase(rec, original):
+    @contextmanager
+    def phase(timer, name: str):
+        with rec.span(name, PHASE_CATEGORY.get(name, "compute")), original(timer, name):
+            yield
+
+    return phase
+
+
+# ----------------------------------------------------------------------------- communication
+
+def _hook_distributed(rec, p: Patches) -> None:
+    """Time torch.distributed's collectives and waits as their own category. DDP's bucket waits
+    happen inside backward in C++, out of reach: DDP's own runtime timers report them
+    (Recorder.ddp_runtime_stats)."""
+    if not torch.distributed.is_available():
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in DISTRIBUTED_CALLS:
+        if not hasattr(c10d, name):
+            continue
+        original = getattr(c10d, name)
+        wrapper = _collective(rec, f"dist.{name}", original)
+        # `dist.all_reduce` and `c10d.all_reduce` are one function under two names: patch both.
+        for owner in (c10d, torch.distributed):
+            if getattr(owner, name, None) is original:
+                p.patch(owner, name, lambda orig, w=wrapper: w)
+    p.patch(torch._C._distributed_c10d.Work, "wait", partial(_collective, rec, "Work.wait"))
+
+
+def _collective(rec, name: str, original):
+    def wrapper(*args, **kwargs):
+        if not rec.here():
+            return original(*args, **kwargs)
+        token = rec.enter(name, "collective")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            rec.exit(token)
+
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
+# ----------------------------------------------------------------------------- processes
+
+def _process_bootstrap(rec, original):
+    """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here."""
+
+    def _bootstrap(process, *args, **kwargs):
+        try:
+            return original(process, *args, **kwargs)
+        finally:
+            rec.stop_in_any_process()
+
+    return _bootstrap
+
+
+def _follow_forks(rec) -> None:
+    """A fork's child inherits the patches and the recorder's state. A DataLoader worker (forked
+    while the loader starts its workers) and a child of an in-process session record nothing
+    and never write to the parent's file; any other child (multiprocessing, os.fork) is a
+    process of the job: it gets its own lane. Fork handlers cannot be removed: this one holds
+    the recorder weakly and does nothing once it has stopped."""
+    if not hasattr(os, "register_at_fork"):  # not POSIX: nothing forks
+        return
+    ref = weakref.ref(rec)
+
+    def in_child() -> None:
+        recorder = ref()
+        if recorder is not None and recorder.recording():
+            recorder.after_fork_in_child()
+
+    os.register_at_fork(after_in_child=in_child)
