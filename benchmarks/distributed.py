@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from gpulab.io import git_commit
+
 MODELS = {
     # model: (training images, global batch, timed epochs)
     "lenet": (15_360, 256, 2),
@@ -166,15 +168,6 @@ def summarize(model: str, rounds: list[dict[str, dict]]) -> dict:
             [wait(r, "2 ranks, sync gpulab") / r["2 ranks, sync gpulab"]["seconds"] for r in rounds]),
     }
     return {"model": model, "samples_per_s": rows, "ratios": ratios, "rounds": rounds}
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -19,6 +19,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from gpulab.io import git_commit
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -53,7 +55,7 @@ def main() -> None:
               f"[{min(ratios[data_name]):.2f} .. {max(ratios[data_name]):.2f}]")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "host_allocator.json").write_text(json.dumps({"step_s": rows, "default_over_fixed": ratios}, indent=2))
+        (args.out / "host_allocator.json").write_text(json.dumps({"git_commit": git_commit(), "step_s": rows, "default_over_fixed": ratios}, indent=2))
 
 
 if __name__ == "__main__":

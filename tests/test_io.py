@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,25 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
         io.atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_git_commit_names_this_checkout_and_marks_a_dirty_one(tmp_path, monkeypatch):
+    import re
+    import subprocess
+
+    root = Path(io.__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    commit = io.git_commit()
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", commit) and commit.startswith(head)
+    real_run = subprocess.run
+
+    def run(cmd, **kwargs):  # `git status` lists a changed tracked file
+        done = real_run(cmd, **kwargs)
+        if "status" in cmd:
+            done = subprocess.CompletedProcess(cmd, 0, stdout=" M src/gpulab/io.py\n", stderr="")
+        return done
+
+    monkeypatch.setattr(io.subprocess, "run", run)
+    assert io.git_commit() == head + "+dirty"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -73,3 +74,21 @@ def check_writable(out: Path, option: str = "--out") -> None:
         raise UserError(f"{option} {out}: {parent} is a file, not a folder; choose another directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{option} {out}: {parent} is not writable; choose another directory")
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout gpulab runs from (read-only `git rev-parse`), with '+dirty' when
+    tracked files have uncommitted changes, or None outside a checkout: every result file records
+    it, so that a number can be traced to the code that measured it."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            # --no-optional-locks: never touch the index, even to refresh it
+            ["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a checkout (installed package) or no git
+    return commit + ("+dirty" if dirty else "")

@@ -5,13 +5,12 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import subprocess
-from pathlib import Path
 
 import torch
 
 import gpulab
 from gpulab import devices as gdevices
+from gpulab.io import git_commit
 
 
 def environment() -> dict:
@@ -21,7 +20,7 @@ def environment() -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),
         "gpulab": gpulab.__version__,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -56,22 +55,6 @@ def cpu_busy_pct(interval_s: float = 0.3) -> float:
     import psutil
 
     return psutil.cpu_percent(interval=interval_s)
-
-
-def _git_commit() -> str | None:
-    """The checkout's commit (read-only `git rev-parse`), with '+dirty' for uncommitted changes."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            # --no-optional-locks: never touch the index, even to refresh it
-            ["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None  # not a checkout (installed package) or no git
-    return commit + ("+dirty" if dirty else "")
 
 
 def machine_slug(env: dict) -> str:

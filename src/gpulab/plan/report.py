@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 from pathlib import Path
 
-from gpulab.io import atomic_write_bytes, atomic_write_json
+from gpulab.io import atomic_write_bytes, atomic_write_json, git_commit
 from gpulab.plan.planner import TARGET_EFFICIENCY, Plan
 from gpulab.plan.predict import ASSUMPTIONS
 
@@ -89,6 +90,8 @@ def assumptions(plan: Plan) -> list[str]:
 
 def to_json(plan: Plan, check: list[dict] | None = None) -> dict:
     return {
+        "git_commit": git_commit(),  # the code that measured this ('+dirty': not a clean checkout)
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "config": {"train": plan.config.train, "devices_per_node": plan.config.devices_per_node, "nodes": plan.config.nodes,
                    "link": plan.config.link, "device_link": plan.config.device_link},
         "device": describe_device(plan),
