@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from gpulab.data.fashion_mnist import FILES
 from gpulab.data.idx import write_idx
@@ -27,6 +29,30 @@ def make_idx_dataset(folder: Path, num_train: int = 512, num_test: int = 256, se
         write_idx(folder / (FILES[f"{part}_images"] + ".gz"), images)
         write_idx(folder / (FILES[f"{part}_labels"] + ".gz"), labels)
     return folder
+
+
+@contextmanager
+def one_thread():
+    """Torch on one thread. With two cores, torch's OpenMP threads spin-wait for each other; when
+    another torch process shares the machine (a second test run, a benchmark), a 1-second test
+    then takes a minute. One thread costs little on the tests' tiny data and keeps time stable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_torch_thread(request):
+    """one_thread() around a test (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`);
+    a test marked slow (real data) keeps every thread."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    with one_thread():
+        yield
 
 
 @pytest.fixture

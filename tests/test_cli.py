@@ -16,19 +16,7 @@ from gpulab import __version__
 from gpulab.train import TrainConfig
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Train on one thread. With two cores, torch's OpenMP threads spin-wait for each other; when
-    another torch process shares the machine (a second test run, a benchmark), a 1-second test
-    then takes a minute. One thread costs little on this tiny data and keeps the time stable."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
@@ -233,7 +221,10 @@ def test_devices_json(capsys):
     assert report["cpu"]["logical_cores"] >= 1
     if not torch.cuda.is_available():
         assert report["torch_sees_gpus"] == 0
-        assert report["gpus"] == [] or report["warnings"]
+        if report["gpus"]:  # NVIDIA GPUs this torch cannot use: an error, with the wheel to install
+            assert report["verdict"]["status"] == "error" and report["verdict"]["fix"]
+        else:  # no driver: no GPU; NVML unreadable: a warning that says why
+            assert report["verdict"]["status"] in ("no_gpu", "warning")
 
 
 def test_no_command(capsys):

@@ -34,27 +34,22 @@ else:
 RUN_FILES = ["checkpoint.pt", "config.json", "curves.png", "metrics.csv", "metrics.json"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One thread: on two shared cores torch's OpenMP threads spin-wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, one_torch_thread):
+def tiny_run(tmp_path_factory):
     """Three short epochs of LeNet on the small synthetic IDX dataset (also $GPULAB_DATA for the
     module: export verifies on that run's test set, 256 images)."""
     # pytest registers tests/conftest.py as `tests.conftest`; its fixtures are per test.
-    from tests.conftest import make_idx_dataset
+    from tests.conftest import make_idx_dataset, one_thread
 
     data = make_idx_dataset(tmp_path_factory.mktemp("fashion"))
     run_dir = tmp_path_factory.mktemp("runs") / "lenet"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GPULAB_DATA", str(data))
-        train(TrainConfig(devices="cpu", epochs=3, batch_size=32, out=str(run_dir)))
+        with one_thread():
+            train(TrainConfig(devices="cpu", epochs=3, batch_size=32, out=str(run_dir)))
         yield run_dir, data
 
 

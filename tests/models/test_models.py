@@ -10,14 +10,7 @@ from gpulab import models
 from gpulab.errors import UserError
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One thread: two-core machines shared with another torch process otherwise slow to a crawl
-    (OpenMP threads spin-waiting for each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_lenet_layers_are_the_textbooks():

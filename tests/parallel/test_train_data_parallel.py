@@ -1,6 +1,7 @@
 """`gpulab train` on several (virtual) devices: same results as one device, scaled batch, errors."""
 
 import json
+import math
 
 import pytest
 
@@ -41,9 +42,16 @@ def test_more_devices_than_samples_is_a_clear_error(tiny_data, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("algorithm", ["naive", "ring"])
-def test_allreduce_choice_reaches_the_run(tiny_data, tmp_path, capsys, algorithm):
+def test_allreduce_choice_reaches_the_run(tiny_data, tmp_path, capsys, monkeypatch, algorithm):
+    from gpulab.parallel import allreduce as allreduce_module
+
+    used = []
+    for name in ("naive", "ring"):
+        real = getattr(allreduce_module, f"_{name}")
+        monkeypatch.setattr(allreduce_module, f"_{name}", lambda t, real=real, name=name: (used.append(name), real(t))[1])
     assert main(["train", "--epochs", "1", "--devices", "cpu*3", "--batch-size", "48", "--allreduce", algorithm,
                  "--out", str(tmp_path / algorithm)]) == 0
+    assert used and set(used) == {algorithm}  # every gradient exchange ran the chosen algorithm
     assert f"allreduce {algorithm}" in capsys.readouterr().out
 
 
@@ -52,4 +60,6 @@ def test_resnet_with_sync_bn_trains(make_dataset, tmp_path):
     out = tmp_path / "resnet"
     assert main(["train", "--model", "resnet18", "--epochs", "1", "--devices", "cpu*2", "--sync-bn",
                  "--batch-size", "32", "--data-dir", str(data), "--out", str(out)]) == 0
-    assert metrics(out)[0]["train_loss"] > 0
+    row = metrics(out)[0]
+    assert math.isfinite(row["train_loss"]) and row["train_loss"] < math.log(10) + 0.5  # trained, not diverged
+    assert 0.0 <= row["test_acc"] <= 1.0

@@ -23,12 +23,7 @@ from gpulab.train import loop, rundir
 from gpulab.train.rundir import CHECKPOINT
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config(out: Path | None, **overrides) -> TrainConfig:

@@ -20,19 +20,7 @@ from gpulab.train.rundir import CHECKPOINT, LOCK, RunDir, check_writable, defaul
 TIMING_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds"}
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread(request):
-    """Train on one thread. With two cores, torch's OpenMP threads spin-wait for each other; when
-    another torch process shares the machine (a second test run, a benchmark), a 1-second test
-    then takes a minute. One thread costs little on this tiny data and keeps the time stable.
-    The slow real-data test keeps every thread."""
-    if request.node.get_closest_marker("slow"):
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config(out: Path, **overrides) -> TrainConfig:
