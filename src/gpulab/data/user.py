@@ -35,7 +35,6 @@ def user_loader(source, batch_size: int, device: torch.device, train: bool, seed
     return HostLoader(DataLoader(dataset, batch_sampler=batches, **options), device, channels_last=channels_last)
 
 
-
 def sample_shape(source) -> tuple[int, ...] | None:
     """One input's shape (no batch dimension), from the first sample; None when it cannot be read
     without consuming the user's iterator."""

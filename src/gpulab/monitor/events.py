@@ -4,17 +4,10 @@ Written by the recorder (recorder.py) inside each process of the profiled job, r
 report side in `gpulab profile`'s own process. This module imports no torch: the parent must not
 pay for it (2-3 s) and must not change the script's environment.
 
-A process's file holds, in order of writing:
-
-    process    written at interpreter start-up (autostart/sitecustomize.py): pid, ppid, argv,
-               or the error that kept gpulab's recorder from loading there
-    start      the recorder started (the process imported torch)
-    loader     a DataLoader the process iterated (its settings and where it was created)
-    step       one training step: exclusive seconds per category, counts, spans
-    fold       the steps before it belong to the step after it (a stronger step rule took over)
-    tail       the time after the last step (the whole run when no step ended)
-    end        the recorder stopped cleanly
-    sites, hot, spans, facts   whole-run tallies, rewritten at every flush (the last one wins)
+A process's file holds, in order of writing, the records typed below (TypedDicts: the JSON
+objects themselves, so writing and reading cost nothing extra): process, start, loader*, then
+step*/fold*, kernels (CUDA), tail, end; and the whole-run tallies sites, hot, spans, facts,
+rewritten at every flush (the last one wins).
 
 perf_counter() is CLOCK_MONOTONIC on Linux and macOS: one clock for every process of a machine,
 so lanes line up without translation.
@@ -24,10 +17,95 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal, NotRequired, TypedDict
 
 CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "other")
 EVENTS_PREFIX = "events-"
 TRANSFORM_PREFIX = "transform: "  # a step's count of seconds in one transform inside a DataLoader fetch
+
+
+class ProcessRecord(TypedDict):
+    """Written at interpreter start-up (autostart/sitecustomize.py), or when a forked child
+    becomes its own lane; `error`: what kept gpulab's recorder from loading there."""
+    type: Literal["process"]
+    pid: int
+    ppid: int
+    t: float
+    argv: list[str]
+    error: str | None
+    executable: NotRequired[str]
+    forked: NotRequired[bool]
+
+
+class StartRecord(TypedDict):
+    """The recorder started: the process imported torch."""
+    type: Literal["start"]
+    t: float
+    pid: int
+    ppid: int
+    rank: int | None
+    local_world_size: int | None  # ranks sharing this machine's cores
+    world_size: int | None
+    command: list[str]
+    python: str
+    torch: str
+    torch_cuda_build: str | None
+    cpu_count: int | None
+    torch_threads: int
+    config: dict  # ProfileConfig
+
+
+class LoaderRecord(TypedDict):
+    """A DataLoader the process iterated: its settings and where it was made."""
+    type: Literal["loader"]
+    where: str | None
+    dataset: str
+    batch_size: int | None
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+
+
+class StepRecord(TypedDict):
+    """One training step ("step"), or the time after the last one ("tail")."""
+    type: Literal["step", "tail"]
+    t0: float | None
+    t1: float
+    excl: dict[str, float]  # exclusive seconds per category (CATEGORIES)
+    counts: dict[str, float]  # syncs, copies and their bytes, seconds per transform
+    profiled: bool  # inside the kernel window (torch.profiler's own cost: not a normal step)
+    data: list[list[float]]  # [t0, t1] of each data wait
+    i: NotRequired[int]  # steps only
+    spans: NotRequired[list[list]]  # [name, category, t0, t1] of the first trace_steps steps
+
+
+class FoldRecord(TypedDict):
+    """The steps before it belong to the first step after it (a stronger step rule took over)."""
+    type: Literal["fold"]
+
+
+class KernelsRecord(TypedDict, total=False):
+    """torch.profiler's window over a few steps (CUDA): kernels per step, how long the device
+    computed per step; or the error that kept the window from running."""
+    type: Literal["kernels"]
+    error: str
+    steps: int
+    kernels_per_step: float
+    kernel_median_us: float | None
+    kernel_p90_us: float | None
+    device_busy_s_per_step: float
+    device_busy_s_per_step_by_device: dict[str, float]
+    memcpy_s_per_step: float
+    memcpy_pageable_per_step: float
+    runtime_sync_s_per_step: float
+
+
+class EndRecord(TypedDict):
+    type: Literal["end"]
+    t: float
+    exit_code: int | None
+    error: str | None
+    cuda: dict  # CudaHooks.usage(): did the script use CUDA, which devices
 
 
 def events_file(directory: Path | str, pid: int) -> Path:

@@ -121,14 +121,21 @@ def install(rec) -> Patches:
     if installed():
         raise UserError("a gpulab profile is already running in this process: end it before starting another")
     p = Patches()
-    p.patch(DataLoader, "__iter__", partial(_loader_iter, rec))
+
+    def new_pass(loader):  # the loop is back for data: a backward-rule step ended; note the loader once
+        rec.end_step_after_backward()
+        rec.note_loader(loader, sys._getframe(1))
+
+    p.patch(DataLoader, "__iter__", partial(_as_span, rec, "data_wait", "DataLoader.__iter__", new_pass))
     if rec.cfg.dataloader_overrides:
         p.patch(DataLoader, "__init__", partial(_loader_init, rec.cfg.dataloader_overrides))
-    p.patch(_BaseDataLoaderIter, "__next__", partial(_loader_next, rec))
+    p.patch(_BaseDataLoaderIter, "__next__", partial(_as_span, rec, "data_wait", "next(DataLoader)",
+                                                     lambda iterator: rec.end_step_after_backward()))
     _hook_module_calls(rec, p)
     p.patch(torch.autograd, "backward", partial(_autograd, rec, "backward"))
     p.patch(torch.autograd, "grad", partial(_autograd, rec, "autograd.grad"))
-    p.patch(torch.optim.Optimizer, "zero_grad", partial(_zero_grad, rec))
+    p.patch(torch.optim.Optimizer, "zero_grad",
+            partial(_as_span, rec, "compute", lambda optimizer: f"{type(optimizer).__name__}.zero_grad", None))
     for handle in (register_optimizer_step_pre_hook(rec.on_optimizer_pre),
                    register_optimizer_step_post_hook(rec.on_optimizer_post)):
         p.on_undo(handle.remove)
@@ -144,36 +151,27 @@ def install(rec) -> Patches:
     return p
 
 
+def _as_span(rec, category: str, name, before, original):
+    """`original`, timed as a `category` span in the recorded thread. `name`: the span's name, or
+    a function of the call's first argument that gives it; `before(first argument)`: what the
+    recorder notes first (a step that ended, a DataLoader it has not seen)."""
+
+    def wrapper(*args, **kwargs):
+        if not rec.here():
+            return original(*args, **kwargs)
+        if before is not None:
+            before(args[0])
+        token = rec.enter(name if isinstance(name, str) else name(args[0]), category)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            rec.exit(token)
+
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
 # ----------------------------------------------------------------------------- data
-
-def _loader_iter(rec, original):
-    def __iter__(loader):
-        if not rec.here():
-            return original(loader)
-        rec.end_step_after_backward()
-        rec.note_loader(loader, sys._getframe(1))
-        token = rec.enter("DataLoader.__iter__", "data_wait")
-        try:
-            return original(loader)
-        finally:
-            rec.exit(token)
-
-    return __iter__
-
-
-def _loader_next(rec, original):
-    def __next__(iterator):
-        if not rec.here():
-            return original(iterator)
-        rec.end_step_after_backward()
-        token = rec.enter("next(DataLoader)", "data_wait")
-        try:
-            return original(iterator)
-        finally:
-            rec.exit(token)
-
-    return __next__
-
 
 def _loader_init(overrides: dict, original):
     """`--try num_workers=4`: every DataLoader the script makes gets these settings."""
@@ -277,19 +275,6 @@ def _autograd(rec, name: str, original):
     return wrapper
 
 
-def _zero_grad(rec, original):
-    def zero_grad(optimizer, *args, **kwargs):
-        if not rec.here():
-            return original(optimizer, *args, **kwargs)
-        token = rec.enter(f"{type(optimizer).__name__}.zero_grad", "compute")
-        try:
-            return original(optimizer, *args, **kwargs)
-        finally:
-            rec.exit(token)
-
-    return zero_grad
-
-
 def _phase(rec, original):
     @contextmanager
     def phase(timer, name: str):
@@ -313,26 +298,12 @@ def _hook_distributed(rec, p: Patches) -> None:
         if not hasattr(c10d, name):
             continue
         original = getattr(c10d, name)
-        wrapper = _collective(rec, f"dist.{name}", original)
+        wrapper = _as_span(rec, "collective", f"dist.{name}", None, original)
         # `dist.all_reduce` and `c10d.all_reduce` are one function under two names: patch both.
         for owner in (c10d, torch.distributed):
             if getattr(owner, name, None) is original:
                 p.patch(owner, name, lambda orig, w=wrapper: w)
-    p.patch(torch._C._distributed_c10d.Work, "wait", partial(_collective, rec, "Work.wait"))
-
-
-def _collective(rec, name: str, original):
-    def wrapper(*args, **kwargs):
-        if not rec.here():
-            return original(*args, **kwargs)
-        token = rec.enter(name, "collective")
-        try:
-            return original(*args, **kwargs)
-        finally:
-            rec.exit(token)
-
-    wrapper.__wrapped__ = original
-    return wrapper
+    p.patch(torch._C._distributed_c10d.Work, "wait", partial(_as_span, rec, "collective", "Work.wait", None))
 
 
 # ----------------------------------------------------------------------------- processes

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+
 class PhaseTimer:
     def __init__(self, devices: list[torch.device], enabled: bool = True):
         self.devices = list(dict.fromkeys(devices))  # unique, in order

@@ -54,7 +54,8 @@ from gpulab.monitor import patches
 from gpulab.monitor.attach import block_signals_in_this_thread
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.cuda_hooks import CudaHooks
-from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX
+from gpulab.monitor.events import (CATEGORIES, TRANSFORM_PREFIX, EndRecord, FoldRecord, LoaderRecord, ProcessRecord,
+                                   StartRecord, StepRecord)
 from gpulab.monitor.frames import user_site
 
 
@@ -66,6 +67,7 @@ _DDP_READ_EVERY_S = 0.2
 # interval keeps that bias well under the 20 ms sampling period.
 _SWITCH_INTERVAL_S = 0.001
 _MAX_DATA_SPANS_PER_STEP = 64
+
 
 class Recorder:
     def __init__(self, cfg: ProfileConfig, events_path: Path | None = None):
@@ -128,7 +130,7 @@ class Recorder:
         return self
 
     def _emit_start(self, command: list[str]) -> None:
-        self._emit({
+        record: StartRecord = {
             "type": "start",
             "t": time.perf_counter(),
             "pid": self._pid,
@@ -143,7 +145,8 @@ class Recorder:
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "config": self.cfg.to_dict(),
-        })
+        }
+        self._emit(record)
 
     def _start_stack_sampler(self) -> None:
         self._stack_thread = threading.Thread(target=self._sample_stacks, name="gpulab-stacks", daemon=True)
@@ -157,8 +160,9 @@ class Recorder:
         self.records = []
         self.events_path = directory / f"events-{self._pid}.jsonl"
         self._ident = threading.get_ident()  # the forking thread is the child's only thread
-        self._emit({"type": "process", "pid": self._pid, "ppid": os.getppid(), "t": time.perf_counter(),
-                    "argv": list(getattr(sys, "orig_argv", sys.argv)), "forked": True, "error": None})
+        process: ProcessRecord = {"type": "process", "pid": self._pid, "ppid": os.getppid(), "t": time.perf_counter(),
+                                  "argv": list(getattr(sys, "orig_argv", sys.argv)), "forked": True, "error": None}
+        self._emit(process)
         self._emit_start(list(getattr(sys, "orig_argv", sys.argv)))
         if self.cfg.stack_interval_s > 0:
             self._start_stack_sampler()
@@ -185,7 +189,8 @@ class Recorder:
         now = time.perf_counter()
         if self._t_last is not None and self._ident is not None:
             self._charge(now)
-            self._emit({"type": "tail", "t0": self._step_t0, "t1": now, **self._step_fields()})
+            tail: StepRecord = {"type": "tail", "t0": self._step_t0, "t1": now, **self._step_fields()}
+            self._emit(tail)
         self._stop_sampling.set()
         if self._stack_thread is not None:
             self._stack_thread.join(timeout=1.0)  # never hang an exiting process on the profiler
@@ -194,8 +199,9 @@ class Recorder:
         self._patches.undo()
         if self._restore_switch_interval is not None:
             self._restore_switch_interval()
-        self._emit({"type": "end", "t": now, "exit_code": exit_code, "error": error or self.error,
-                    "cuda": self.cuda.usage()})
+        end: EndRecord = {"type": "end", "t": now, "exit_code": exit_code, "error": error or self.error,
+                          "cuda": self.cuda.usage()}
+        self._emit(end)
         self.flush(final=True)
         self._ident = None
         self._patches = None
@@ -279,7 +285,8 @@ class Recorder:
             if self._step_index > 0:
                 # Steps ended by the weaker rule belong to the first step of this one; the reader
                 # (events.Recording) merges them, since some may already be in the file.
-                self._emit({"type": "fold"})
+                fold: FoldRecord = {"type": "fold"}
+                self._emit(fold)
                 self._step_index = 0
             self._step_rule = rule
         return True
@@ -296,7 +303,7 @@ class Recorder:
             self._begin(now)
         self._charge(now)
         self._backward_since_step = 0
-        record = {"type": "step", "i": self._step_index, "t0": self._step_t0, "t1": now, **self._step_fields()}
+        record: StepRecord = {"type": "step", "i": self._step_index, "t0": self._step_t0, "t1": now, **self._step_fields()}
         if self._step_index < self.cfg.trace_steps:
             record["spans"] = self._spans
         self._emit(record)
@@ -551,7 +558,7 @@ class Recorder:
         if id(loader) in self._loaders:
             return
         self._loaders.add(id(loader))
-        self._emit({
+        record: LoaderRecord = {
             "type": "loader",
             "where": user_site(caller),
             "dataset": type(loader.dataset).__name__,
@@ -559,7 +566,8 @@ class Recorder:
             "num_workers": loader.num_workers,
             "pin_memory": bool(loader.pin_memory),
             "persistent_workers": bool(loader.persistent_workers),
-        })
+        }
+        self._emit(record)
 
 
 def _env_int(name: str) -> int | None:

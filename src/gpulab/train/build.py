@@ -48,7 +48,6 @@ class Run:
         return self.strategy.devices
 
 
-
 def make_loaders(cfg: TrainConfig, world: World, device: torch.device, batch_size: int, channels_last: bool,
                  train_data, test_data) -> tuple[data.DeviceLoader | data.HostLoader, data.DeviceLoader | data.HostLoader]:
     """Fashion-MNIST's splits go to the device whole (DeviceLoader); a user's data is batched on the host."""
@@ -66,7 +65,6 @@ def make_loaders(cfg: TrainConfig, world: World, device: torch.device, batch_siz
     )
 
 
-
 def check_image_shape(source, model: str) -> None:
     """Fail with one line, not a shape error deep inside forward, when images do not fit a built-in
     model (the user's own model takes whatever its data holds)."""
@@ -81,7 +79,6 @@ def check_image_shape(source, model: str) -> None:
         raise UserError(f"train_data images have shape {'x'.join(map(str, shape))}; --model {model} takes {want} images")
 
 
-
 def choose_devices(cfg: TrainConfig, world: World) -> list[torch.device]:
     """This process's devices: the --devices list in one process, one device per torchrun rank."""
     if world.world_size == 1:
@@ -91,14 +88,12 @@ def choose_devices(cfg: TrainConfig, world: World) -> list[torch.device]:
     return [device]
 
 
-
 def global_batch_size(cfg: TrainConfig, replicas: int, train_data) -> int:
     """The batch of every step: --batch-size (x replicas with --scale-batch), or the caller's
     DataLoader's own batch_size when it passes one."""
     if isinstance(train_data, torch.utils.data.DataLoader) and train_data.batch_size is not None:
         return train_data.batch_size
     return cfg.batch_size * (replicas if cfg.scale_batch else 1)
-
 
 
 def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int, train_data, test_data) -> None:
@@ -121,7 +116,6 @@ def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int,
         raise UserError("--recipe textbook initialises the textbook's LeNet only: use --model lenet")
 
 
-
 def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, devices: list[torch.device],
                   batch_size: int, lr: float, timer: PhaseTimer | None = None, optimizer=None) -> Strategy:
     optimizer = optimizer or make_optimizer(cfg.recipe_spec, lr)
@@ -137,14 +131,12 @@ def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, device
     )
 
 
-
 def check_own_model(model: torch.nn.Module) -> None:
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) > 1:
         listing = ", ".join(sorted(str(d) for d in devices))
         raise UserError(f"the model's parameters are on several devices ({listing}): gpulab places one whole copy "
                         "per device itself - pass the model on one device (e.g. model.cpu())")
-
 
 
 class CheckedLoss:
@@ -183,7 +175,6 @@ class CheckedLoss:
         self.classifies = classifies(outputs, targets)
         self.checked = True
         return loss
-
 
 
 def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_data=None,

@@ -18,7 +18,6 @@ def placement(run: Run) -> str:
     return f"{run.world.world_size} ranks x {where}" if run.world.world_size > 1 else where
 
 
-
 def banner(run: Run, run_dir: RunDir) -> str:
     cfg, strategy = run.cfg, run.strategy
     per = "rank" if run.world.world_size > 1 else "device"
@@ -31,7 +30,6 @@ def banner(run: Run, run_dir: RunDir) -> str:
         f"{'bf16 autocast' if strategy.autocast else 'fp32'}, {strategy.description} -> {run_dir.path}"
         + ("\n--sync-bn has no effect here: this model has no BatchNorm layers" if no_batchnorm else "")
     )
-
 
 
 def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:

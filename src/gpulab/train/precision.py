@@ -15,7 +15,6 @@ def use_channels_last(cfg: TrainConfig, devices: list[torch.device]) -> bool:
     return cfg.channels_last == "on"
 
 
-
 def autocast_dtype(cfg: TrainConfig, devices: list[torch.device]) -> torch.dtype | None:
     """bf16 mixed precision, or None for plain fp32.
 

@@ -23,7 +23,6 @@ def lr_at(step: int, total_steps: int, peak: float, recipe: Recipe, warmup_steps
     return peak * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-
 def make_optimizer(recipe: Recipe, lr: float):
     def factory(params):
         return torch.optim.SGD(

@@ -78,14 +78,12 @@ def load_weights(run: Run, checkpoint: dict, run_dir: RunDir) -> None:
         ) from None
 
 
-
 def new_total_epochs(epochs: int, done: int, saved: int | None, run_dir: RunDir) -> int:
     """--resume with --epochs: a total no smaller than what the run has trained."""
     if epochs < done:
         raise UserError(f"--epochs {epochs}: {run_dir.path} has already trained {done} epochs; "
                         f"give a total of {done} or more (it was {saved})")
     return epochs
-
 
 
 def check_resumable(cfg: TrainConfig, history: list[dict], replicas: int) -> None:
@@ -97,7 +95,6 @@ def check_resumable(cfg: TrainConfig, history: list[dict], replicas: int) -> Non
             f"this run scales its batch and learning rate with the replica count (--scale-batch) and trained "
             f"with {before}: resume it with {before} replicas, not {replicas}"
         )
-
 
 
 def interrupted_line(run_dir: RunDir, history: list[dict]) -> str:
