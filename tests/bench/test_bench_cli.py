@@ -159,19 +159,6 @@ def test_preset_flags(flags, preset):
     assert build_parser().parse_args(["bench", "matmul", *flags]).preset == preset
 
 
-def test_script_wrappers_run_the_benchmarks(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    for name in ("allreduce", "scaling"):
-        out = subprocess.run(
-            [sys.executable, str(root / "benchmarks" / f"{name}.py"), "--help"], capture_output=True, text=True, timeout=60
-        )
-        assert out.returncode == 0 and "gpulab bench" in out.stdout, out.stderr
-
-
 @pytest.mark.slow
 def test_all_quick(tmp_path, tiny_data):
     """The acceptance command itself: `gpulab bench all --quick` (about 1-2 minutes on 2 cores)."""
