@@ -8,7 +8,6 @@ GB/s) and whole `Timing` dicts; only the terminal formats them.
 from __future__ import annotations
 
 import io
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -218,10 +217,6 @@ def write_png(fig, path: Path) -> None:
     fig.savefig(buf, format="png")
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
 
 
 def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):

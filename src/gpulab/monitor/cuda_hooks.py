@@ -36,6 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
+from gpulab.monitor.events import KernelsRecord
 from gpulab.monitor.frames import user_site
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -324,7 +325,8 @@ class KernelWindow:
     def _give_up(self, error: Exception) -> None:
         self.active = False
         self.done = True
-        self.rec._emit({"type": "kernels", "error": f"{type(error).__name__}: {error}"})
+        failed: KernelsRecord = {"type": "kernels", "error": f"{type(error).__name__}: {error}"}
+        self.rec._emit(failed)
 
 
 @contextmanager
@@ -345,7 +347,7 @@ def _kineto_logs_hidden():
 
 
 def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,
-                      device_type=torch.autograd.DeviceType.CUDA) -> dict | None:
+                      device_type=torch.autograd.DeviceType.CUDA) -> KernelsRecord | None:
     """Kernels per step, their durations, and device-busy time per step, from kineto events.
 
     `record_function` ranges (user annotations, and the `Optimizer.step#...` one torch opens every
