@@ -194,7 +194,7 @@ def test_signals_end_the_job_and_keep_the_report(tmp_path, how, args, exit_code)
     if how == "SIGINT to gpulab":
         assert "signals: cleanup ran" in out
     report = json.loads((tmp_path / "prof" / "report.json").read_text())
-    assert report["exit_code"] == exit_code and report["steps"] > 10
+    assert report["exit_code"] == exit_code and report["steps"] > 10, err[-3000:]
     assert not still_running(pids)
     assert not list((tmp_path / "prof").glob(".events-*"))
 
