@@ -58,8 +58,7 @@ def tensor_digest(state) -> str:
 
 def describe(run_dir: Path) -> str:
     checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    rows = metrics if isinstance(metrics, list) else metrics.get("epochs", metrics)
+    rows = json.loads((run_dir / "metrics.json").read_text())  # one row per epoch
     losses = " ".join(f"{r['train_loss'].hex()}/{r['test_loss'].hex()}" for r in rows)
     return f"weights+optimizer {tensor_digest(checkpoint['strategy'])}  losses {losses}"
 

@@ -5,6 +5,7 @@ Torch-free, so that the command line is built from TrainConfig's fields before t
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import typing
@@ -145,16 +146,16 @@ class TrainConfig:
             raise UserError(f"config.json has a value of the wrong type ({e}); restore the original file") from None
 
 
-def choices(cls: type, name: str) -> tuple[str, ...] | None:
-    """The values a Literal-typed field of `cls` may take (None: any value of its type)."""
-    hint = typing.get_type_hints(cls)[name]
-    return typing.get_args(hint) if typing.get_origin(hint) is Literal else None
+@functools.cache
+def literal_choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """{field: the values it may take} for the Literal-typed fields of dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in fields(cls) if typing.get_origin(hints[f.name]) is Literal}
 
 
 def check_choices(obj) -> None:
     """Every Literal-typed field holds one of its values, or a one-line error that lists them."""
-    for f in fields(obj):
-        allowed = choices(type(obj), f.name)
-        value = getattr(obj, f.name)
-        if allowed is not None and value not in allowed:
-            raise UserError(f"--{f.name.replace('_', '-')} {value}: choose one of {', '.join(allowed)}")
+    for name, allowed in literal_choices(type(obj)).items():
+        value = getattr(obj, name)
+        if value not in allowed:
+            raise UserError(f"--{name.replace('_', '-')} {value}: choose one of {', '.join(allowed)}")

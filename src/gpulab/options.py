@@ -10,7 +10,7 @@ from __future__ import annotations
 import typing
 from dataclasses import fields
 
-from gpulab.config import TrainConfig, choices
+from gpulab.config import TrainConfig, literal_choices
 
 STEP_FIELDS = ("model", "data_dir", "devices", "batch_size", "recipe", "sync", "channels_last", "precision")
 """What one training step is: the options gpulab plan shares with gpulab train."""
@@ -34,7 +34,7 @@ def add_config_options(parser, names: tuple[str, ...]) -> None:
         if hint is bool:
             parser.add_argument(flag(name), action="store_const", const=True, default=None, help=help_text)
             continue
-        allowed = choices(TrainConfig, name)
+        allowed = literal_choices(TrainConfig).get(name)
         # No argparse choices=: TrainConfig checks them, with the one-line error that lists them.
         metavar = "{" + ",".join(allowed) + "}" if allowed else None
         parser.add_argument(flag(name), type=value_type(hint), default=None, metavar=metavar, help=help_text)

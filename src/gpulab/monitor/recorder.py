@@ -80,7 +80,6 @@ class Recorder:
         self._detached = False
         self._stopping = False
         self._patches: patches.Patches | None = None  # in place while recording
-        self._restore_switch_interval = None
         self._transform_sites: dict[int, str] = {}  # id(transform) -> where the user built it
         self._ddp_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._ddp_stats: dict | None = None
@@ -125,7 +124,7 @@ class Recorder:
         if self.cfg.stack_interval_s > 0:
             previous_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(previous_interval, _SWITCH_INTERVAL_S))
-            self._restore_switch_interval = lambda: sys.setswitchinterval(previous_interval)
+            self._patches.on_undo(lambda: sys.setswitchinterval(previous_interval))
             self._start_stack_sampler()
         return self
 
@@ -197,8 +196,6 @@ class Recorder:
         with self.cuda.suppressed():
             self.cuda.finish(self._step_index)
         self._patches.undo()
-        if self._restore_switch_interval is not None:
-            self._restore_switch_interval()
         end: EndRecord = {"type": "end", "t": now, "exit_code": exit_code, "error": error or self.error,
                           "cuda": self.cuda.usage()}
         self._emit(end)
