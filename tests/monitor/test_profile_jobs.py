@@ -199,6 +199,12 @@ def test_signals_end_the_job_and_keep_the_report(tmp_path, how, args, exit_code)
     assert not list((tmp_path / "prof").glob(".events-*"))
 
 
+def test_children_dying_during_the_flush_do_not_lose_the_recording(tmp_path, capfd):
+    code, report = profile(tmp_path, "sigchld_during_flush.py")
+    assert code == 143, capfd.readouterr().err[-2000:]
+    assert report["exit_code"] == 143 and report["steps"] == 2000
+
+
 def test_killing_gpulab_outright_stops_the_whole_job(tmp_path):
     gpulab, pids = start_signals_job(tmp_path)
     gpulab.kill()

@@ -101,14 +101,21 @@ def _flush_on_termination(recorder) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
 
+    sigchld = getattr(signal, "SIGCHLD", None)  # POSIX only
+
     def flush_and_die(signum, frame):
         # A signal sent to the job's process group also ends its DataLoader workers, and the
-        # DataLoader's SIGCHLD handler then raises "worker killed" in the middle of this flush
-        # (the script exited 1, not 143, with a traceback): SIGCHLD waits until the process is gone.
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        # DataLoader's SIGCHLD handler would raise "worker killed" in the middle of this flush
+        # (the recording lost, silently: the process dies of the signal right after). Blocking
+        # SIGCHLD is not enough: a worker that died a moment earlier has already tripped it, and
+        # Python runs the handler at the flush's first wait. With no Python handler, nothing runs.
+        if sigchld is not None:
+            signal.signal(sigchld, signal.SIG_DFL)
         try:
             recorder.stop_in_any_process(exit_code=128 + signum, error=f"stopped by {signal.Signals(signum).name}")
+        except Exception as e:  # say so: the process is about to die of the signal, without a traceback
+            print(f"gpulab profile: process {os.getpid()} could not write its recording: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
