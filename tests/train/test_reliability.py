@@ -469,10 +469,12 @@ def test_the_divergence_rule():
     first = {"train_loss": 0.8, "test_loss": 0.6}
     assert divergence(first, []) is None
     assert divergence({"train_loss": 0.3, "test_loss": 2.5}, [first]) is None  # overfitting is not divergence
-    assert divergence({"train_loss": 81.0, "test_loss": 1.0}, [first]) is not None
-    assert divergence({"train_loss": 0.3, "test_loss": 81.0}, [first]) is not None
-    assert divergence({"train_loss": float("nan"), "test_loss": 1.0}, [first]) is not None
-    assert divergence({"train_loss": 1.0, "test_loss": float("nan")}, []) is not None
+    assert divergence({"train_loss": 81.0, "test_loss": 1.0}, [first]) == (
+        "the training loss became 81, over 100x the first epoch's training loss (0.8)")
+    assert divergence({"train_loss": 0.3, "test_loss": 81.0}, [first]).startswith("the test loss became 81, over 100x")
+    assert divergence({"train_loss": 79.0, "test_loss": 79.0}, [first]) is None  # just under 100 x 0.8
+    assert divergence({"train_loss": float("nan"), "test_loss": 1.0}, [first]) == "the training loss became nan"
+    assert divergence({"train_loss": 1.0, "test_loss": float("nan")}, []) == "the test loss became nan"
     assert divergence({"train_loss": -5.0, "test_loss": -4.0}, [{"train_loss": -1.0}]) is None  # a negative loss
 
 
