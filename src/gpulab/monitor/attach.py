@@ -108,9 +108,10 @@ def _flush_on_termination(recorder) -> None:
         # DataLoader's SIGCHLD handler would raise "worker killed" in the middle of this flush
         # (the recording lost, silently: the process dies of the signal right after). Blocking
         # SIGCHLD is not enough: a worker that died a moment earlier has already tripped it, and
-        # Python runs the handler at the flush's first wait. With no Python handler, nothing runs.
+        # Python runs the handler at the flush's first wait. So it runs one that does nothing
+        # (SIG_DFL would do too, but Python then prints "Signal 17 ignored due to race condition").
         if sigchld is not None:
-            signal.signal(sigchld, signal.SIG_DFL)
+            signal.signal(sigchld, _ignore_signal)
         try:
             recorder.stop_in_any_process(exit_code=128 + signum, error=f"stopped by {signal.Signals(signum).name}")
         except Exception as e:  # say so: the process is about to die of the signal, without a traceback
@@ -123,6 +124,10 @@ def _flush_on_termination(recorder) -> None:
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) == signal.SIG_DFL:
             signal.signal(signum, flush_and_die)
+
+
+def _ignore_signal(signum, frame) -> None:
+    pass
 
 
 def block_signals_in_this_thread() -> None:
