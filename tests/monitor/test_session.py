@@ -17,7 +17,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 import gpulab.monitor
 from gpulab.errors import UserError
 from gpulab.monitor import patches
-from gpulab.monitor.phases import PhaseTimer
+from gpulab.parallel import phases
+from gpulab.parallel.phases import PhaseTimer
 
 
 def train_steps(model, optimizer, batches, on_step=None):
@@ -58,14 +59,14 @@ def test_explicit_step_marks_replace_optimizer_steps(tmp_path):
 
 def test_everything_is_restored_after_the_session(tmp_path):
     originals = (nn.Module.__call__, DataLoader.__iter__, _BaseDataLoaderIter.__next__, torch.autograd.backward,
-                 torch.optim.Optimizer.zero_grad, PhaseTimer.phase)
+                 torch.optim.Optimizer.zero_grad, PhaseTimer.phase, list(phases._listeners))
     hooks = (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks),
              len(module_module._global_forward_pre_hooks), len(module_module._global_forward_hooks))
     model, optimizer = tiny()
     with gpulab.monitor.profile(out=tmp_path, quiet=True):
         train_steps(model, optimizer, [(torch.randn(4, 8), torch.randint(0, 3, (4,)))])
     assert (nn.Module.__call__, DataLoader.__iter__, _BaseDataLoaderIter.__next__, torch.autograd.backward,
-            torch.optim.Optimizer.zero_grad, PhaseTimer.phase) == originals
+            torch.optim.Optimizer.zero_grad, PhaseTimer.phase, list(phases._listeners)) == originals
     assert (len(optim_module._global_optimizer_pre_hooks), len(optim_module._global_optimizer_post_hooks),
             len(module_module._global_forward_pre_hooks), len(module_module._global_forward_hooks)) == hooks
     assert not patches.installed()

@@ -5,7 +5,7 @@
 
 `gpulab profile -- python script.py` does the same for an unmodified script (runner.py runs it
 under bootstrap.py); `gpulab train --profile` for gpulab's own trainer, whose per-phase step
-timer is gpulab.monitor.phases.PhaseTimer.
+timer is gpulab.parallel.phases.PhaseTimer (the profiler listens to its phases).
 
 Importing this package does not import torch: the profiler's bootstrap must let the user's script
 be the one that imports it (a script may set OMP_NUM_THREADS first).

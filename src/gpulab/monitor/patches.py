@@ -34,7 +34,6 @@ import os
 import sys
 import warnings
 import weakref
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -46,7 +45,6 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from gpulab.errors import UserError
 from gpulab.monitor.attach import after_import
 from gpulab.monitor.frames import user_site
-from gpulab.monitor.phases import PhaseTimer
 
 # torch.distributed calls that block until the collective is done (unless async_op=True, when the
 # wait comes later, in Work.wait). Each is timed as "collective".
@@ -143,7 +141,7 @@ def install(rec) -> Patches:
     for module, members_call in (("torchvision.transforms.transforms", True),
                                  ("torchvision.transforms.v2._container", False)):
         p.on_undo(after_import(module, lambda m, c=members_call: _patch_compose(rec, p, m.Compose, c)))
-    p.patch(PhaseTimer, "phase", partial(_phase, rec))
+    p.on_undo(after_import("gpulab.parallel.phases", lambda m: p.on_undo(m.add_phase_listener(partial(_phase, rec)))))
     _hook_distributed(rec, p)
     _follow_forks(rec)
     rec.cuda.install(p.patch)
@@ -275,13 +273,9 @@ def _autograd(rec, name: str, original):
     return wrapper
 
 
-def _phase(rec, original):
-    @contextmanager
-    def phase(timer, name: str):
-        with rec.span(name, PHASE_CATEGORY.get(name, "compute")), original(timer, name):
-            yield
-
-    return phase
+def _phase(rec, name: str):
+    """A phase of gpulab's own trainer (a PhaseTimer listener) is a span of its category."""
+    return rec.span(name, PHASE_CATEGORY.get(name, "compute"))
 
 
 # ----------------------------------------------------------------------------- communication

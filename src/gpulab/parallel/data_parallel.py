@@ -28,7 +28,8 @@ from gpulab.devices import device_of, place
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose, weak_hook
 from gpulab.parallel.meter import Meter, correct_count
-from gpulab.parallel.strategy import LossFn, autocast, eval_batch, phase, set_lr
+from gpulab.parallel.phases import PhaseTimer
+from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
 from gpulab.parallel.sync_bn import convert_to_sync, exchanges
 
 
@@ -79,13 +80,13 @@ class DataParallel:
         allreduce: str = "auto",
         sync_bn: bool = False,
         bucket_bytes: int = BUCKET_BYTES,
-        timer=None,
+        timer: PhaseTimer | None = None,
         autocast: torch.dtype | None = None,
         accumulate: int = 1,
     ):
         """`autocast`: run forward passes under torch.autocast with this dtype (e.g. bfloat16);
         parameters, gradients and the optimizer stay float32 (mixed precision).
-        `timer`: a PhaseTimer (gpulab.monitor.phases) to time the step's phases, or None.
+        `timer`: a PhaseTimer to time the step's phases (default: one that times nothing).
         `accumulate`: compute each batch as this many micro-batches, one after another."""
         if not devices:
             raise UserError("DataParallel needs at least one device")
@@ -107,7 +108,7 @@ class DataParallel:
         probes = [torch.empty(0, device=d) for d in self.devices]
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
         self.description = f"allreduce {self.allreduce_algorithm}"
-        self.timer = timer
+        self.timer = timer or PhaseTimer(self.devices, enabled=False)
 
     @property
     def module(self) -> nn.Module:
@@ -137,9 +138,9 @@ class DataParallel:
         self.buckets.zero_()
         total = torch.zeros((), device=first)
         for X_micro, y_micro in micro_batches(X, y, self.accumulate):
-            with phase(self.timer, "scatter"):
+            with self.timer.phase("scatter"):
                 X_shards, y_shards = split_batch(X_micro, y_micro, self.devices)
-            with phase(self.timer, "forward_backward"):
+            with self.timer.phase("forward_backward"):
                 self.buckets.expect_gradients()
                 outputs, losses = self._forward(X_shards, y_shards, loss_fn, n)
                 torch.autograd.backward(losses)
@@ -148,10 +149,10 @@ class DataParallel:
             if meter is not None:
                 correct = sum(place(correct_count(o, t), first) for o, t in zip(outputs, y_shards))
                 meter.add(loss * n, correct, len(y_micro))
-        with phase(self.timer, "allreduce"):
+        with self.timer.phase("allreduce"):
             if len(self.devices) > 1:
                 self.buckets.allreduce(self.allreduce_algorithm)
-        with phase(self.timer, "optimizer"):
+        with self.timer.phase("optimizer"):
             # A parameter no replica used gets no update, as plain PyTorch skips a None .grad.
             with self.buckets.hidden_grads(self.buckets.unused_here()):
                 for opt in self.optimizers:

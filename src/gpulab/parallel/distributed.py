@@ -36,7 +36,8 @@ from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, FIRST_BUCKET_BYTES, Buckets, weak_hook
 from gpulab.parallel.data_parallel import micro_batches
 from gpulab.parallel.meter import Meter, correct_count, summarize
-from gpulab.parallel.strategy import LossFn, autocast, eval_batch, phase, set_lr
+from gpulab.parallel.phases import PhaseTimer
+from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
 from gpulab.parallel.sync_bn import convert_across_ranks
 from gpulab.parallel.world import World
 
@@ -115,7 +116,7 @@ class Distributed:
         sync: str = "gpulab",
         accumulate: int = 1,
         sync_bn: bool = False,
-        timer=None,
+        timer: PhaseTimer | None = None,
         autocast: torch.dtype | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
@@ -133,7 +134,7 @@ class Distributed:
         self.autocast = autocast
         self.buffers_stale = True
         self.sync = sync
-        self.timer = timer
+        self.timer = timer or PhaseTimer([device], enabled=False)
         self.module = module.to(device)
         self.replicas = [self.module]  # this process's copies of the model (DataParallel has k)
         self._broadcast_from_main(self.module)
@@ -183,7 +184,7 @@ class Distributed:
         with self.world.collectives():
             for j, (X_micro, y_micro) in enumerate(parts):
                 last = j == len(parts) - 1
-                with phase(self.timer, "forward_backward"), self._communication(last):
+                with self.timer.phase("forward_backward"), self._communication(last):
                     with autocast(self.devices[0], self.autocast):
                         out = self.model(X_micro)
                         loss = loss_fn(out, y_micro) * (len(y_micro) / self.batch_size)
@@ -191,11 +192,11 @@ class Distributed:
                 total = total + loss.detach()
                 if meter is not None:
                     meter.add(loss.detach() * self.batch_size, correct_count(out, y_micro), len(y_micro))
-            with phase(self.timer, "allreduce"):  # the exchange not hidden behind backward
+            with self.timer.phase("allreduce"):  # the exchange not hidden behind backward
                 unused = self.grad_sync.finish() if self.grad_sync else []
         # Parameters no rank used are skipped, as plain PyTorch skips a parameter whose .grad is None.
         hidden = self.grad_sync.buckets.hidden_grads(unused) if unused else nullcontext()
-        with phase(self.timer, "optimizer"), hidden:
+        with self.timer.phase("optimizer"), hidden:
             self.optimizer.step()
         return total
 

@@ -18,7 +18,6 @@ The few steps both strategies take the same way are the functions below.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
 from typing import Protocol
 
 import torch
@@ -59,12 +58,6 @@ class Strategy(Protocol):
         ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-def phase(timer, name: str):
-    """`timer.phase(name)` (a PhaseTimer, gpulab.monitor.phases), looked up at each step so that a
-    profiling session started after the strategy sees the phases; nothing without a timer."""
-    return timer.phase(name) if timer is not None else nullcontext()
 
 
 def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:

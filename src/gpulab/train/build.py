@@ -14,10 +14,10 @@ from gpulab.config import TrainConfig
 from gpulab.devices import for_rank, resolve
 from gpulab.errors import UserError
 from gpulab.host import fix_malloc_thresholds
-from gpulab.monitor.phases import PhaseTimer
 from gpulab.parallel import DataParallel, World
 from gpulab.parallel.distributed import Distributed
 from gpulab.parallel.meter import classifies
+from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.strategy import Strategy
 from gpulab.parallel.world import choose_backend
 from gpulab.train.precision import autocast_dtype, use_channels_last

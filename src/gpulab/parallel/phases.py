@@ -5,19 +5,42 @@ charges the GPU time to whichever later call happens to synchronize. So on CUDA 
 bracketed by CUDA events recorded on the device's stream, and the elapsed times are read once,
 at `summary()`, after a single synchronize. On the CPU, work is synchronous and wall-clock is
 right.
+
+Phase listeners (`add_phase_listener`) see every phase of every PhaseTimer in the process, timed
+or not, the way torch's global module hooks see every module: the profiler subscribes to learn
+gpulab's own trainer's phases (data, scatter, forward_backward, allreduce, optimizer) without
+patching it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 import torch
+
+PhaseListener = Callable[[str], AbstractContextManager]
+"""Called as a phase begins, with its name; the context manager it returns is entered around the phase."""
+
+_listeners: list[PhaseListener] = []
+
+
+def add_phase_listener(listener: PhaseListener) -> Callable[[], None]:
+    """Subscribe `listener` to every phase from now on; returns the function that unsubscribes it."""
+    _listeners.append(listener)
+
+    def remove() -> None:
+        if listener in _listeners:
+            _listeners.remove(listener)
+
+    return remove
 
 
 class PhaseTimer:
     def __init__(self, devices: list[torch.device], enabled: bool = True):
+        """`enabled=False`: time nothing (listeners still see the phases)."""
         self.devices = list(dict.fromkeys(devices))  # unique, in order
         self.enabled = enabled
         self.cuda = any(d.type == "cuda" for d in self.devices)
@@ -29,11 +52,22 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
-        """Time the block as phase `name` (a profiling session also sees it: monitor/patches.py)."""
+        """Time the block as phase `name`, inside what the phase listeners wrap around it."""
+        if not _listeners:
+            with self._timed(name):
+                yield
+            return
+        with ExitStack() as stack:
+            for listener in list(_listeners):
+                stack.enter_context(listener(name))
+            with self._timed(name):
+                yield
+
+    @contextmanager
+    def _timed(self, name: str):
         if not self.enabled:
             yield
-            return
-        if self.cuda:
+        elif self.cuda:
             starts = [self._record(d) for d in self.devices]
             yield
             ends = [self._record(d) for d in self.devices]
