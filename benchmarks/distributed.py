@@ -188,7 +188,7 @@ def main() -> None:
         lines.append(text)
 
     from gpulab.data.fashion_mnist import write_subset
-    from gpulab.devices import describe
+    from gpulab.hardware.describe import describe
 
     cpu = describe()["cpu"]
     say(f"{cpu['model']}, {cpu['logical_cores']} cores, torch {torch.__version__}, {datetime.date.today()}, commit {git_commit()}")

@@ -323,8 +323,8 @@ def _gpu_pids() -> set[int]:
 
 
 def check_gpu_tests(check: Check, out: Path) -> str:
-    tests = ["tests/monitor/test_gpu.py", "tests/test_devices.py", "tests/monitor/test_kernel_window.py",
-             "tests/bench/test_bench_cli.py"]
+    tests = ["tests/monitor/test_gpu.py", "tests/test_devices.py", "tests/hardware/test_describe.py",
+             "tests/monitor/test_kernel_window.py", "tests/bench/test_bench_cli.py"]
     done = run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests], out / "pytest-gpu.log",
                timeout=600)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else f"exit {done.returncode}"

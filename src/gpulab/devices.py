@@ -12,14 +12,12 @@ times, so data-parallel logic can be exercised and tested on a machine without G
 
 from __future__ import annotations
 
-import platform
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from gpulab import install_check as check
 from gpulab.errors import UserError
 
 # ----------------------------------------------------------------------------- naming
@@ -237,78 +235,10 @@ def check_same_device(*tensors: torch.Tensor) -> torch.device:
     return first
 
 
-# ----------------------------------------------------------------------------- describing
+# ----------------------------------------------------------------------------- waiting
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:
     """Wait until every CUDA device in `devices` has finished its queued work (CPU: nothing to do)."""
     for d in {d for d in devices if d.type == "cuda"}:
         torch.cuda.synchronize(d)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def describe() -> dict:
-    """Everything `gpulab devices` shows, as plain data (also its --json output).
-
-    Never raises for a GPU problem: a missing NVML, a lost GPU or a refused call becomes a line
-    in `warnings` (or the `verdict`), so `gpulab devices` and `gpulab bench` still report the rest.
-    """
-    import psutil
-
-    torch_facts = check.read_torch()
-    nvml = check.read_nvml()
-    gpus = check.match_gpus(nvml, torch_facts)
-    visible = check.cuda_visible_devices()
-    verdict = check.judge(torch_facts, nvml, visible)
-    return {
-        "torch": torch.__version__,
-        "torch_cuda_build": torch.version.cuda,  # None on a CPU-only build
-        "torch_build": torch_facts.build(),  # "CUDA 13.0", "ROCm/HIP 6.2" or "CPU-only"
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "torch_sees_gpus": len(torch_facts.devices),
-        "driver": _driver_facts(nvml),
-        "gpus": [g.to_dict() for g in gpus],
-        "cpu": {
-            "model": _cpu_model(),
-            "logical_cores": psutil.cpu_count(logical=True),
-            "physical_cores": psutil.cpu_count(logical=False),
-            "torch_threads": torch.get_num_threads(),
-            "memory_total_gib": psutil.virtual_memory().total / 2**30,
-            "memory_available_gib": psutil.virtual_memory().available / 2**30,
-        },
-        "verdict": verdict.to_dict(),
-        "warnings": _warnings(nvml, gpus, torch_facts),
-        "notes": check.notes(gpus, torch_facts, visible),
-    }
-
-
-def _driver_facts(nvml) -> dict:
-    """{'driver': '580.159.04', 'cuda_driver': '13.0'}, or {'nvml': why NVML said nothing}."""
-    if nvml.unavailable:
-        return {"nvml": nvml.why}
-    facts = {"driver": nvml.driver}
-    if nvml.cuda_driver:
-        facts["cuda_driver"] = f"{nvml.cuda_driver[0]}.{nvml.cuda_driver[1]}"
-    return facts
-
-
-def _warnings(nvml, gpus, torch_facts) -> list[str]:
-    """Problems besides the verdict: GPUs NVML could not read, NVML missing while torch has GPUs."""
-    lines = [*nvml.problems, *check.gpu_problems(gpus)]
-    if nvml.unavailable and torch_facts.devices:
-        fix = check.nvml_fix(nvml)
-        lines.append(
-            f"GPU details (utilization, temperature, power, memory in use) unavailable: {nvml.why}"
-            + (f"; fix: {fix}" if fix else "")
-        )
-    return lines

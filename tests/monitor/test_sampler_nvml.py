@@ -19,6 +19,7 @@ import pytest
 
 from gpulab.monitor import sampler as sampler_module
 from gpulab.monitor.sampler import GPM_FAILURES_BEFORE_OFF, GPM_MIN_GAP_S, GpuReader
+from tests.hardware.fake_nvml import A100, FakeGpu, machine
 
 NOT_SUPPORTED, NOT_FOUND, NO_PERMISSION, FUNCTION_NOT_FOUND = 3, 6, 4, 13
 
@@ -148,3 +149,51 @@ def test_the_job_s_sm_share_counts_only_its_own_processes(monkeypatch):
     assert first["process_sm_pct"] == pytest.approx(50 + 20)  # mean per process, summed over the job
     assert first["kernel_active_pct"] == 40.0  # the device-wide figure is kept beside it
     assert second["process_sm_pct"] == 0.0  # nothing newer than the last sample seen: NVML_ERROR_NOT_FOUND
+
+
+# ----------------------------------------------------------------------------- which GPUs
+
+
+def _sampled(monkeypatch, visible) -> list[int]:
+    instance = FakeGpu(name="NVIDIA H100 80GB HBM3 MIG 3g.40gb", uuid="MIG-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee")
+    machine(monkeypatch, [FakeGpu(), FakeGpu(uuid=A100.uuid, mig_mode=[1, 1], mig=[instance, None])], visible=visible)
+    reader = GpuReader()
+    try:
+        rows = reader.read()
+        assert len(rows) == len(reader.gpus) and all(row["kernel_active_pct"] == 37.0 for row in rows)
+        return [g["index"] for g in reader.gpus]
+    finally:
+        reader.close()
+
+
+def test_a_selected_mig_instance_samples_its_gpu(monkeypatch):
+    # NVML gives utilization per GPU, not per MIG instance: the instance's GPU is the one sampled.
+    assert _sampled(monkeypatch, "MIG-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee") == [1]
+    assert _sampled(monkeypatch, "MIG-aaaa,0") == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "visible, sampled",
+    [(None, [0, 1]), ("1,0", [1, 0]), ("GPU-1111", [1]), ("0,7,1", [0]), ("0,0", []), ("GPU-,1", [])],
+)
+def test_the_sampler_reads_cuda_visible_devices_as_gpulab_devices_does(monkeypatch, visible, sampled):
+    assert _sampled(monkeypatch, visible) == sampled
+
+
+def test_pcie_rates_come_from_the_byte_counters_when_nvml_has_them(monkeypatch):
+    nv = fake_pynvml()
+    counts = iter(range(1, 100))
+
+    def field_values(h, ids):
+        n = next(counts)
+        return [SimpleNamespace(nvmlReturn=nv.NVML_SUCCESS, value=SimpleNamespace(ullVal=n * 10**6)) for _ in ids]
+
+    nv.nvmlDeviceGetFieldValues = field_values
+    nv.nvmlDeviceGetPcieThroughput = lambda *a: pytest.fail("the 20 ms PCIe API is only a fallback")
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    reader = GpuReader()
+    first, second = reader.read()[0], reader.read()[0]
+    reader.close()
+    assert "pcie_tx_mb_s" not in first  # a rate needs two counts
+    assert second["pcie_tx_mb_s"] > 0 and second["pcie_rx_mb_s"] > 0
+    assert "pcie" not in reader.unsupported().get(0, [])

@@ -9,13 +9,13 @@ import platform
 import torch
 
 import gpulab
-from gpulab import devices as gdevices
+from gpulab.hardware.describe import describe
 from gpulab.io import git_commit
 
 
 def environment() -> dict:
     """Device names, driver/CUDA, torch, threads, date: recorded in every benchmark JSON."""
-    report = gdevices.describe()
+    report = describe()
     cpu = report["cpu"]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds"),

@@ -9,8 +9,10 @@ What each GPU number means, honestly:
   of SMs busy), `sm_occupancy_pct` (resident warps vs the maximum), `tensor_active_pct` (tensor
   pipes) and `dram_bw_pct` (share of peak memory bandwidth).
 
-Every metric a driver or GPU does not support is dropped after its first refusal (it reads None);
-without NVML or without a GPU the sampler still records the process's CPU and memory.
+Every NVML query goes through `gpulab.hardware.nvml`'s one funnel and error policy: a metric the
+driver or GPU does not support, or refuses to give, is dropped after its first refusal; any other
+failure reads None for that sample. Without NVML or without a GPU the sampler still records the
+process's CPU and memory.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import time
 
 import psutil
 
-from gpulab.nvml import start_nvml
+from gpulab.hardware.nvml import Queries, as_str, mig_instance_handles, start_nvml, stop_nvml
+from gpulab.hardware.visible import cuda_visible_devices, parse_cuda_visible_devices
 
 # NVML field ids of the cumulative PCIe byte counters (nvml.h); read as rates between samples.
 _FI_PCIE_TX_BYTES = 197
@@ -44,10 +47,6 @@ _SLOW_REFRESH_S = 1.0
 # ----------------------------------------------------------------------------- GPUs
 
 
-class _Unsupported(Exception):
-    """A metric this GPU or driver will never give; stop asking."""
-
-
 # NVML's GPM documentation asks for samples more than 100 ms apart; the sampler's own interval may
 # be shorter (--interval), so a GPM pair spans at least this long, whatever the interval.
 GPM_MIN_GAP_S = 0.15
@@ -68,42 +67,58 @@ class GpuReader:
         self.status = "ok"
         self._nvml = None
         self._handles: list = []
-        self._unsupported: set[tuple[int, str]] = set()
+        self._queries: dict[int, Queries] = {}  # index -> the samples' queries: what NVML refused
+        self._pcie_counters: dict[int, bool] = {}  # index -> NVML gives the cumulative PCIe byte counters
         self._pcie_last: dict[int, tuple[float, int, int]] = {}
         self._gpm: dict[int, list] = {}  # index -> [previous sample, current sample, have previous]
         self._gpm_taken_at: dict[int, float] = {}
         self._gpm_failures: dict[int, int] = {}
-        pynvml, _, why = start_nvml()
-        if pynvml is None:
+        nv, _, why = start_nvml()
+        if nv is None:
             self.status = why
             return
-        self._nvml = pynvml
-        try:
-            for index in _visible_gpu_indices(pynvml):
-                self._open(index)
-        except Exception as e:
-            self.status = f"NVML error while listing GPUs ({type(e).__name__}: {e})"
-        if not self.gpus and self.status == "ok":
+        self._nvml = nv
+        listing = Queries(nv)
+        count = listing.query("GPU count", lambda: nv.nvmlDeviceGetCount()) or 0
+        opening = [Queries(nv) for _ in range(count)]  # per GPU: what is read once, at the start
+        handles = [opening[i].query("handle", lambda: nv.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+        for index in _visible_indices(opening, handles):
+            if handles[index] is not None:
+                self._open(index, handles[index], opening[index])
+        problem = next((q.problem for q in [listing, *opening] if q.problem), None)
+        if problem:
+            self.status = f"NVML error while listing GPUs ({problem})"
+        elif not self.gpus:
             self.status = "no GPU visible"
 
-    def _open(self, index: int) -> None:
+    def _open(self, index: int, h, q: Queries) -> None:
         nv = self._nvml
-        h = nv.nvmlDeviceGetHandleByIndex(index)
+        memory = q.query("memory", lambda: nv.nvmlDeviceGetMemoryInfo(h))
         info = {
             "index": index,
-            "name": _str(nv.nvmlDeviceGetName(h)),
-            "uuid": _str(nv.nvmlDeviceGetUUID(h)),
-            "memory_total_mib": nv.nvmlDeviceGetMemoryInfo(h).total / 2**20,
+            "name": q.query("name", lambda: as_str(nv.nvmlDeviceGetName(h))),
+            "uuid": q.query("uuid", lambda: as_str(nv.nvmlDeviceGetUUID(h))),
+            "memory_total_mib": memory.total / 2**20 if memory is not None else None,
             "gpm": False,
         }
-        try:
-            if nv.nvmlGpmQueryDeviceSupport(h).isSupportedDevice:
-                self._gpm[index] = [nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc(), False]
-                info["gpm"] = True
-        except Exception:  # older driver or GPU: no GPM
-            pass
+
+        def pcie_counters() -> bool:
+            values = nv.nvmlDeviceGetFieldValues(h, [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES])
+            return all(v.nvmlReturn == nv.NVML_SUCCESS for v in values)
+
+        def gpm_samples() -> list | None:
+            if not nv.nvmlGpmQueryDeviceSupport(h).isSupportedDevice:
+                return None
+            return [nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc(), False]
+
+        self._pcie_counters[index] = bool(q.query("PCIe counters", pcie_counters))
+        gpm = q.query("GPM", gpm_samples)  # older drivers and GPUs have no GPM
+        if gpm is not None:
+            self._gpm[index] = gpm
+            info["gpm"] = True
         self.gpus.append(info)
         self._handles.append(h)
+        self._queries[index] = Queries(nv)
 
     def read(self) -> list[dict]:
         if self._nvml is None:
@@ -124,27 +139,19 @@ class GpuReader:
         self._try(index, "sm_clock_mhz", row, lambda: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)))
         self._try(index, "pcie", row, lambda: self._pcie(index, h))
         if self._job_pids is not None:
-            self._try(index, "process_utilization", row, lambda: self._process_sm(index, h))
+            # NOT_FOUND: no process used the GPU since the last sample seen.
+            self._try(index, "process_utilization", row, lambda: self._process_sm(index, h),
+                      none_found={"process_sm_pct": 0.0})
         if index in self._gpm and self._gpm_due(index):
             self._try(index, "gpm", row, lambda: self._gpm_metrics(index, h))
         return row
 
-    def _try(self, index: int, metric: str, row: dict, read) -> None:
-        """Store `read()` under `metric` (or merge a dict); None when this sample failed."""
-        if (index, metric) in self._unsupported:
-            return
-        try:
-            value = read()
-        except _Unsupported:
-            self._unsupported.add((index, metric))
-            return
-        except self._nvml.NVMLError as e:
-            permanent = (self._nvml.NVML_ERROR_NOT_SUPPORTED, self._nvml.NVML_ERROR_NO_PERMISSION,
-                         self._nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-            if getattr(e, "value", None) in permanent:
-                self._unsupported.add((index, metric))
-            else:
-                row[metric] = None
+    def _try(self, index: int, metric: str, row: dict, read, none_found=None) -> None:
+        """Store `read()` under `metric` (or merge a dict); None when this sample failed, and
+        nothing at all once NVML has refused the metric for good."""
+        queries = self._queries[index]
+        value = queries.query(metric, read, none_found)
+        if metric in queries.unsupported:
             return
         if isinstance(value, dict):
             row.update(value)
@@ -154,35 +161,27 @@ class GpuReader:
     def _pcie(self, index: int, h) -> dict:
         """PCIe MB/s from NVML's cumulative byte counters (non-blocking), else the 20 ms sampled API."""
         nv = self._nvml
-        try:
-            values = nv.nvmlDeviceGetFieldValues(h, [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES])
-            ok = all(v.nvmlReturn == nv.NVML_SUCCESS for v in values)
-        except nv.NVMLError:
-            ok = False
-        if ok:
-            now, tx, rx = time.perf_counter(), values[0].value.ullVal, values[1].value.ullVal
-            last = self._pcie_last.get(index)
-            self._pcie_last[index] = (now, tx, rx)
-            if last is None or now <= last[0]:
-                return {}
-            dt = now - last[0]
-            return {"pcie_tx_mb_s": (tx - last[1]) / dt / 1e6, "pcie_rx_mb_s": (rx - last[2]) / dt / 1e6}
-        # nvmlDeviceGetPcieThroughput blocks ~20 ms per call while it measures: only as a fallback.
-        return {
-            "pcie_tx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * 1e3 / 1e6,
-            "pcie_rx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * 1e3 / 1e6,
-        }
+        if not self._pcie_counters[index]:
+            # nvmlDeviceGetPcieThroughput blocks ~20 ms per call while it measures: only as a fallback.
+            return {
+                "pcie_tx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * 1e3 / 1e6,
+                "pcie_rx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * 1e3 / 1e6,
+            }
+        values = nv.nvmlDeviceGetFieldValues(h, [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES])
+        if any(v.nvmlReturn != nv.NVML_SUCCESS for v in values):
+            return {}  # no counts this time: the next rate spans the gap
+        now, tx, rx = time.perf_counter(), values[0].value.ullVal, values[1].value.ullVal
+        last = self._pcie_last.get(index)
+        self._pcie_last[index] = (now, tx, rx)
+        if last is None or now <= last[0]:
+            return {}
+        dt = now - last[0]
+        return {"pcie_tx_mb_s": (tx - last[1]) / dt / 1e6, "pcie_rx_mb_s": (rx - last[2]) / dt / 1e6}
 
     def _process_sm(self, index: int, h) -> dict:
         """The job's own SM share on this GPU: NVML's per-process samples since the last read,
-        averaged per process and summed over the job's processes (0 when NVML saw none of them)."""
-        nv = self._nvml
-        try:
-            found = nv.nvmlDeviceGetProcessUtilization(h, self._process_ts.get(index, 0))
-        except nv.NVMLError as e:
-            if getattr(e, "value", None) == nv.NVML_ERROR_NOT_FOUND:  # no process used the GPU lately
-                return {"process_sm_pct": 0.0}
-            raise
+        averaged per process and summed over the job's processes."""
+        found = self._nvml.nvmlDeviceGetProcessUtilization(h, self._process_ts.get(index, 0))
         if found:
             self._process_ts[index] = max(s.timeStamp for s in found)
         pids = self._job_pids()
@@ -223,16 +222,14 @@ class GpuReader:
         if all(v is None for v in out.values()):
             self._gpm_failures[index] = self._gpm_failures.get(index, 0) + 1
             if self._gpm_failures[index] >= GPM_FAILURES_BEFORE_OFF:
-                raise _Unsupported
+                self._queries[index].unsupported.add("gpm")  # never asked again, like a refused metric
+                return {}
             return out
         self._gpm_failures[index] = 0
         return out
 
     def unsupported(self) -> dict[int, list[str]]:
-        by_gpu: dict[int, list[str]] = {}
-        for index, metric in sorted(self._unsupported):
-            by_gpu.setdefault(index, []).append(metric)
-        return by_gpu
+        return {index: sorted(q.unsupported) for index, q in sorted(self._queries.items()) if q.unsupported}
 
     def close(self) -> None:
         if self._nvml is None:
@@ -244,40 +241,23 @@ class GpuReader:
                 except Exception:
                     pass
         self._gpm.clear()
-        try:
-            self._nvml.nvmlShutdown()
-        except Exception:
-            pass
+        stop_nvml(self._nvml)
         self._nvml = None
 
 
-def _visible_gpu_indices(nv) -> list[int]:
-    """NVML indices of the GPUs this process may use: CUDA_VISIBLE_DEVICES (indices or UUIDs) if set."""
-    count = nv.nvmlDeviceGetCount()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return list(range(count))
-    indices = []
-    for token in (t.strip() for t in visible.split(",")):
-        if not token:
-            continue
-        if token.isdigit():
-            if int(token) >= count:
-                break  # CUDA stops at the first invalid entry, so do we
-            indices.append(int(token))
-        elif token.startswith("GPU-"):
-            by_uuid = {_str(nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i))): i for i in range(count)}
-            match = [i for u, i in by_uuid.items() if u.startswith(token)]
-            if not match:
-                break
-            indices.append(match[0])
-        else:  # MIG-... or something else NVML indexes differently: not sampled
-            break
-    return indices
-
-
-def _str(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
+def _visible_indices(opening: list[Queries], handles: list) -> list[int]:
+    """NVML indices of the GPUs this process may use, as CUDA_VISIBLE_DEVICES selects them. A MIG
+    instance selects its GPU: NVML gives utilization per GPU, not per MIG instance."""
+    uuids: list[str | None] = []
+    mig_uuids: list[list[str | None]] = []
+    for q, h in zip(opening, handles):
+        nv = q.nv
+        instances = (mig_instance_handles(q, h) if h is not None else None) or []
+        uuids.append(q.query("uuid", lambda: as_str(nv.nvmlDeviceGetUUID(h))) if h is not None else None)
+        mig_uuids.append([q.query(f"MIG instance {k} uuid", lambda: as_str(nv.nvmlDeviceGetUUID(m)))
+                          for k, m in enumerate(instances)])
+    selected = parse_cuda_visible_devices(cuda_visible_devices(), uuids, mig_uuids)
+    return list(dict.fromkeys(s.nvml_index for s in selected))  # two instances of one GPU: sampled once
 
 
 # ----------------------------------------------------------------------------- the process

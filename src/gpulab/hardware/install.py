@@ -3,10 +3,11 @@
 Three sources, each asked cheaply and none trusted to work:
 - NVML (nvidia-ml-py) lists every NVIDIA GPU the driver knows, in NVML (PCI) order, with the
   driver's version and the newest CUDA it supports. It may be missing, refuse us, or fail on
-  one GPU (lost, no permission): each failure becomes a line of text, never a traceback.
+  one GPU (lost, no permission): read through `nvml.Queries`, each failure is n/a and, when it
+  is a problem, a line of text, never a traceback.
 - torch says which build it is (CUDA x.y, ROCm, or CPU-only) and which GPUs *it* can use, in
   its own order: `cuda:N` after CUDA_VISIBLE_DEVICES. A CPU-only build is never asked.
-- CUDA_VISIBLE_DEVICES, read the way CUDA reads it, to say why GPUs are hidden.
+- CUDA_VISIBLE_DEVICES, read by `visible.py` as CUDA reads it, to say why GPUs are hidden.
 
 NVML's GPUs are matched to torch's by UUID (NVML writes 'GPU-<uuid>' or 'MIG-<uuid>', torch the
 bare '<uuid>'), so the report numbers GPUs as `cuda:N` means them.
@@ -14,21 +15,18 @@ bare '<uuid>'), so the report numbers GPUs as `cuda:N` means them.
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 
-from gpulab.nvml import start_nvml
+from gpulab.hardware.nvml import Queries, as_str, mig_instance_handles, start_nvml, stop_nvml
+from gpulab.hardware.visible import parse_cuda_visible_devices
 
 # The CUDA versions PyTorch publishes wheels for (https://download.pytorch.org/whl/cuXYZ).
 PUBLISHED_CUDA_WHEELS: tuple[tuple[int, int], ...] = ((11, 8), (12, 1), (12, 4), (12, 6), (12, 8), (12, 9), (13, 0))
 WHEEL_INDEX = "https://download.pytorch.org/whl"
-MIG_ENABLED = 1  # nvmlDeviceGetMigMode returns [current, pending]; 1 is NVML_DEVICE_MIG_ENABLE
 
 # ----------------------------------------------------------------------------- records
 
@@ -193,122 +191,61 @@ def read_nvml() -> NvmlFacts:
     try:
         return _read_initialised(pynvml)
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass  # nothing to undo when shutting down fails
+        stop_nvml(pynvml)
 
 
 def _read_initialised(nv) -> NvmlFacts:
     facts = NvmlFacts()
-    facts.driver = _system_read(nv, facts, "driver version", lambda: _str(nv.nvmlSystemGetDriverVersion()))
-    v = _system_read(nv, facts, "the driver's CUDA version", nv.nvmlSystemGetCudaDriverVersion)
+    system = Queries(nv)
+    facts.driver = system.query("driver version", lambda: as_str(nv.nvmlSystemGetDriverVersion()))
+    v = system.query("driver's CUDA version", lambda: nv.nvmlSystemGetCudaDriverVersion())
     if v:
         facts.cuda_driver = (v // 1000, (v % 1000) // 10)  # 13000 -> (13, 0), 12040 -> (12, 4)
-    count = _system_read(nv, facts, "GPU count", nv.nvmlDeviceGetCount)
-    if count is None:
+    count = system.query("GPU count", lambda: nv.nvmlDeviceGetCount())
+    facts.problems = [f"cannot read the {what}: {text}" for what, text in system.problems.items()]
+    if "GPU count" in system.problems:
         facts.unavailable, facts.why = "error", facts.problems.pop()
         return facts
-    facts.gpus = [_read_gpu(nv, i) for i in range(count)]
+    facts.gpus = [_read_gpu(nv, i) for i in range(count or 0)]
     return facts
 
 
-def _system_read(nv, facts: NvmlFacts, what: str, read: Callable[[], Any]) -> Any:
-    try:
-        return read()
-    except Exception as e:
-        if not _is_nvml_error(nv, e):
-            raise
-        facts.problems.append(f"cannot read the {what}: {_nvml_error_text(e)}")
-        return None
-
-
-class _GpuReader:
-    """Reads one GPU's fields; a field this GPU lacks is None, a real failure also sets gpu.error."""
-
-    def __init__(self, nv, gpu: Gpu):
-        self.nv, self.gpu = nv, gpu
-
-    def read(self, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except AttributeError:  # an older nvidia-ml-py without this function: same as unsupported
-            return None
-        except Exception as e:
-            self.failed(e)
-            return None
-
-    def failed(self, error: Exception) -> None:
-        nv = self.nv
-        if not _is_nvml_error(nv, error):
-            raise error  # a bug here, not a GPU problem: keep the traceback
-        if error.value in (nv.NVML_ERROR_NOT_SUPPORTED, getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", None)):
-            return  # a metric this GPU or driver does not have: 'n/a', not a problem
-        if self.gpu.error is None:  # the first failure says it; later ones have the same cause
-            self.gpu.error = _nvml_error_text(error)
-
-
 def _read_gpu(nv, index: int) -> Gpu:
+    """One GPU's fields; a field it lacks is None, and `error` says the first real failure."""
     gpu = Gpu(nvml_index=index)
-    try:
-        handle = nv.nvmlDeviceGetHandleByIndex(index)
-    except Exception as e:
-        if not _is_nvml_error(nv, e):
-            raise
-        gpu.error = _nvml_error_text(e)
-        return gpu
-    r = _GpuReader(nv, gpu)
-    gpu.name = r.read(lambda: _str(nv.nvmlDeviceGetName(handle)))
-    gpu.uuid = r.read(lambda: _str(nv.nvmlDeviceGetUUID(handle)))
-    memory = r.read(lambda: nv.nvmlDeviceGetMemoryInfo(handle))
-    if memory is not None:
-        gpu.memory_used_mib, gpu.memory_total_mib = memory.used / 2**20, memory.total / 2**20
-    gpu.utilization_pct = r.read(lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu)
-    gpu.temperature_c = r.read(lambda: nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU))
-    gpu.power_w = _per_1000(r.read(lambda: nv.nvmlDeviceGetPowerUsage(handle)))
-    gpu.power_limit_w = _per_1000(r.read(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(handle)))
-    mode = r.read(lambda: nv.nvmlDeviceGetMigMode(handle))  # NOT_SUPPORTED on GPUs without MIG
-    if mode is not None and mode[0] == MIG_ENABLED:
-        gpu.mig_enabled = True
-        gpu.mig_instances = _read_mig_instances(nv, handle, r)
+    q = Queries(nv)
+    handle = q.query("handle", lambda: nv.nvmlDeviceGetHandleByIndex(index))
+    if handle is not None:
+        gpu.name = q.query("name", lambda: as_str(nv.nvmlDeviceGetName(handle)))
+        gpu.uuid = q.query("uuid", lambda: as_str(nv.nvmlDeviceGetUUID(handle)))
+        memory = q.query("memory", lambda: nv.nvmlDeviceGetMemoryInfo(handle))
+        if memory is not None:
+            gpu.memory_used_mib, gpu.memory_total_mib = memory.used / 2**20, memory.total / 2**20
+        gpu.utilization_pct = q.query("utilization", lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+        gpu.temperature_c = q.query("temperature", lambda: nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU))
+        gpu.power_w = _per_1000(q.query("power", lambda: nv.nvmlDeviceGetPowerUsage(handle)))
+        gpu.power_limit_w = _per_1000(q.query("power limit", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(handle)))
+        instances = mig_instance_handles(q, handle)
+        if instances is not None:
+            gpu.mig_enabled = True
+            gpu.mig_instances = [_read_mig_instance(q, h) for h in instances]
+    gpu.error = q.problem
     return gpu
 
 
-def _read_mig_instances(nv, handle, r: _GpuReader) -> list[MigInstance]:
-    instances = []
-    for slot in range(r.read(lambda: nv.nvmlDeviceGetMaxMigDeviceCount(handle)) or 0):
-        try:
-            mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-        except Exception as e:
-            if _is_nvml_error(nv, e) and e.value == nv.NVML_ERROR_NOT_FOUND:
-                continue  # an empty slot: fewer instances exist than could
-            r.failed(e)
-            continue
-        memory = r.read(lambda: nv.nvmlDeviceGetMemoryInfo(mig))
-        instances.append(
-            MigInstance(
-                uuid=r.read(lambda: _str(nv.nvmlDeviceGetUUID(mig))),
-                name=r.read(lambda: _str(nv.nvmlDeviceGetName(mig))),
-                memory_total_mib=memory.total / 2**20 if memory is not None else None,
-            )
-        )
-    return instances
-
-
-def _is_nvml_error(nv, error: Exception) -> bool:
-    return isinstance(error, nv.NVMLError) and isinstance(getattr(error, "value", None), int)
-
-
-def _nvml_error_text(error: Exception) -> str:
-    return f"NVML error: {error}"
+def _read_mig_instance(q: Queries, handle) -> MigInstance:
+    """One MIG instance, read through its GPU's queries: its failures are its GPU's problem."""
+    nv = q.nv
+    memory = q.query("MIG instance memory", lambda: nv.nvmlDeviceGetMemoryInfo(handle))
+    return MigInstance(
+        uuid=q.query("MIG instance uuid", lambda: as_str(nv.nvmlDeviceGetUUID(handle))),
+        name=q.query("MIG instance name", lambda: as_str(nv.nvmlDeviceGetName(handle))),
+        memory_total_mib=memory.total / 2**20 if memory is not None else None,
+    )
 
 
 def _per_1000(value):
     return None if value is None else value / 1000  # NVML reports milliwatts
-
-
-def _str(x) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 # ----------------------------------------------------------------------------- matching
@@ -339,37 +276,6 @@ def match_gpus(nvml: NvmlFacts, torch_facts: TorchFacts) -> list[Gpu]:
     usable = sorted((g for g in gpus if g.usable), key=lambda g: g.first_cuda_index)
     hidden = [g for g in gpus if not g.usable]
     return usable + hidden
-
-
-def visible_devices(value: str, gpus: list[Gpu]) -> list[Gpu | MigInstance]:
-    """The GPUs a CUDA_VISIBLE_DEVICES value selects, read as CUDA reads it.
-
-    Entries are indices or (prefixes of) 'GPU-…'/'MIG-…' UUIDs; CUDA stops at the first entry
-    that names nothing, and a repeated entry hides every GPU. Indices are only checked against
-    the count here: CUDA numbers GPUs fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, so
-    index i need not be NVML's GPU i.
-    """
-    chosen: list[Gpu | MigInstance] = []
-    seen: set[str] = set()
-    records = [r for g in gpus for r in (g, *g.mig_instances) if r.uuid]
-    for entry in (e.strip() for e in value.split(",")):
-        if entry in seen:
-            return []
-        seen.add(entry)
-        number = re.match(r"[+-]?\d+", entry)
-        if number:
-            i = int(number.group())
-            if not 0 <= i < len(gpus):
-                break
-            chosen.append(gpus[i])
-        elif entry.upper().startswith(("GPU-", "MIG-")):
-            matches = [r for r in records if r.uuid.lower().startswith(entry.lower())]
-            if len(matches) != 1:
-                break  # unknown or ambiguous
-            chosen.append(matches[0])
-        else:
-            break
-    return chosen
 
 
 # ----------------------------------------------------------------------------- verdict
@@ -524,7 +430,8 @@ def _driver_text(nvml: NvmlFacts) -> str:
 
 def _judge_none_seen(torch_facts: TorchFacts, nvml: NvmlFacts, visible: str | None, found: str) -> Verdict:
     n = len(nvml.gpus)
-    if visible is not None and not visible_devices(visible, nvml.gpus):
+    mig_uuids = [[m.uuid for m in g.mig_instances] for g in nvml.gpus]
+    if visible is not None and not parse_cuda_visible_devices(visible, [g.uuid for g in nvml.gpus], mig_uuids):
         ids = "0" if n == 1 else f"0..{n - 1}"
         return Verdict(
             "error",
@@ -578,7 +485,3 @@ def notes(gpus: list[Gpu], torch_facts: TorchFacts, visible: str | None) -> list
 def gpu_problems(gpus: list[Gpu]) -> list[str]:
     """One line per GPU NVML could not fully read: 'GPU 1: NVML error: GPU is lost'."""
     return [f"{g.label()}: {g.error}" for g in gpus if g.error]
-
-
-def cuda_visible_devices() -> str | None:
-    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,142 +1,27 @@
-"""`gpulab devices` on machines CI does not have: a fake NVML and faked torch facts.
-
-The shapes faked here are the ones measured on a real H100 (torch 2.11.0+cu130):
-    torch.version.cuda                          '13.0'
-    nvmlSystemGetDriverVersion()                '580.159.04'
-    nvmlSystemGetCudaDriverVersion()            13000      (_v2 also 13000; 13000 = CUDA 13.0)
-    nvmlSystemGetNVMLVersion()                  '13.580.159.04'
-    nvmlDeviceGetCount()                        1
-    nvmlDeviceGetName(h)                        'NVIDIA H100 80GB HBM3'
-    nvmlDeviceGetUUID(h)                        'GPU-0db07a0e-dc2d-4caa-5b67-461cdb9ae06e'
-    torch.cuda.get_device_properties(0).uuid    prints '0db07a0e-dc2d-4caa-5b67-461cdb9ae06e'
-    nvmlDeviceGetMigMode(h)                     [0, 0]
-and with CUDA_VISIBLE_DEVICES= (empty) gpulab printed only a vague warning, which these tests replace.
+"""`gpulab devices` on machines CI does not have: a fake NVML (fake_nvml.py, with the shapes
+measured on a real H100) and faked torch facts (torch.version.cuda '13.0' there). With
+CUDA_VISIBLE_DEVICES= (empty) gpulab once printed only a vague warning, which these tests replace.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import types
 import warnings
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from gpulab import install_check
 from gpulab.cli import main
-from gpulab.devices import describe
+from gpulab.hardware import install
+from gpulab.hardware.describe import describe
+from tests.hardware.fake_nvml import (
+    A100, DRIVER, H100_NAME, H100_UUID, NVML_ERROR_GPU_IS_LOST, NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_NO_PERMISSION,
+    NVML_ERROR_NOT_SUPPORTED, TEXT, FakeGpu, bare, machine,
+)
 
-H100_NAME = "NVIDIA H100 80GB HBM3"
-H100_UUID = "GPU-0db07a0e-dc2d-4caa-5b67-461cdb9ae06e"
-DRIVER = "580.159.04"
 OK_MESSAGE = "torch 2.11.0+cu130 (CUDA 13.0) runs on driver 580.159.04 (supports CUDA up to 13.0): 1 GPU usable"
-
-# ----------------------------------------------------------------------------- a fake pynvml
-
-# The NVML_ERROR_* codes and texts gpulab relies on (the values are nvml.h's, as pynvml has them).
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NO_PERMISSION = 4
-NVML_ERROR_NOT_FOUND = 6
-NVML_ERROR_DRIVER_NOT_LOADED = 9
-NVML_ERROR_LIBRARY_NOT_FOUND = 12
-NVML_ERROR_FUNCTION_NOT_FOUND = 13
-NVML_ERROR_GPU_IS_LOST = 15
-NVML_ERROR_UNKNOWN = 999
-_TEXT = {
-    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
-    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
-    NVML_ERROR_NOT_FOUND: "Not Found",
-    NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
-    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
-    NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
-    NVML_ERROR_GPU_IS_LOST: "GPU is lost",
-    NVML_ERROR_UNKNOWN: "Unknown Error",
-}
-
-
-class FakeNVMLError(Exception):
-    """pynvml.NVMLError's shape: an int `.value`, and str() is NVML's text for it."""
-
-    def __init__(self, value: int):
-        super().__init__(value)
-        self.value = value
-
-    def __str__(self) -> str:
-        return _TEXT[self.value]
-
-
-@dataclass
-class FakeGpu:
-    name: str = H100_NAME
-    uuid: str = H100_UUID
-    used_mib: int = 1024
-    total_mib: int = 81559
-    mig_mode: list = field(default_factory=lambda: [0, 0])
-    mig: list = field(default_factory=list)  # [FakeGpu | None] per MIG slot; None = empty slot
-    fails: dict = field(default_factory=dict)  # pynvml function name -> NVML error code it raises
-
-
-def fake_pynvml(gpus: list[FakeGpu], *, init_error: int | None = None, cuda_driver: int | None = 13000):
-    """A module with the pynvml functions gpulab calls, answering from `gpus`."""
-    nv = types.ModuleType("pynvml")
-    nv.NVMLError = FakeNVMLError
-    for name, value in globals().items():
-        if name.startswith("NVML_ERROR_"):
-            setattr(nv, name, value)
-    nv.NVML_TEMPERATURE_GPU = 0
-
-    def init():
-        if init_error is not None:
-            raise FakeNVMLError(init_error)
-
-    def per_gpu(fname, answer):
-        def call(handle, *args):
-            if fname in handle.fails:
-                raise FakeNVMLError(handle.fails[fname])
-            if answer is None:
-                raise FakeNVMLError(NVML_ERROR_NOT_SUPPORTED)
-            return answer(handle, *args)
-
-        return call
-
-    def handle_by_index(i):
-        if "nvmlDeviceGetHandleByIndex" in gpus[i].fails:
-            raise FakeNVMLError(gpus[i].fails["nvmlDeviceGetHandleByIndex"])
-        return gpus[i]
-
-    def cuda_driver_version():
-        if cuda_driver is None:
-            raise FakeNVMLError(NVML_ERROR_NOT_SUPPORTED)
-        return cuda_driver
-
-    def mig_handle(g, slot):
-        if g.mig[slot] is None:
-            raise FakeNVMLError(NVML_ERROR_NOT_FOUND)
-        return g.mig[slot]
-
-    nv.nvmlInit = init
-    nv.nvmlShutdown = lambda: None
-    nv.nvmlSystemGetDriverVersion = lambda: DRIVER
-    nv.nvmlSystemGetCudaDriverVersion = cuda_driver_version
-    nv.nvmlDeviceGetCount = lambda: len(gpus)
-    nv.nvmlDeviceGetHandleByIndex = handle_by_index
-    nv.nvmlDeviceGetName = per_gpu("nvmlDeviceGetName", lambda g: g.name)
-    nv.nvmlDeviceGetUUID = per_gpu("nvmlDeviceGetUUID", lambda g: g.uuid)
-    nv.nvmlDeviceGetMemoryInfo = per_gpu(
-        "nvmlDeviceGetMemoryInfo", lambda g: SimpleNamespace(used=g.used_mib * 2**20, total=g.total_mib * 2**20)
-    )
-    nv.nvmlDeviceGetUtilizationRates = per_gpu("nvmlDeviceGetUtilizationRates", lambda g: SimpleNamespace(gpu=37))
-    nv.nvmlDeviceGetTemperature = per_gpu("nvmlDeviceGetTemperature", lambda g, sensor: 41)
-    nv.nvmlDeviceGetPowerUsage = per_gpu("nvmlDeviceGetPowerUsage", lambda g: 123_000)
-    nv.nvmlDeviceGetEnforcedPowerLimit = per_gpu("nvmlDeviceGetEnforcedPowerLimit", lambda g: 700_000)
-    nv.nvmlDeviceGetMigMode = per_gpu("nvmlDeviceGetMigMode", lambda g: g.mig_mode)
-    nv.nvmlDeviceGetMaxMigDeviceCount = per_gpu("nvmlDeviceGetMaxMigDeviceCount", lambda g: len(g.mig))
-    nv.nvmlDeviceGetMigDeviceHandleByIndex = per_gpu("nvmlDeviceGetMigDeviceHandleByIndex", mig_handle)
-    return nv
-
 
 # ----------------------------------------------------------------------------- faking torch
 
@@ -169,18 +54,6 @@ def wide_terminal(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
 
 
-def machine(monkeypatch, gpus, *, visible=None, **nvml_options):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(gpus, **nvml_options))
-    if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-
-
-def bare(uuid: str) -> str:
-    return uuid.split("-", 1)[1]  # how torch prints it: without NVML's 'GPU-' / 'MIG-'
-
-
 def devices_output(capsys, *args) -> tuple[int, str]:
     code = main(["devices", *args])
     out, err = capsys.readouterr()
@@ -193,8 +66,6 @@ def line_with(out: str, text: str) -> str:
     assert len(lines) == 1, f"{text!r} on {len(lines)} lines of:\n{out}"
     return lines[0]
 
-
-A100 = FakeGpu(name="NVIDIA A100-SXM4-80GB", uuid="GPU-11111111-2222-3333-4444-555555555555")
 
 # ----------------------------------------------------------------------------- one test per verdict
 
@@ -232,7 +103,7 @@ def test_cpu_only_build_with_an_nvidia_gpu_names_the_wheel_for_the_driver(monkey
      ((12, 0), "cu118"), ((11, 8), "cu118"), ((11, 7), None)],
 )
 def test_wheel_is_the_newest_published_not_above_the_drivers_cuda(driver_cuda, wheel):
-    assert install_check.cuda_wheel_for(driver_cuda) == wheel
+    assert install.cuda_wheel_for(driver_cuda) == wheel
 
 
 def test_driver_too_old_for_the_major_version_is_an_error(monkeypatch):
@@ -396,7 +267,7 @@ def test_a_failing_gpu_is_one_line_and_the_others_still_print(monkeypatch, capsy
     code, out = devices_output(capsys)
     assert code == 0
     assert "cuda:0" in line_with(out, H100_NAME)  # the healthy GPU is still listed, with its numbers
-    assert line_with(out, "warning:").strip() == f"warning: GPU 1: NVML error: {_TEXT[error]}"
+    assert line_with(out, "warning:").strip() == f"warning: GPU 1: NVML error: {TEXT[error]}"
     assert f"ok: {OK_MESSAGE}" in out
 
 
@@ -437,14 +308,5 @@ def test_a_cpu_only_build_never_asks_cuda(monkeypatch):
     fake_torch(monkeypatch, cuda=None, version="2.13.0+cpu")  # is_available() raises if called
     for name in ("device_count", "get_device_properties"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: pytest.fail(f"torch.cuda.{name} called"))
-    facts = install_check.read_torch()
+    facts = install.read_torch()
     assert facts.cpu_only and facts.devices == []
-
-
-@pytest.mark.parametrize(
-    "value, picked",
-    [("1,0", [1, 0]), ("0,5,1", [0]), ("", []), ("-1", []), ("1,1", []), ("GPU-1111", [1]), ("GPU-", [])],
-)
-def test_cuda_visible_devices_is_read_as_cuda_reads_it(value, picked):
-    gpus = [install_check.Gpu(0, uuid=H100_UUID), install_check.Gpu(1, uuid=A100.uuid)]
-    assert [g.nvml_index for g in install_check.visible_devices(value, gpus)] == picked
