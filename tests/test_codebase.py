@@ -1,46 +1,56 @@
-"""The codebase's shape (issue 12): gpulab's top-level units (packages and modules under
-src/gpulab) import one another one way only - no cycle of any length. Run in the default suite,
-so CI checks it on every change."""
+"""The codebase's shape (issues 12 and 24), checked in the default suite so CI keeps it:
+
+- gpulab's modules import one another one way only - no cycle of any length, imports inside
+  functions included (a lazy import that closes a circle is still a circle);
+- the profiler is split at its event format: the analysis and the output read events, never
+  torch or the recorder; the parent process of `gpulab profile` never imports torch.
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "gpulab"
 
 
-def unit_of(path: Path) -> str:
-    return path.relative_to(SRC).parts[0].removesuffix(".py")
+def module_name(path: Path) -> str:
+    parts = ("gpulab", *path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_units(path: Path) -> set[str]:
-    """The gpulab units a file imports, at any depth in the file (lazy imports count too)."""
-    package = ["gpulab", *path.relative_to(SRC).parts[:-1]]
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth in the file, as dotted names: `import a.b` is
+    a.b; `from a import b` is a.b when that is a module, else a (b is a name defined in a)."""
+    is_package = path.name == "__init__.py"
+    package = module_name(path).split(".")[: None if is_package else -1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
-            # `from gpulab import devices` imports the unit `devices`
-            modules = [f"{module}.{a.name}" for a in node.names] if module == "gpulab" else [module]
-        else:
-            continue
-        for module in modules:
-            parts = module.split(".")
-            if parts[0] == "gpulab" and len(parts) > 1 and parts[1] not in ("__init__", "__main__"):
-                found.add(parts[1])
+            for alias in node.names:
+                submodule = f"{module}.{alias.name}"
+                found.add(submodule if _is_module(submodule) else module)
     return found
 
 
+def _is_module(name: str) -> bool:
+    if not name.startswith("gpulab."):
+        return False
+    relative = Path(*name.split(".")[1:])
+    return (SRC / relative).with_suffix(".py").is_file() or (SRC / relative / "__init__.py").is_file()
+
+
 def import_graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    for path in SRC.rglob("*.py"):
-        unit = unit_of(path)
-        graph.setdefault(unit, set()).update(imported_units(path) - {unit})
-    return graph
+    """gpulab module (a package is its __init__) -> the gpulab modules it names in its imports.
+    Importing gpulab.x.y also runs gpulab/x/__init__.py; that implicit step is not an edge."""
+    files = {module_name(p): p for p in SRC.rglob("*.py")}
+    return {name: {m for m in imported_modules(path) if m in files and m != name} for name, path in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -75,12 +85,40 @@ def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_the_graph_sees_gpulab_s_own_imports():
-    # The graph must see what the code imports however it is written.
+def test_the_graph_sees_imports_however_they_are_written():
     graph = import_graph()
-    assert "parallel" in graph["train"] and "devices" in graph["parallel"]
+    assert "gpulab.parallel.distributed" in graph["gpulab.train.build"]  # from a.b import C
+    assert "gpulab.devices" in graph["gpulab.parallel.data_parallel"]
+    assert "gpulab.models" in graph["gpulab.train.loop"]  # from gpulab import models (a package)
+    assert "gpulab.parallel" in graph["gpulab.train.build"]  # from gpulab.parallel import DataParallel
+    assert "gpulab.monitor.record.recorder" in graph["gpulab.monitor.record.attach"]  # inside a function
 
 
-def test_gpulab_s_units_import_one_way():
+def test_gpulab_s_modules_import_one_way():
     cycle = find_cycle(import_graph())
-    assert cycle is None, "import cycle between gpulab's units: " + " -> ".join(cycle)
+    assert cycle is None, "import cycle between gpulab's modules: " + " -> ".join(cycle)
+
+
+def _files_under(folder: str) -> list[Path]:
+    return sorted((SRC / folder).rglob("*.py"))
+
+
+def test_the_analysis_and_the_output_read_events_only():
+    """analyze/ and output/ may read events (monitor/events.py), never torch or the recorder."""
+    files = _files_under("monitor/analyze") + _files_under("monitor/output") + [SRC / "monitor" / "events.py"]
+    assert len(files) > 5
+    for path in files:
+        forbidden = {m for m in imported_modules(path)
+                     if m.split(".")[0] == "torch" or m.startswith("gpulab.monitor.record")}
+        assert not forbidden, f"{path.relative_to(SRC)} imports {sorted(forbidden)}"
+
+
+def test_gpulab_profile_s_parent_never_imports_torch():
+    """The runner, the sampler, the analysis and the output load without torch (2-3 s, and a
+    parent that imports torch could change the job's environment)."""
+    code = ("import sys\n"
+            "import gpulab.monitor.cli, gpulab.monitor.runner, gpulab.monitor.trial, gpulab.monitor.output.report\n"
+            "import gpulab.monitor.analyze.diagnose, gpulab.monitor.record.attach, gpulab.hardware.nvml\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpulab.monitor.cuda_hooks import _asks_non_blocking, kernel_statistics
+from gpulab.monitor.record.cuda import _asks_non_blocking
+from gpulab.monitor.record.kernels import kernel_statistics
 
 CPU = torch.autograd.DeviceType.CPU
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from gpulab.monitor import timeline, trace
+from gpulab.monitor.output import timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
-from gpulab.monitor.report import build_report, terminal_lines, write_outputs
+from gpulab.monitor.output.report import build_report, terminal_lines, write_outputs
 
 GPU = {"index": 0, "name": "Test GPU", "uuid": "GPU-1234", "memory_total_mib": 80000.0, "gpm": True}
 

@@ -160,7 +160,7 @@ def test_the_child_finds_gpulab_through_pythonpath(monkeypatch, tmp_path):
 
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     src = Path(__file__).resolve().parents[2] / "src"
-    autostart = str(src / "gpulab" / "monitor" / "autostart")
+    autostart = str(src / "gpulab" / "monitor" / "record" / "autostart")
     assert job_env(tmp_path, ProfileConfig())["PYTHONPATH"].split(":") == [autostart, str(src), "/somewhere/else"]
 
 

@@ -22,7 +22,7 @@ import pytest
 from gpulab.cli import main
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
-from gpulab.monitor.report import build_job_report
+from gpulab.monitor.output.report import build_job_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -119,7 +119,7 @@ def test_the_trace_has_one_process_per_rank(tmp_path):
 def test_ranks_with_unequal_step_counts_are_called_unbalanced():
     from gpulab.monitor.config import ProfileConfig
     from gpulab.monitor.events import Recording
-    from gpulab.monitor.report import build_job_report
+    from gpulab.monitor.output.report import build_job_report
 
     def rank(r: int, n: int) -> Recording:
         steps = [{"type": "step", "i": i, "t0": float(i), "t1": i + 1.0, "counts": {}, "data": [],

@@ -16,7 +16,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import gpulab.monitor
 from gpulab.errors import UserError
-from gpulab.monitor import patches
+from gpulab.monitor.record import patches
 from gpulab.parallel import phases
 from gpulab.parallel.phases import PhaseTimer
 

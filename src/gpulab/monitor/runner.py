@@ -11,7 +11,7 @@ Signals. The job runs in its own process group. SIGINT, SIGTERM and SIGHUP sent 
 its group: `timeout`, Slurm, Kubernetes) are passed on to the job's group once, so the script's
 own handlers run; a second SIGINT escalates to SIGTERM, then SIGKILL after a grace period. When
 the job's main process ends, whatever it left running in its group is stopped; if gpulab itself
-is killed, the job stops itself (attach.py watches its parent). The report is written from what
+is killed, the job stops itself (record/attach.py watches its parent). The report is written from what
 was recorded, and the exit code is the script's (128 + N for signal N).
 """
 
@@ -42,7 +42,7 @@ _PYTHON = re.compile(r"^python(\d+(\.\d+)*)?(\.exe)?$")
 _OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 _OPTIONS_THAT_HIDE_THE_JOB = {"-I": "-I ignores PYTHONPATH", "-E": "-E ignores PYTHONPATH", "-S": "-S skips site start-up"}
 _USAGE = "gpulab profile [--out DIR] -- python your_script.py [args ...]"
-_AUTOSTART = Path(__file__).resolve().parent / "autostart"
+_AUTOSTART = Path(__file__).resolve().parent / "record" / "autostart"
 _GRACE_S = 10.0  # after a second Ctrl-C: SIGTERM, then SIGKILL this much later
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -54,9 +54,9 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) ->
     out = out or default_out_dir(name)
     check_writable(out)
     out.mkdir(parents=True, exist_ok=True)
-    _import_in_background("gpulab.monitor.report")  # matplotlib: ~0.7 s, hidden behind the job
+    _import_in_background("gpulab.monitor.output.report")  # matplotlib: ~0.7 s, hidden behind the job
     job = run_job([interpreter, *options, *target], cfg, out)
-    from gpulab.monitor.report import build_job_report, print_report, write_outputs
+    from gpulab.monitor.output.report import build_job_report, print_report, write_outputs
 
     report, lanes = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code)
     write_outputs(out, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))

@@ -22,8 +22,8 @@ from rich.console import Console
 
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
-from gpulab.monitor.recorder import Recorder
-from gpulab.monitor.report import build_report, print_report, write_outputs
+from gpulab.monitor.output.report import build_report, print_report, write_outputs
+from gpulab.monitor.record.recorder import Recorder
 from gpulab.monitor.sampler import Sampler
 from gpulab.io import check_writable
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from gpulab.errors import UserError
 from gpulab.io import atomic_write_json, check_writable
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.diagnose import percentile, step_seconds
+from gpulab.monitor.analyze.phases import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
 from gpulab.monitor.runner import default_out_dir, run_job, split_python_command
 

@@ -8,9 +8,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from gpulab.monitor import timeline, trace
+from gpulab.monitor.output import timeline, trace
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.diagnose import PHASE_NAMES, diagnose, lane_summary, rank_findings, shown_phases
+from gpulab.monitor.analyze.diagnose import diagnose
+from gpulab.monitor.analyze.phases import PHASE_NAMES, lane_summary, shown_phases
+from gpulab.monitor.analyze.ranks import rank_findings
 from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
 from gpulab.io import atomic_write_bytes, atomic_write_json
 

@@ -9,14 +9,13 @@ friends are read when torch loads, and scripts set them before their `import tor
 that never imports torch (torchrun's agent, a tokenizer worker) costs nothing more.
 
 How a recording ends: at interpreter exit (atexit), at the end of a multiprocessing child (which
-leaves with os._exit, skipping atexit: recorder.py hooks Process._bootstrap), or on SIGTERM /
+leaves with os._exit, skipping atexit: patches.py hooks Process._bootstrap), or on SIGTERM /
 SIGHUP when the script has no handler of its own (flush, then die of the signal as before).
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ import time
 
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import events_file
+from gpulab.monitor.record.interpreter import after_import, block_signals_in_this_thread
 
 _PARENT_POLL_S = 0.5
 
@@ -38,45 +38,10 @@ def install(directory: str) -> None:
     after_import("torch", lambda torch: _start_recording(cfg, directory))
 
 
-def after_import(name: str, callback):
-    """callback(module) once module `name` has been imported and executed (now, if it already
-    has been); returns an undo that drops the hook if it has not fired yet.
-
-    A finder at the head of sys.meta_path waits for the import of `name`, finds the real spec
-    with the finders after it, and runs `callback` right after the module's own code."""
-    if name in sys.modules:
-        callback(sys.modules[name])
-        return lambda: None
-
-    class Finder:
-        def find_spec(self, fullname, path=None, target=None):
-            if fullname != name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return spec
-            execute = spec.loader.exec_module
-
-            def exec_module(module):
-                execute(module)
-                callback(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    finder = Finder()
-    sys.meta_path.insert(0, finder)
-
-    def undo():
-        if finder in sys.meta_path:
-            sys.meta_path.remove(finder)
-
-    return undo
-
-
 def _start_recording(cfg: ProfileConfig, directory: str) -> None:
-    from gpulab.monitor.recorder import Recorder
+    # Here, not at the top: this module loads in every process of the job, the recorder (torch)
+    # only in those that import torch.
+    from gpulab.monitor.record.recorder import Recorder
 
     recorder = Recorder(cfg, events_path=events_file(directory, os.getpid()))
     recorder.start(command=list(getattr(sys, "orig_argv", sys.argv)))
@@ -128,16 +93,6 @@ def _flush_on_termination(recorder) -> None:
 
 def _ignore_signal(signum, frame) -> None:
     pass
-
-
-def block_signals_in_this_thread() -> None:
-    """Leave signals to the script's main thread (for gpulab's helper threads in the script). A
-    signal the kernel hands to a helper thread does not interrupt the main thread's blocking call
-    (time.sleep, a join), so the script's own handler would wait for it - for ever, in a process
-    sleeping in a child."""
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
-                                                  signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD})
 
 
 def _stop_the_job_if_gpulab_dies(directory: str) -> None:

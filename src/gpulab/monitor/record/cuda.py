@@ -1,4 +1,5 @@
-"""CUDA-only instrumentation: host syncs, host->device copies, and a short kernel capture.
+"""CUDA-only instrumentation: host syncs and host->device copies (and, through kernels.py, a
+short kernel capture).
 
 Host syncs. A CUDA call returns before the GPU has run it; `.item()`, `print(t)`, `.cpu()`,
 `if t:` and friends make the host wait until the device has caught up, so the GPU idles while
@@ -17,16 +18,15 @@ Copies. `Tensor.to(cuda)` / `.cuda()` from a CPU tensor are timed, with their si
 the source was pinned: from pageable memory the copy is staged through a driver buffer and, unless
 non_blocking, waits for the device like a sync.
 
-Kernel window. After warm-up a few steps are captured with torch.profiler: kernels per step,
-their median duration, and the time the device computed per step (the union of kernel
-intervals). A launch-bound loop shows many short kernels and a device idle between them.
+Why Tensor-method wrappers and not one torch.overrides.TorchFunctionMode, which sees the same
+calls: a mode is entered for every torch op of the step, the wrappers only for these methods
+(docs/profiling.md has the measurement).
 
 Everything here is inert on a machine without CUDA.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import threading
@@ -36,8 +36,8 @@ from contextlib import contextmanager
 
 import torch
 
-from gpulab.monitor.events import KernelsRecord
-from gpulab.monitor.frames import user_site
+from gpulab.monitor.record.frames import user_site
+from gpulab.monitor.record.kernels import KernelWindow
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
@@ -46,7 +46,6 @@ SYNC_METHODS = (
     "item", "tolist", "numpy", "cpu", "nonzero",
     "__bool__", "__int__", "__float__", "__index__", "__repr__", "__format__",
 )
-_RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 class _ThreadState(threading.local):
@@ -72,7 +71,7 @@ class CudaHooks:
         self._state = _ThreadState()
         self._warning_filter = None
         self._original_showwarning = None
-        self.window = KernelWindow(recorder, window_after_step, window_steps)
+        self.window = KernelWindow(recorder.writer.emit, window_after_step, window_steps)
 
     @property
     def window_active(self) -> bool:
@@ -106,7 +105,7 @@ class CudaHooks:
             return
         self.enabled = False
         if self.sync_debug and torch.cuda.is_initialized():
-            torch._C._cuda_set_sync_debug_mode(self._previous_debug_mode)
+            torch.cuda.set_sync_debug_mode(self._previous_debug_mode)
         self.sync_debug = False
         if warnings.showwarning is self._showwarning:
             warnings.showwarning = self._original_showwarning
@@ -118,12 +117,12 @@ class CudaHooks:
         if not self.enabled or self.sync_debug:
             return
         try:
-            self._previous_debug_mode = torch._C._cuda_get_sync_debug_mode()
+            self._previous_debug_mode = torch.cuda.get_sync_debug_mode()
             # Turning the mode on warns once that it "is a prototype feature": a note to gpulab,
             # not to the user, whose stderr it would otherwise reach.
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
-                torch._C._cuda_set_sync_debug_mode(1)  # 1 = warn
+                torch.cuda.set_sync_debug_mode("warn")
             self.sync_debug = self.sync_debug_used = True
         except (AttributeError, RuntimeError):
             self.sync_debug = False
@@ -258,153 +257,3 @@ class CudaHooks:
                 "peak_allocated_mib": peak / 2**20,
             })
         return out
-
-
-class KernelWindow:
-    """torch.profiler over a few steps after warm-up; emits one "kernels" record."""
-
-    def __init__(self, recorder, after_step: int, num_steps: int):
-        self.rec = recorder
-        self.after_step = after_step
-        self.num_steps = num_steps
-        self.active = False
-        self.done = num_steps == 0
-        self._prof = None
-        self._started_at = 0
-
-    def on_step_end(self, steps_done: int) -> None:
-        if self.done:
-            return
-        if not self.active and steps_done >= self.after_step and torch.cuda.is_initialized():
-            self._start(steps_done)
-        elif self.active and steps_done - self._started_at >= self.num_steps:
-            self._stop(steps_done)
-
-    def finish(self, steps_done: int) -> None:
-        if self.active:
-            self._stop(steps_done)
-
-    def _start(self, steps_done: int) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        try:
-            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            with _kineto_logs_hidden():
-                self._prof.start()
-        except Exception as e:  # CUPTI missing or busy (another profiler): no kernel statistics
-            self._give_up(e)
-            return
-        self.active = True
-        self._started_at = steps_done
-
-    def _stop(self, steps_done: int) -> None:
-        self.active = False
-        self.done = True
-        steps = steps_done - self._started_at
-        # The window's steps end now. Leaving the profiler synchronizes the device; that wait, and
-        # the one below, are gpulab's, so runtime syncs that start after this instant are not
-        # counted (kineto's timestamps are wall-clock ns, like time.time_ns()).
-        steps_end_ns = time.time_ns()
-        try:
-            with _kineto_logs_hidden():
-                # Let every GPU finish the window's kernels while the profiler still records them:
-                # leaving the profiler synchronizes only the current device.
-                for index in range(torch.cuda.device_count()):
-                    if torch.cuda.memory_allocated(index):
-                        torch.cuda.synchronize(index)
-                self._prof.stop()
-            record = kernel_statistics(self._prof.profiler.kineto_results.events(), steps, steps_end_ns)
-        except Exception as e:
-            self._give_up(e)
-            return
-        finally:
-            self._prof = None
-        if record is not None:
-            self.rec._emit(record)
-
-    def _give_up(self, error: Exception) -> None:
-        self.active = False
-        self.done = True
-        failed: KernelsRecord = {"type": "kernels", "error": f"{type(error).__name__}: {error}"}
-        self.rec._emit(failed)
-
-
-@contextmanager
-def _kineto_logs_hidden():
-    """Kineto writes log lines ("profiler_start", "Completed Stage: ...") straight to fd 2 when a
-    capture starts and stops; they are not the user's stderr, so fd 2 points at /dev/null for the
-    few milliseconds of those two calls."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,
-                      device_type=torch.autograd.DeviceType.CUDA) -> KernelsRecord | None:
-    """Kernels per step, their durations, and device-busy time per step, from kineto events.
-
-    `record_function` ranges (user annotations, and the `Optimizer.step#...` one torch opens every
-    step) appear on the GPU track too, spanning their first to last kernel: they are not kernels,
-    and counted as such they would fill the idle gaps. Runtime syncs that start after
-    `steps_end_ns` are the profiler's own drain, not the user's. `device_type` is CUDA except in
-    tests, which replay the same logic on the CPU profiler's events.
-    """
-    if steps <= 0:
-        return None
-    kernels: dict[int, list[tuple[int, int]]] = {}  # per device: (start, end) in ns
-    memcpy_ns = pageable = sync_ns = 0
-    for e in events:
-        name = e.name()
-        start, end = e.start_ns(), e.end_ns()
-        if _is_user_annotation(e):
-            continue
-        if e.device_type() == device_type:
-            if name.startswith("Memcpy"):
-                memcpy_ns += end - start
-                pageable += "Pageable" in name
-            elif not name.startswith("Memset"):
-                kernels.setdefault(e.device_index(), []).append((start, end))
-        elif name in _RUNTIME_SYNCS and (steps_end_ns is None or start < steps_end_ns):
-            sync_ns += end - start
-    # "Busy" means computing: a copy engine moving a batch leaves the SMs idle (NVML agrees:
-    # its utilization counts kernels only).
-    busy = {index: _union_ns(intervals) / 1e9 / steps for index, intervals in kernels.items()}
-    durations = sorted(end - start for intervals in kernels.values() for start, end in intervals)
-    return {
-        "type": "kernels",
-        "steps": steps,
-        "kernels_per_step": len(durations) / steps,
-        "kernel_median_us": durations[len(durations) // 2] / 1e3 if durations else None,
-        "kernel_p90_us": durations[int(len(durations) * 0.9)] / 1e3 if durations else None,
-        "device_busy_s_per_step": max(busy.values()) if busy else 0.0,
-        "device_busy_s_per_step_by_device": {str(k): v for k, v in busy.items()},
-        "memcpy_s_per_step": memcpy_ns / 1e9 / steps,
-        "memcpy_pageable_per_step": pageable / steps,
-        "runtime_sync_s_per_step": sync_ns / 1e9 / steps,
-    }
-
-
-def _is_user_annotation(event) -> bool:
-    is_annotation = getattr(event, "is_user_annotation", None)  # torch >= 2.3
-    if is_annotation is not None:
-        return bool(is_annotation())
-    return event.name().startswith(("Optimizer.step#", "Optimizer.zero_grad#", "ProfilerStep#"))
-
-
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    total, end_so_far = 0, None
-    for start, end in sorted(intervals):
-        if end_so_far is None or start > end_so_far:
-            total += end - start
-            end_so_far = end
-        elif end > end_so_far:
-            total += end - end_so_far
-            end_so_far = end
-    return total

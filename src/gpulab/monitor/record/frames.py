@@ -13,7 +13,7 @@ import sysconfig
 from pathlib import Path
 from types import FrameType
 
-_MONITOR_DIR = str(Path(__file__).resolve().parent)
+_MONITOR_DIR = str(Path(__file__).resolve().parent.parent)  # all of gpulab/monitor
 
 
 def _library_roots() -> tuple[str, ...]:

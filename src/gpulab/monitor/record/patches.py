@@ -8,7 +8,8 @@ PyTorch's hooks
                           (always_call): the outermost module call is compute; a module called
                           inside a DataLoader fetch is a transform (torchvision's are modules)
     Optimizer.step        register_optimizer_step_pre_hook / _post_hook: compute; ends the step
-Patches (no hook exists for these)
+    gpulab's PhaseTimer   add_phase_listener: gpulab's own trainer's phases (data, scatter, allreduce, ...)
+Patches (no hook exists for these; docs/profiling.md says why for each)
     DataLoader.__iter__, _BaseDataLoaderIter.__next__   a fetch is a data wait
     DataLoader.__init__   only for `gpulab profile --try` (DataLoader settings changed)
     torch.autograd.backward, torch.autograd.grad        compute; a step ends after it (backward rule)
@@ -16,9 +17,9 @@ Patches (no hook exists for these)
     torch.distributed's collectives (DISTRIBUTED_CALLS), Work.wait   collective
     multiprocessing's BaseProcess._bootstrap            a child's recording ends (it leaves with os._exit)
     torchvision's Compose.__init__ / __call__ (v1, once imported)   a span per transform, and where it was built
-    gpulab's PhaseTimer.phase   gpulab's own trainer's phases (data, scatter, allreduce, ...)
-    CUDA builds only (cuda_hooks.py, through the same `Patches`): Tensor's syncing methods,
+    CUDA builds only (cuda.py, through the same `Patches`): Tensor's syncing methods,
     Tensor.to / .cuda, torch.cuda.synchronize, Event/Stream.synchronize; torch's sync debug mode
+    (torch.cuda.set_sync_debug_mode, public)
 Process-wide
     os.register_at_fork   a forked child records as its own lane (a DataLoader worker: nothing)
 
@@ -43,8 +44,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from gpulab.errors import UserError
-from gpulab.monitor.attach import after_import
-from gpulab.monitor.frames import user_site
+from gpulab.monitor.record.frames import user_site
+from gpulab.monitor.record.interpreter import after_import
 
 # torch.distributed calls that block until the collective is done (unless async_op=True, when the
 # wait comes later, in Work.wait). Each is timed as "collective".
@@ -121,17 +122,18 @@ def install(rec) -> Patches:
     p = Patches()
 
     def new_pass(loader):  # the loop is back for data: a backward-rule step ended; note the loader once
-        rec.end_step_after_backward()
+        rec.steps.end_step_after_backward()
         rec.note_loader(loader, sys._getframe(1))
 
     p.patch(DataLoader, "__iter__", partial(_as_span, rec, "data_wait", "DataLoader.__iter__", new_pass))
     if rec.cfg.dataloader_overrides:
         p.patch(DataLoader, "__init__", partial(_loader_init, rec.cfg.dataloader_overrides))
     p.patch(_BaseDataLoaderIter, "__next__", partial(_as_span, rec, "data_wait", "next(DataLoader)",
-                                                     lambda iterator: rec.end_step_after_backward()))
-    _hook_module_calls(rec, p)
-    p.patch(torch.autograd, "backward", partial(_autograd, rec, "backward"))
-    p.patch(torch.autograd, "grad", partial(_autograd, rec, "autograd.grad"))
+                                                     lambda iterator: rec.steps.end_step_after_backward()))
+    nesting = _Nesting()
+    _hook_module_calls(rec, p, nesting)
+    p.patch(torch.autograd, "backward", partial(_autograd, rec, nesting, "backward"))
+    p.patch(torch.autograd, "grad", partial(_autograd, rec, nesting, "autograd.grad"))
     p.patch(torch.optim.Optimizer, "zero_grad",
             partial(_as_span, rec, "compute", lambda optimizer: f"{type(optimizer).__name__}.zero_grad", None))
     for handle in (register_optimizer_step_pre_hook(rec.on_optimizer_pre),
@@ -143,7 +145,7 @@ def install(rec) -> Patches:
         p.on_undo(after_import(module, lambda m, c=members_call: _patch_compose(rec, p, m.Compose, c)))
     p.on_undo(after_import("gpulab.parallel.phases", lambda m: p.on_undo(m.add_phase_listener(partial(_phase, rec)))))
     _hook_distributed(rec, p)
-    _follow_forks(rec)
+    _follow_forks(rec, nesting)
     rec.cuda.install(p.patch)
     p.on_undo(rec.cuda.uninstall)  # first out: sync debug mode and the warning filter
     return p
@@ -159,11 +161,11 @@ def _as_span(rec, category: str, name, before, original):
             return original(*args, **kwargs)
         if before is not None:
             before(args[0])
-        token = rec.enter(name if isinstance(name, str) else name(args[0]), category)
+        token = rec.steps.enter(name if isinstance(name, str) else name(args[0]), category)
         try:
             return original(*args, **kwargs)
         finally:
-            rec.exit(token)
+            rec.steps.exit(token)
 
     wrapper.__wrapped__ = original
     return wrapper
@@ -195,16 +197,16 @@ def _patch_compose(rec, p: Patches, compose, members_call: bool) -> None:
 
     def wrap_init(original):
         def __init__(composed, transforms, *args, **kwargs):
-            rec.note_transforms(transforms, user_site(sys._getframe(1)))
+            rec.transforms.note_built(transforms, user_site(sys._getframe(1)))
             return original(composed, transforms, *args, **kwargs)
         return __init__
 
     def wrap_call(original):
         def __call__(composed, img):
-            if not (rec.here() and rec.loading_data()):
+            if not (rec.here() and rec.steps.loading_data()):
                 return original(composed, img)
             for t in composed.transforms:  # what Compose.__call__ does, one span per member
-                img = t(img) if isinstance(t, torch.nn.Module) else rec.call_transform(t, t, img)
+                img = t(img) if isinstance(t, torch.nn.Module) else rec.transforms.call(t, t, img)
             return img
         return __call__
 
@@ -215,7 +217,19 @@ def _patch_compose(rec, p: Patches, compose, members_call: bool) -> None:
 
 # ----------------------------------------------------------------------------- compute
 
-def _hook_module_calls(rec, p: Patches) -> None:
+class _Nesting:
+    """Is the recorded thread inside the outermost module call, or inside backward? Their inner
+    calls add nothing but cost. A forked lane starts outside both (_follow_forks)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.in_forward = False
+        self.in_backward = False
+
+
+def _hook_module_calls(rec, p: Patches, nesting: _Nesting) -> None:
     """The outermost module call is a compute span (a model's submodules add nothing but cost); a
     module called inside a DataLoader fetch is a transform span. always_call: the span also ends
     when forward raises."""
@@ -223,17 +237,17 @@ def _hook_module_calls(rec, p: Patches) -> None:
     open_calls: list[tuple[torch.nn.Module, int, bool]] = []  # (module, token, is a transform)
 
     def before(module, args):
-        if is_compiling() or rec.in_forward or not rec.here():
+        if is_compiling() or nesting.in_forward or not rec.here():
             return
-        if rec.loading_data():
-            token = rec.begin_transform(module)
+        if rec.steps.loading_data():
+            token = rec.transforms.begin(module)
             if token is not None:
                 open_calls.append((module, token, True))
             return
-        rec.end_step_after_backward()
-        rec.note_module(module)
-        rec.in_forward = True
-        open_calls.append((module, rec.enter(type(module).__name__, "compute"), False))
+        rec.steps.end_step_after_backward()
+        rec.ddp.note_module(module)
+        nesting.in_forward = True
+        open_calls.append((module, rec.steps.enter(type(module).__name__, "compute"), False))
 
     def after(module, args, output):
         # is_compiling() first: torch.compile traces global hooks, and folds this one away here.
@@ -241,10 +255,10 @@ def _hook_module_calls(rec, p: Patches) -> None:
             return
         _, token, transform = open_calls.pop()
         if transform:
-            rec.end_transform(token)
+            rec.transforms.end(token)
         else:
-            rec.in_forward = False
-            rec.exit(token)
+            nesting.in_forward = False
+            rec.steps.exit(token)
 
     for handle in (register_module_forward_pre_hook(before), register_module_forward_hook(after, always_call=True)):
         p.on_undo(handle.remove)
@@ -253,21 +267,21 @@ def _hook_module_calls(rec, p: Patches) -> None:
     p.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks")
 
 
-def _autograd(rec, name: str, original):
+def _autograd(rec, nesting: _Nesting, name: str, original):
     is_compiling = torch.compiler.is_compiling
 
     def wrapper(*args, **kwargs):
-        if rec.in_backward or is_compiling() or not rec.here():
+        if nesting.in_backward or is_compiling() or not rec.here():
             return original(*args, **kwargs)
-        rec.end_step_after_backward()  # a loop with neither a DataLoader nor a module call
-        rec.in_backward = True
-        token = rec.enter(name, "compute")
+        rec.steps.end_step_after_backward()  # a loop with neither a DataLoader nor a module call
+        nesting.in_backward = True
+        token = rec.steps.enter(name, "compute")
         try:
             return original(*args, **kwargs)
         finally:
-            rec.in_backward = False
-            rec.exit(token)
-            rec.backward_done()
+            nesting.in_backward = False
+            rec.steps.exit(token)
+            rec.steps.backward_done()
 
     wrapper.__wrapped__ = original
     return wrapper
@@ -314,7 +328,7 @@ def _process_bootstrap(rec, original):
     return _bootstrap
 
 
-def _follow_forks(rec) -> None:
+def _follow_forks(rec, nesting: _Nesting) -> None:
     """A fork's child inherits the patches and the recorder's state. A DataLoader worker (forked
     while the loader starts its workers) and a child of an in-process session record nothing
     and never write to the parent's file; any other child (multiprocessing, os.fork) is a
@@ -327,6 +341,7 @@ def _follow_forks(rec) -> None:
     def in_child() -> None:
         recorder = ref()
         if recorder is not None and recorder.recording():
+            nesting.reset()
             recorder.after_fork_in_child()
 
     os.register_at_fork(after_in_child=in_child)

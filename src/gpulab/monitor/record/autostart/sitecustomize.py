@@ -7,7 +7,7 @@ here: it runs in processes that never touch torch, and it must cost them nothing
 
 Each process writes one line saying it exists (or why gpulab could not load there, e.g. another
 interpreter without gpulab's dependencies), then waits for its own `import torch`
-(gpulab.monitor.attach). Any other sitecustomize on the path is run after this one, as if
+(gpulab.monitor.record.attach). Any other sitecustomize on the path is run after this one, as if
 this file were not there.
 """
 
@@ -27,7 +27,7 @@ def _note_process(directory: str, error: str | None = None) -> None:
 
 def _attach(directory: str) -> None:
     try:
-        from gpulab.monitor import attach
+        from gpulab.monitor.record import attach
     except Exception as e:  # noqa: BLE001 - any failure to load must not stop the user's script
         _note_process(directory, error=f"{type(e).__name__}: {e}")
         return

@@ -1,0 +1,84 @@
+"""The device side of a recording: the sampled GPUs and process, and how long the device was
+busy per step (the kernel window on CUDA, else NVML's share; on a CPU the CPU is the device)."""
+
+from __future__ import annotations
+
+from gpulab.monitor.analyze.phases import StepCosts
+from gpulab.monitor.events import Recording
+
+def used_gpu_indices(rec: Recording, gpus: list[dict]) -> list[int]:
+    """NVML indices of the GPUs the script allocated memory on (matched by UUID)."""
+    used = (rec.end or {}).get("cuda", {}).get("devices", [])
+    torch_uuids = {d["uuid"].removeprefix("GPU-") for d in used if d.get("uuid")}
+    indices = [g["index"] for g in gpus if g.get("uuid", "").removeprefix("GPU-") in torch_uuids]
+    if used and not indices:  # UUIDs unavailable: assume torch's first GPUs are NVML's visible ones
+        indices = [g["index"] for g in gpus[: len(used)]]
+    return indices
+
+
+def _samples_between(samples: list[dict], t0: float, t1: float) -> list[dict]:
+    inside = [s for s in samples if t0 <= s["t"] <= t1]
+    return inside or samples
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summarize_devices(samples: list[dict], gpus: list[dict], used: list[int], window, start: dict) -> list[dict]:
+    """Per GPU: mean and max of every sampled metric over the steady window; then the process."""
+    chosen = _samples_between(samples, *window) if window else samples
+    out = []
+    for position, info in enumerate(gpus):
+        rows = [s["gpus"][position] for s in chosen if len(s["gpus"]) > position]
+        metrics = sorted({k for r in rows for k, v in r.items() if v is not None})
+        out.append({
+            "kind": "gpu",
+            **{k: info[k] for k in ("index", "name", "uuid", "memory_total_mib", "gpm")},
+            "used_by_script": info["index"] in used,
+            "mean": {m: _round(_mean(r.get(m) for r in rows)) for m in metrics},
+            "max": {m: _round(max((r[m] for r in rows if r.get(m) is not None), default=None)) for m in metrics},
+        })
+    procs = [s["proc"] for s in chosen if s.get("proc")]
+    out.append({
+        "kind": "cpu",
+        "logical_cores": start.get("cpu_count"),
+        "torch_threads": start.get("torch_threads"),
+        "process_cpu_pct_mean": _round(_mean(p["cpu_pct"] for p in procs)),
+        "process_cpu_pct_max": _round(max((p["cpu_pct"] for p in procs), default=None)),
+        "process_rss_mib_max": _round(max((p["rss_mib"] for p in procs), default=None)),
+        "threads_max": max((p["threads"] for p in procs), default=None),
+        "workers_max": max((p["workers"] for p in procs), default=None),
+        "workers_cpu_pct_mean": _round(_mean(p["workers_cpu_pct"] for p in procs)),
+    })
+    return out
+
+
+def _round(x, digits: int = 3):
+    return round(x, digits) if isinstance(x, float) else x
+
+
+def kernel_window(rec: Recording) -> dict | None:
+    return rec.kernels if rec.kernels and "error" not in rec.kernels else None
+
+
+def device_busy(rec: Recording, step: StepCosts, samples, gpus, used, window) -> tuple[float, str]:
+    """Seconds per step the device was busy, and how that was measured."""
+    if not used:
+        return step.C, "cpu"
+    k = kernel_window(rec)
+    if k:
+        return k["device_busy_s_per_step"], f"torch.profiler over {k['steps']} steps"
+    chosen = _samples_between(samples, *window) if window else samples
+    positions = [p for p, g in enumerate(gpus) if g["index"] in used]
+    rows = [s["gpus"][p] for s in chosen for p in positions if p < len(s["gpus"])]
+    # NVML's per-process SM share counts this job alone; the device-wide kernel-active share also
+    # counts every other process on a shared GPU, so it is the fallback, and says so.
+    util = _mean(r.get("process_sm_pct") for r in rows)
+    if util is not None:
+        return util / 100 * step.S, "NVML per-process SM share of this job's processes"
+    util = _mean(r.get("kernel_active_pct") for r in rows)
+    if util is not None:
+        return util / 100 * step.S, "NVML kernel-active share, device-wide (other processes on the GPU count too)"
+    return step.C, "unknown (no kernel window, no NVML): host compute time used instead"

@@ -1,0 +1,95 @@
+"""What a finding is: a cause, its share of the step, the evidence, the user's line and the fix;
+and the fixes in words, shared by the per-process and the cross-rank rules."""
+
+from __future__ import annotations
+
+from gpulab.monitor.analyze.phases import StepCosts
+from gpulab.monitor.events import Recording
+
+MIN_SHARE = 0.10  # a cause is named when a fix would save at least this share of the step
+
+FIXES = {
+    "input_pipeline_cheaper": (
+        "make each sample cheaper - decode once and cache the decoded data, turn per-sample transforms "
+        "into batch-level ones on the device - or, if the dataset fits in device memory, keep it there "
+        "and slice batches on the device (gpulab.data.DeviceLoader does this)"
+    ),
+    "input_pipeline_restart": (
+        "the DataLoader starts its worker processes again every epoch: pass persistent_workers=True"
+    ),
+    "host_sync": (
+        "keep running values on the device (total += loss.detach()) and read them every N steps or once "
+        "per epoch; avoid .item(), print(tensor), .cpu(), float(t) and `if tensor:` inside the step"
+    ),
+    "h2d_copy": (
+        "copy from pinned memory without waiting: DataLoader(pin_memory=True) and "
+        "x.to(device, non_blocking=True); better still, keep the dataset on the device"
+    ),
+    "h2d_copy_pinned": (
+        "the memory is pinned already: add non_blocking=True to the copy (x.to(device, non_blocking=True)) "
+        "so the host queues it and runs ahead; better still, keep the dataset on the device"
+    ),
+    "launch_overhead": (
+        "give each kernel more work or launch fewer: a larger batch, fuse the small ops with "
+        "torch.compile, or replay the step as a CUDA graph (torch.compile(mode='reduce-overhead')); "
+        "replace Python loops over samples with vectorized indexing, and per-sample loops over "
+        "variable-size inputs with pad-and-mask"
+    ),
+    "low_device_utilization": (
+        "move per-step Python out of the loop: vectorize it with tensor indexing instead of Python "
+        "loops, do logging and metrics every N steps, or move preprocessing into DataLoader workers"
+    ),
+    "cpu_only_build": (
+        "install a CUDA build of torch (pip install torch --index-url "
+        "https://download.pytorch.org/whl/cu126, matching `nvidia-smi`), then move the model and "
+        "batches to the GPU"
+    ),
+    "cpu_only_placement": (
+        "put the work on the GPU: model.to('cuda') and x.to('cuda', non_blocking=True) for each "
+        "batch (or keep the whole dataset on the GPU)"
+    ),
+    "no_steps": (
+        "let the script reach its training loop: steps are found from optimizer.step(), else from "
+        "backward() calls (with the Python API, mark them with p.step())"
+    ),
+    "none": (
+        "the loop keeps the device busy; to go faster make the math cheaper (mixed precision, "
+        "channels_last, torch.compile) or use more devices (gpulab train --devices ...)"
+    ),
+}
+
+
+def finding(cause: str, share: float, evidence: str, where: str | None, fix_key: str | None = None,
+             fix: str | None = None) -> dict:
+    return {
+        "cause": cause,
+        "share": round(min(max(share, 0.0), 1.0), 4),
+        "evidence": evidence,
+        "where": where,
+        "fix": fix if fix is not None else FIXES[fix_key],
+    }
+
+
+def hottest(rec: Recording, category: str) -> str | None:
+    lines = rec.hot.get(category) or {}
+    return max(lines, key=lines.get) if lines else None
+
+
+MIN_LINE_SAMPLES = 5  # a line named from fewer stack samples than this is not named
+
+
+def add_support(rec: Recording, step: StepCosts, f: dict) -> None:
+    """What the finding rests on: how many steps, and how the line was found (calls or samples)."""
+    parts = [f"{step.n} steady steps"]
+    where = f["where"]
+    site = next((s for s in rec.sites if s["where"] == where), None) if where else None
+    if site:
+        parts.append(f"{site['count']} calls seen at that line")
+    elif where:
+        seen, total = max(((lines.get(where, 0), sum(lines.values())) for lines in rec.hot.values()), default=(0, 0))
+        if seen:
+            parts.append(f"the line from {seen} of {total} stack samples")
+            if seen < MIN_LINE_SAMPLES:
+                parts[-1] += " - too few to name it"
+                f["where"] = None
+    f["support"] = "; ".join(parts)

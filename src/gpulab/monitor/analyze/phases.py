@@ -1,0 +1,116 @@
+"""Steps -> the steady steps -> what each steady step is made of, on average.
+
+    S  step time                     D  waiting for data         H  host->device copies
+    C  host time in forward/backward/optimizer                   Y  blocked in host syncs
+    K  collectives                   O  other: the user's Python between those calls
+                                     S = D + H + C + K + Y + O
+
+Warm-up steps, the kernel window's steps and epoch-boundary outliers are left out of the steady
+steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from gpulab.monitor.events import CATEGORIES, Recording
+
+PHASE_NAMES = {
+    "data_wait": "data wait", "compute": "compute", "collective": "collectives", "sync": "host syncs", "h2d": "copies", "other": "other Python",
+}
+
+
+OUTLIER_FACTOR = 10.0  # a step 10x the median is an epoch boundary (evaluation, checkpoint), not a step
+
+
+def step_seconds(step: dict) -> float:
+    return step["t1"] - step["t0"]
+
+
+def select_steady(steps: list[dict], warmup_steps: int) -> tuple[list[dict], dict]:
+    """Steps that represent the loop: warm-up, the kernel window and epoch-boundary outliers excluded."""
+    unprofiled = [s for s in steps if not s.get("profiled")]
+    after_warmup = [s for s in unprofiled if s["i"] >= warmup_steps]
+    candidates = after_warmup or unprofiled or list(steps)  # a very short run: use what there is
+    if not candidates:
+        return [], {"warmup": 0, "profiler_window": 0, "outliers": 0}
+    median = statistics.median(step_seconds(s) for s in candidates)
+    steady = [s for s in candidates if step_seconds(s) <= OUTLIER_FACTOR * median]
+    return steady, {
+        "warmup": len(unprofiled) - len(after_warmup) if after_warmup else 0,
+        "profiler_window": len(steps) - len(unprofiled),
+        "outliers": len(candidates) - len(steady),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def shown_phases(shares: dict[str, float]) -> list[tuple[str, float]]:
+    """The phases worth a word in a one-line summary: collectives only in a job that had any."""
+    return [(name, value) for name, value in shares.items() if name != "collective" or value > 0]
+
+
+class StepCosts:
+    """Mean seconds per steady step of each quantity in the model above.
+
+    `ddp`: DDP's own runtime timers (record/ddp.py). DDP waits for its gradient
+    buckets inside backward, in C++, so the recorder sees that wait as compute; DDP measures the
+    part of its allreduce not hidden behind the backward computation (at iterations it samples),
+    and that mean moves from compute to collective."""
+
+    def __init__(self, steady: list[dict], ddp: dict | None = None):
+        n = len(steady)
+        self.n = n
+        total = {c: sum(s["excl"].get(c, 0.0) for s in steady) for c in CATEGORIES}
+        self.S = sum(step_seconds(s) for s in steady) / n
+        self.D, self.H, self.C, self.K, self.Y, self.O = (
+            total[c] / n for c in ("data_wait", "h2d", "compute", "collective", "sync", "other"))
+        counts: dict[str, float] = {}
+        for s in steady:
+            for k, v in s.get("counts", {}).items():
+                counts[k] = counts.get(k, 0) + v
+        self.counts = {k: v / n for k, v in counts.items()}
+        self.ddp_exposed = min(ddp["exposed_comm_s"], self.C) if ddp else 0.0
+        self.C -= self.ddp_exposed
+        self.K += self.ddp_exposed
+
+    def shares(self) -> dict[str, float]:
+        values = {"data_wait": self.D, "compute": self.C, "collective": self.K, "sync": self.Y, "h2d": self.H,
+                  "other": self.O}
+        return {k: round(v / self.S, 4) if self.S > 0 else 0.0 for k, v in values.items()}
+
+
+def steps_found(rec: Recording) -> str:
+    """How the steps were found, or why there are none, in words."""
+    rule = rec.step_rule
+    if rule == "optimizer":
+        return "found from optimizer.step()"
+    if rule == "backward":
+        return "found from backward() calls: no torch.optim optimizer was stepped"
+    if rule == "explicit":
+        return "marked with p.step()"
+    if not rec.recorded:
+        return "the process never imported torch"
+    if rec.facts.get("backward_calls") == 0 and rec.facts.get("optimizer_steps") == 0:
+        if not rec.span_seconds:
+            return "nothing ran: torch was imported, but no model, DataLoader or backward() was called"
+        return "no training at all - no backward() and no optimizer.step(): an inference-only run"
+    return "the script ended (or failed) before its first backward() or optimizer.step()"
+
+
+def lane_summary(rec: Recording, warmup_steps: int) -> dict:
+    """One process of the job in a few numbers: steps, how they were found, step time, phase shares."""
+    steady, _ = select_steady(rec.steps, warmup_steps)
+    summary = {"pid": rec.pid, "ppid": rec.start.get("ppid") or rec.process.get("ppid"), "rank": rec.rank,
+               "steps": len(rec.steps), "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
+    if steady:
+        summary["median_step_s"] = round(statistics.median(step_seconds(s) for s in steady), 6)
+        summary["phases"] = StepCosts(steady, rec.facts.get("ddp")).shares()
+    return summary

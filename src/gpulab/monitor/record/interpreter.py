@@ -1,0 +1,55 @@
+"""What the recorder needs from the Python interpreter itself: to run code right after a module
+is imported, and to keep signals away from its helper threads. Standard library only."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import sys
+
+
+def after_import(name: str, callback):
+    """callback(module) once module `name` has been imported and executed (now, if it already
+    has been); returns an undo that drops the hook if it has not fired yet.
+
+    A finder at the head of sys.meta_path waits for the import of `name`, finds the real spec
+    with the finders after it, and runs `callback` right after the module's own code."""
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return lambda: None
+
+    class Finder:
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                callback(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
+
+    def undo():
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+    return undo
+
+
+def block_signals_in_this_thread() -> None:
+    """Leave signals to the script's main thread (for gpulab's helper threads in the script). A
+    signal the kernel hands to a helper thread does not interrupt the main thread's blocking call
+    (time.sleep, a join), so the script's own handler would wait for it - for ever, in a process
+    sleeping in a child."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                                                  signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD})

@@ -1,0 +1,169 @@
+"""The kernel window: after warm-up, a few steps captured with torch.profiler (CUDA only).
+
+Kernels per step, their median duration, and the time the device computed per step (the union
+of kernel intervals). A launch-bound loop shows many short kernels and a device idle between them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from gpulab.monitor.events import KernelsRecord
+
+_RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+class KernelWindow:
+    """torch.profiler over a few steps after warm-up; emits one "kernels" record."""
+
+    def __init__(self, emit: Callable[[dict], None], after_step: int, num_steps: int):
+        self._emit = emit
+        self.after_step = after_step
+        self.num_steps = num_steps
+        self.active = False
+        self.done = num_steps == 0
+        self._prof = None
+        self._started_at = 0
+
+    def on_step_end(self, steps_done: int) -> None:
+        if self.done:
+            return
+        if not self.active and steps_done >= self.after_step and torch.cuda.is_initialized():
+            self._start(steps_done)
+        elif self.active and steps_done - self._started_at >= self.num_steps:
+            self._stop(steps_done)
+
+    def finish(self, steps_done: int) -> None:
+        if self.active:
+            self._stop(steps_done)
+
+    def _start(self, steps_done: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            with _kineto_logs_hidden():
+                self._prof.start()
+        except Exception as e:  # CUPTI missing or busy (another profiler): no kernel statistics
+            self._give_up(e)
+            return
+        self.active = True
+        self._started_at = steps_done
+
+    def _stop(self, steps_done: int) -> None:
+        self.active = False
+        self.done = True
+        steps = steps_done - self._started_at
+        # The window's steps end now. Leaving the profiler synchronizes the device; that wait, and
+        # the one below, are gpulab's, so runtime syncs that start after this instant are not
+        # counted (kineto's timestamps are wall-clock ns, like time.time_ns()).
+        steps_end_ns = time.time_ns()
+        try:
+            with _kineto_logs_hidden():
+                # Let every GPU finish the window's kernels while the profiler still records them:
+                # leaving the profiler synchronizes only the current device.
+                for index in range(torch.cuda.device_count()):
+                    if torch.cuda.memory_allocated(index):
+                        torch.cuda.synchronize(index)
+                self._prof.stop()
+            record = kernel_statistics(self._prof.profiler.kineto_results.events(), steps, steps_end_ns)
+        except Exception as e:
+            self._give_up(e)
+            return
+        finally:
+            self._prof = None
+        if record is not None:
+            self._emit(record)
+
+    def _give_up(self, error: Exception) -> None:
+        self.active = False
+        self.done = True
+        failed: KernelsRecord = {"type": "kernels", "error": f"{type(error).__name__}: {error}"}
+        self._emit(failed)
+
+
+@contextmanager
+def _kineto_logs_hidden():
+    """Kineto writes log lines ("profiler_start", "Completed Stage: ...") straight to fd 2 when a
+    capture starts and stops; they are not the user's stderr, so fd 2 points at /dev/null for the
+    few milliseconds of those two calls."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,
+                      device_type=torch.autograd.DeviceType.CUDA) -> KernelsRecord | None:
+    """Kernels per step, their durations, and device-busy time per step, from kineto events.
+
+    `record_function` ranges (user annotations, and the `Optimizer.step#...` one torch opens every
+    step) appear on the GPU track too, spanning their first to last kernel: they are not kernels,
+    and counted as such they would fill the idle gaps. Runtime syncs that start after
+    `steps_end_ns` are the profiler's own drain, not the user's. `device_type` is CUDA except in
+    tests, which replay the same logic on the CPU profiler's events.
+    """
+    if steps <= 0:
+        return None
+    kernels: dict[int, list[tuple[int, int]]] = {}  # per device: (start, end) in ns
+    memcpy_ns = pageable = sync_ns = 0
+    for e in events:
+        name = e.name()
+        start, end = e.start_ns(), e.end_ns()
+        if _is_user_annotation(e):
+            continue
+        if e.device_type() == device_type:
+            if name.startswith("Memcpy"):
+                memcpy_ns += end - start
+                pageable += "Pageable" in name
+            elif not name.startswith("Memset"):
+                kernels.setdefault(e.device_index(), []).append((start, end))
+        elif name in _RUNTIME_SYNCS and (steps_end_ns is None or start < steps_end_ns):
+            sync_ns += end - start
+    # "Busy" means computing: a copy engine moving a batch leaves the SMs idle (NVML agrees:
+    # its utilization counts kernels only).
+    busy = {index: _union_ns(intervals) / 1e9 / steps for index, intervals in kernels.items()}
+    durations = sorted(end - start for intervals in kernels.values() for start, end in intervals)
+    return {
+        "type": "kernels",
+        "steps": steps,
+        "kernels_per_step": len(durations) / steps,
+        "kernel_median_us": durations[len(durations) // 2] / 1e3 if durations else None,
+        "kernel_p90_us": durations[int(len(durations) * 0.9)] / 1e3 if durations else None,
+        "device_busy_s_per_step": max(busy.values()) if busy else 0.0,
+        "device_busy_s_per_step_by_device": {str(k): v for k, v in busy.items()},
+        "memcpy_s_per_step": memcpy_ns / 1e9 / steps,
+        "memcpy_pageable_per_step": pageable / steps,
+        "runtime_sync_s_per_step": sync_ns / 1e9 / steps,
+    }
+
+
+def _is_user_annotation(event) -> bool:
+    is_annotation = getattr(event, "is_user_annotation", None)  # torch >= 2.3
+    if is_annotation is not None:
+        return bool(is_annotation())
+    return event.name().startswith(("Optimizer.step#", "Optimizer.zero_grad#", "ProfilerStep#"))
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    total, end_so_far = 0, None
+    for start, end in sorted(intervals):
+        if end_so_far is None or start > end_so_far:
+            total += end - start
+            end_so_far = end
+        elif end > end_so_far:
+            total += end - end_so_far
+            end_so_far = end
+    return total
