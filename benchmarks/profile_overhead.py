@@ -16,6 +16,10 @@ fixed cost again, seen on a real script.
               (rank 0 prints the loop time; issue 9 asks for <= 1% on a 2-rank job)
 
     flock /tmp/gpulab-cpu.lock env PYTHONPATH=src .venv/bin/python benchmarks/profile_overhead.py
+
+`--before OLD_SRC` adds a third run to every round: the same script profiled by another checkout
+of gpulab (its src/ folder), so a change to the profiler is compared with what it replaced, side
+by side, on one machine, in one run.
 """
 
 from __future__ import annotations
@@ -104,10 +108,12 @@ dist.destroy_process_group()
 LAUNCHERS = {"ddp-2ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]}
 
 
-def run(argv: list[str], out: Path) -> tuple[float, float | None]:
-    """Wall seconds of the whole command, and the loop seconds the script printed (if any)."""
+def run(argv: list[str], out: Path, src: Path | None = None) -> tuple[float, float | None]:
+    """Wall seconds of the whole command, and the loop seconds the script printed (if any);
+    `src`: the gpulab checkout (its src/ folder) to run, instead of the one installed."""
+    env = {**os.environ, "PYTHONPATH": str(src)} if src is not None else None
     t0 = time.perf_counter()
-    result = subprocess.run(argv, capture_output=True, text=True, cwd=out)
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=out, env=env)
     wall = time.perf_counter() - t0
     if result.returncode != 0:
         sys.exit(f"failed: {' '.join(argv)}\n{result.stderr[-2000:]}")
@@ -124,36 +130,45 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300, help="training steps per script run")
     parser.add_argument("--only", nargs="+", choices=sorted(SCRIPTS), help="measure only these scripts")
+    parser.add_argument("--before", type=Path, help="also profile with this checkout's src/ (side by side)")
     args = parser.parse_args()
+    this_src = Path(__file__).resolve().parent.parent / "src"
+    checkouts = {"this": this_src} | ({"before": args.before.resolve()} if args.before else {})
     env_python = [sys.executable]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         print(f"gpulab profile overhead: {args.rounds} rounds, plain and profiled alternating, {os.cpu_count()} cores")
-        fixed = []
+        fixed = {name: [] for name in checkouts}
         for _ in range(args.rounds):
             plain, _ = run([*env_python, "-c", "import torch"], out)
-            prof, _ = run(profiled([*env_python, "-c", "import torch"], out), out)
-            fixed.append(prof - plain)
-        print(f"\nfixed cost (python -c 'import torch'): +{statistics.median(fixed):.2f} s median "
-              f"[{min(fixed):.2f} .. {max(fixed):.2f}] over {args.rounds} pairs (goal 0.5 s, accepted 1.0 s)")
-        print(f"\n{'script':<12} {'loop plain':>11} {'loop prof.':>11} {'in-loop':>9} {'wall added':>11}")
+            for name, src in checkouts.items():
+                prof, _ = run(profiled([*env_python, "-c", "import torch"], out), out, src)
+                fixed[name].append(prof - plain)
+        for name, added in fixed.items():
+            print(f"\nfixed cost (python -c 'import torch'), {name} ({checkouts[name]}): +{statistics.median(added):.2f} s "
+                  f"median [{min(added):.2f} .. {max(added):.2f}] over {args.rounds} pairs (goal 0.5 s, accepted 1.0 s)")
+        print(f"\n{'script':<12} {'checkout':<8} {'loop plain':>11} {'loop prof.':>11} {'in-loop':>9} {'wall added':>11}")
         for name, source in SCRIPTS.items():
             if args.only and name not in args.only:
                 continue
             script = out / f"{name}.py"
             script.write_text(source.replace("STEPS", str(args.steps)))
             command = [*env_python, *LAUNCHERS.get(name, []), str(script)]
-            ratios, added = [], []
+            ratios = {c: [] for c in checkouts}
+            added = {c: [] for c in checkouts}
+            last = {}
             for _ in range(args.rounds):
                 wall_plain, loop_plain = run(command, out)
-                wall_prof, loop_prof = run(profiled(command, out), out)
-                ratios.append(loop_prof / loop_plain)
-                added.append(wall_prof - wall_plain)
-                last = (loop_plain, loop_prof)
-            ratio = statistics.median(ratios)
-            print(f"{name:<12} {last[0]:>10.2f}s {last[1]:>10.2f}s {100 * (ratio - 1):>+8.1f}% "
-                  f"{statistics.median(added):>+10.2f}s   (in-loop range {100 * (min(ratios) - 1):+.1f}% .. "
-                  f"{100 * (max(ratios) - 1):+.1f}%)")
+                for c, src in checkouts.items():
+                    wall_prof, loop_prof = run(profiled(command, out), out, src)
+                    ratios[c].append(loop_prof / loop_plain)
+                    added[c].append(wall_prof - wall_plain)
+                    last[c] = (loop_plain, loop_prof)
+            for c in checkouts:
+                ratio = statistics.median(ratios[c])
+                print(f"{name:<12} {c:<8} {last[c][0]:>10.2f}s {last[c][1]:>10.2f}s {100 * (ratio - 1):>+8.1f}% "
+                      f"{statistics.median(added[c]):>+10.2f}s   (in-loop range {100 * (min(ratios[c]) - 1):+.1f}% .. "
+                      f"{100 * (max(ratios[c]) - 1):+.1f}%)")
 
 
 if __name__ == "__main__":
