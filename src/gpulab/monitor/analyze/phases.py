@@ -19,7 +19,6 @@ PHASE_NAMES = {
     "data_wait": "data wait", "compute": "compute", "collective": "collectives", "sync": "host syncs", "h2d": "copies", "other": "other Python",
 }
 
-
 OUTLIER_FACTOR = 10.0  # a step 10x the median is an epoch boundary (evaluation, checkpoint), not a step
 
 

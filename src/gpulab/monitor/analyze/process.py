@@ -33,8 +33,6 @@ from gpulab.monitor.analyze.phases import PHASE_NAMES, StepCosts, shown_phases
 from gpulab.monitor.events import TRANSFORM_PREFIX, Recording
 
 TINY_KERNEL_US = 20.0  # kernels this short cost about as much to launch as to run
-
-
 MANY_KERNELS_PER_STEP = 20
 
 

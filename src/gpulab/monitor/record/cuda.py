@@ -92,6 +92,10 @@ class CudaHooks:
         lazy_call = getattr(torch.cuda, "_lazy_call", None)
         if lazy_call is not None:
             lazy_call(self._enable_sync_debug)
+        self.wrap_sync_points(patch)
+
+    def wrap_sync_points(self, patch) -> None:
+        """Replace, through `patch(owner, name, make_wrapper)`, the Python entry points that sync or copy."""
         for name in SYNC_METHODS:
             patch(torch.Tensor, name, lambda orig, name=name: self._timed_sync(orig, f"Tensor.{name}"))
         patch(torch.Tensor, "to", lambda orig: self._timed_copy(orig, "Tensor.to"))
