@@ -6,6 +6,7 @@ from __future__ import annotations
 from gpulab.monitor.analyze.phases import StepCosts
 from gpulab.monitor.events import Recording
 
+
 def used_gpu_indices(rec: Recording, gpus: list[dict]) -> list[int]:
     """NVML indices of the GPUs the script allocated memory on (matched by UUID)."""
     used = (rec.end or {}).get("cuda", {}).get("devices", [])

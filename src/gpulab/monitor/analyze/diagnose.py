@@ -18,6 +18,7 @@ from gpulab.monitor.analyze.phases import StepCosts, percentile, select_steady, 
 from gpulab.monitor.analyze.process import costly_transforms, process_findings
 from gpulab.monitor.events import Recording
 
+
 def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps: int) -> dict:
     """The report's core: steps, step time, phase shares, device summaries and ranked findings."""
     steady, excluded = select_steady(rec.steps, warmup_steps)
