@@ -131,6 +131,21 @@ def test_a_bucket_is_complete_when_its_last_gradient_arrives():
     assert buckets.mark_ready(0, 0) is None
 
 
+def test_ready_listeners_hear_every_bucket_complete_during_backward():
+    replicas = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)) for _ in range(2)]
+    buckets = Buckets([list(m.parameters()) for m in replicas], bucket_bytes=64, first_bucket_bytes=16)
+    assert buckets.num_buckets == 4
+    heard = []
+    buckets.add_ready_listener(lambda replica, b: heard.append((replica, b)))
+    for step in range(2):
+        buckets.expect_gradients()
+        for r, model in enumerate(replicas):
+            model(torch.randn(3, 4)).sum().backward()
+            assert sorted(heard) == [(r, b) for b in range(4)], f"step {step}, replica {r}"
+            heard.clear()
+    assert buckets.unused_here() == []  # the hooks marked every parameter used
+
+
 def test_bucket_grads_keep_the_parameter_layout():
     w = torch.nn.Parameter(torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last))
     Buckets([[w]])

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gpulab.data import GlobalBatches
+from gpulab.parallel.allreduce import Buckets
 from gpulab.parallel.distributed import GradSync
 
 WORKER_PATH = Path(__file__).with_name("dist_worker.py")
@@ -148,7 +149,7 @@ def test_grad_sync_launches_buckets_in_order_during_backward(monkeypatch):
 
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    sync = GradSync(list(model.parameters()), group=None, bucket_bytes=200, first_bucket_bytes=100)
+    sync = GradSync(Buckets([list(model.parameters())], bucket_bytes=200, first_bucket_bytes=100), group=None)
     sizes = [sum(list(model.parameters())[i].numel() for i in g) + len(g) for g in sync.buckets.layout]
     assert len(sizes) >= 3
     sync.zero_grad()
@@ -172,7 +173,7 @@ def test_no_communication_on_micro_batches_before_the_last(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, async_op=False: calls.append(1) or type("H", (), {"wait": lambda self: None})())
     model = nn.Linear(4, 2)
-    sync = GradSync(list(model.parameters()), group=None)
+    sync = GradSync(Buckets([list(model.parameters())]), group=None)
     sync.zero_grad()
     for last in (False, False, True):
         sync.begin_backward(communicate=last)

@@ -14,7 +14,7 @@ import pytest
 from gpulab.plan import collective, netns
 from gpulab.plan.links import LINKS, LinkCost, parse_link
 from gpulab.plan.predict import bucket_schedule, exposed_communication, fit_overlap, predict
-from gpulab.plan.step import StepProfile
+from gpulab.plan.profile import StepProfile
 from tests.conftest import assert_one_line_error, run_cli
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import typing
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -119,17 +120,18 @@ def _ring(tensors: list[torch.Tensor]) -> None:
 
 
 def weak_hook(method, *args):
-    """A gradient hook calling `method(*args, param)` without keeping its object alive.
+    """A hook (or listener) calling `method(*args, *hook_args)` without keeping its object alive.
 
     A parameter's hooks live as long as the parameter; a strong reference from them back to the
-    strategy that owns the parameters would make a cycle that only the garbage collector frees,
-    possibly at interpreter exit, taking a process group (and its threads) down with it then."""
+    object that owns the parameters (their `Buckets`, the strategy) would make a cycle that only
+    the garbage collector frees, possibly at interpreter exit, taking a process group (and its
+    threads) down with it then. The same holds for a listener that points back at its source."""
     ref = weakref.WeakMethod(method)
 
-    def hook(param):
+    def hook(*hook_args):
         bound = ref()
         if bound is not None:
-            bound(*args, param)
+            bound(*args, *hook_args)
 
     return hook
 
@@ -156,6 +158,10 @@ def bucket_layout(params: list[torch.nn.Parameter], bucket_bytes: int, first_buc
     return groups
 
 
+ReadyListener = Callable[[int, int], None]
+"""Called with (replica, bucket) when a bucket has all its gradients of this backward pass."""
+
+
 class Buckets:
     """Gradients of one or more replicas, laid out as views into a few flat buffers per replica.
 
@@ -165,7 +171,12 @@ class Buckets:
     (`allreduce` below) and the one replica of each torchrun rank (`GradSync`).
 
     Only parameters that require a gradient get a place (frozen ones keep `.grad = None`);
-    `params[r][i]` is trainable parameter i of replica r, the index the hooks report.
+    `params[r][i]` is trainable parameter i of replica r.
+
+    Buckets also know when each fills: a hook on every trainable parameter of every replica marks
+    its gradient ready the moment autograd has accumulated it (`mark_ready`), and when that
+    completes a bucket, the ready listeners (`add_ready_listener`) hear `(replica, bucket)`, in
+    the middle of backward: `GradSync` starts the bucket's allreduce there, the planner times it.
 
     A parameter that got no gradient anywhere in a step (a layer no replica or rank used) has its
     `.grad` hidden from the optimizer, which skips it exactly as plain PyTorch skips a parameter
@@ -200,6 +211,10 @@ class Buckets:
                 self.buffers[r].append(flat)
         self.used = [[False] * len(ps) for ps in self.params]  # [replica][parameter], on the host
         self.expect_gradients()
+        self._listeners: list[ReadyListener] = []
+        for r, params in enumerate(self.params):
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, r, i))
 
     @property
     def num_buckets(self) -> int:
@@ -215,6 +230,17 @@ class Buckets:
     def expect_gradients(self) -> None:
         """Start of a backward pass: every bucket waits for all its parameters again."""
         self.pending = [[len(group) for group in self.layout] for _ in self.params]
+
+    def add_ready_listener(self, listener: ReadyListener) -> None:
+        """Call `listener(replica, bucket)` whenever a bucket of a replica gets its last gradient
+        of a backward pass (listeners run in the order they were added)."""
+        self._listeners.append(listener)
+
+    def _grad_ready(self, replica: int, index: int, param: torch.nn.Parameter) -> None:
+        b = self.mark_ready(replica, index)
+        if b is not None:
+            for listener in self._listeners:
+                listener(replica, b)
 
     def mark_ready(self, replica: int, index: int) -> int | None:
         """Parameter `index` of `replica` has its gradient; returns its bucket if now complete."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from gpulab.devices import device_of, place
 from gpulab.errors import UserError
-from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose, weak_hook
+from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose
 from gpulab.parallel.meter import Meter, correct_count
 from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
@@ -101,10 +101,8 @@ class DataParallel:
             convert_to_sync(self.replicas)
         self.optimizers = [optimizer(r.parameters()) for r in self.replicas]
         self.train(True)  # set once here (evaluate restores it), not walked every step
+        # Its hooks track which parameters got a gradient (the optimizer skips the others).
         self.buckets = Buckets([list(r.parameters()) for r in self.replicas], bucket_bytes)
-        for r, params in enumerate(self.buckets.params):
-            for i, p in enumerate(params):
-                p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, r, i))
         probes = [torch.empty(0, device=d) for d in self.devices]
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
         self.description = f"allreduce {self.allreduce_algorithm}"
@@ -114,9 +112,6 @@ class DataParallel:
     def module(self) -> nn.Module:
         """The replica on the first device (all replicas hold the same parameters)."""
         return self.replicas[0]
-
-    def _grad_ready(self, replica: int, index: int, param: nn.Parameter) -> None:
-        self.buckets.mark_ready(replica, index)  # tracks which parameters got a gradient
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizers, lr)

@@ -45,25 +45,20 @@ SYNCS = typing.get_args(Sync)
 
 
 class GradSync:
-    """gpulab's gradient exchange between ranks, launched bucket by bucket during backward."""
+    """gpulab's gradient exchange between ranks, launched bucket by bucket during backward.
 
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        group,
-        bucket_bytes: int = BUCKET_BYTES,
-        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-        overlap: bool = True,
-    ):
-        self.buckets = Buckets([params], bucket_bytes, first_bucket_bytes)
+    `buckets` holds this rank's one replica; GradSync listens for its buckets filling."""
+
+    def __init__(self, buckets: Buckets, group, overlap: bool = True):
+        assert len(buckets.params) == 1, "one replica per rank"
+        self.buckets = buckets
         self.group = group
         self.overlap = overlap  # False: every bucket after backward (to measure what overlap hides)
         self.communicate = True
         self.ready = [False] * self.buckets.num_buckets
         self.next_bucket = 0
         self.handles: list = []
-        for i, p in enumerate(self.buckets.params[0]):  # the trainable ones
-            p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, i))
+        buckets.add_ready_listener(weak_hook(self._bucket_ready))
 
     def zero_grad(self) -> None:
         self.buckets.zero_()
@@ -76,9 +71,8 @@ class GradSync:
         self.ready = [False] * self.buckets.num_buckets
         self.next_bucket = 0
 
-    def _grad_ready(self, index: int, param: nn.Parameter) -> None:
-        b = self.buckets.mark_ready(0, index)
-        if b is not None and self.communicate:
+    def _bucket_ready(self, replica: int, b: int) -> None:
+        if self.communicate:
             self.ready[b] = True
             if self.overlap:
                 self._launch(until_ready=True)
@@ -157,7 +151,8 @@ class Distributed:
             self.grad_sync = None
         else:
             self.model = self.module
-            self.grad_sync = GradSync(list(self.module.parameters()), world.group, bucket_bytes, first_bucket_bytes, overlap)
+            buckets = Buckets([list(self.module.parameters())], bucket_bytes, first_bucket_bytes)
+            self.grad_sync = GradSync(buckets, world.group, overlap)
         self.module.train(True)
 
     def _broadcast_from_main(self, module: nn.Module) -> None:

@@ -19,7 +19,7 @@ from gpulab.host import usable_cores
 from gpulab.plan import collective, step
 from gpulab.plan.links import LinkCost, parse_link
 from gpulab.plan.predict import ASSUMPTIONS, Prediction, predict
-from gpulab.plan.step import StepProfile
+from gpulab.plan.profile import StepProfile
 
 TARGET_EFFICIENCY = 0.9
 SWEEP_MAX_STEP_S = 2.0

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpulab.plan.links import LinkCost
-from gpulab.plan.step import StepProfile
+from gpulab.plan.profile import StepProfile
 
 ASSUMPTIONS = (
     "every device computes its B/k samples as fast as the one measured",

@@ -5,14 +5,15 @@ The step is gpulab train's own (`build` + `strategy.train_step` + the data loade
 with the per-device batch; the buckets are the ones `GradSync` would send (`Buckets`: same
 layout, same sizes). Timestamps, all on the device's clock:
 
-    step start -> forward ends (a forward hook) -> each bucket's last gradient lands (hooks on
-    every parameter) -> the optimizer has stepped (step end)
+    step start -> forward ends (a forward hook) -> each bucket's last gradient lands (the
+    buckets' ready listener) -> the optimizer has stepped (step end)
 
-`StepProfile` keeps the mean step time (throughput is total time over steps) and every step's
-time, and the medians of the time before backward (data, forward), of each bucket's ready time
-counted from the start of backward, backward's length (the last bucket), and the time after it
-(optimizer). The profile runs in its own process, so that its thread count
-is the one a rank would get; `copies` > 1 runs that many at once, as k ranks share one machine.
+`StepProfile` (`gpulab.plan.profile`) keeps the mean step time (throughput is total time over
+steps) and every step's time, and the medians of the time before backward (data, forward), of
+each bucket's ready time counted from the start of backward, backward's length (the last
+bucket), and the time after it (optimizer). The profile runs in its own process, so that its
+thread count is the one a rank would get; `copies` > 1 runs that many at once, as k ranks share
+one machine.
 """
 
 from __future__ import annotations
@@ -24,48 +25,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpulab.errors import UserError
 from gpulab.plan.collective import Host, child_pythonpath, rendezvous, wait_all
-
-
-@dataclass
-class StepProfile:
-    batch: int
-    """Samples per device per step."""
-    step_s: float
-    before_backward_s: float
-    """Data and forward."""
-    backward_s: float
-    after_backward_s: float
-    """Optimizer (and the step's bookkeeping)."""
-    bucket_bytes: list[int]
-    bucket_ready_s: list[float]
-    """When each bucket's last gradient landed, seconds after backward began."""
-    device: str
-    threads: int
-    copies: int
-    """How many ran at once, in step: each step ended with a 4-byte allreduce between them, so
-    step times include waiting for the slowest of them, as ranks do."""
-    step_times_s: list[float]
-    """Every timed step (of every copy): ranks wait for the slowest each step, so the spread counts."""
-    overlap: float = 1.0
-    """The share of its idle speed at which an allreduce progresses during backward: 1 when it runs
-    as fast as on idle devices. Measured when copies > 1 (on a CPU, gloo and the network stack
-    need the cores backward is using); else 1, as for NCCL on a GPU."""
-
-    def expected_slowest_s(self, groups: int) -> float:
-        """The mean step time when `groups` such groups of copies wait for each other every step,
-        each group's step drawn from the measured steps (independently): the expected maximum
-        E[max] = sum_i x_(i) * ((i/n)^g - ((i-1)/n)^g) over the sorted times x_(1..n)."""
-        xs = sorted(self.step_times_s)
-        n = len(xs)
-        return sum(x * ((i / n) ** groups - ((i - 1) / n) ** groups) for i, x in enumerate(xs, start=1))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from gpulab.plan.predict import fit_overlap
+from gpulab.plan.profile import StepProfile
 
 
 WARMUP_S = 1.0
@@ -130,6 +96,7 @@ def _profile_main(spec: dict) -> None:
 
     from gpulab.io import atomic_write_json
     from gpulab.parallel.meter import Meter
+    from gpulab.parallel.phases import add_phase_listener
     from gpulab.parallel.world import World
     from gpulab.config import TrainConfig
     from gpulab.train.build import build
@@ -142,28 +109,11 @@ def _profile_main(spec: dict) -> None:
     model, buckets, device = strategy.replicas[0], strategy.buckets, strategy.devices[0]
     clock = _Clock(device)
     marks: dict = {}
-    # The copies' gradient exchange, when on (to measure the overlap): each bucket all-reduced from
-    # the moment it is ready, all waited for as backward ends, as GradSync does in a real run.
-    exchange: dict = {"group": None, "works": []}
-
     model.register_forward_hook(lambda *_: marks.__setitem__("forward_end", clock.now()))
-
-    def grad_ready(index: int):
-        def hook(_param):
-            b = buckets.bucket_of[index]
-            if buckets.pending[0][b] == 0:  # the strategy's own hook ran first and counted it
-                marks.setdefault("buckets", {})[b] = clock.now()
-                if exchange["group"] is not None:
-                    flat = buckets.buffers[0][b]
-                    exchange["works"].append(torch.distributed.all_reduce(flat, group=exchange["group"], async_op=True))
-                    if len(marks["buckets"]) == buckets.num_buckets:  # backward's end: the optimizer waits
-                        for work in exchange["works"]:
-                            work.wait()
-                        exchange["works"] = []
-        return hook
-
-    for i, p in enumerate(buckets.params[0]):
-        p.register_post_accumulate_grad_hook(grad_ready(i))
+    # Each bucket's ready time, from its Buckets (this listener first: before any launch below).
+    buckets.add_ready_listener(lambda _replica, b: marks.setdefault("buckets", {}).__setitem__(b, clock.now()))
+    exchange = _Exchange(buckets)
+    remove_listener = add_phase_listener(exchange.in_phase)
 
     def batches():
         epoch = 0
@@ -180,14 +130,15 @@ def _profile_main(spec: dict) -> None:
         # gradients are the mean, so the copies go on training alike, at no cost in the step.
         return run.loss_fn(out, y) / spec["copies"]
 
-    def one_step(enough: bool = False):
+    def one_step(enough: bool = False, exchanged: bool = False):
         """(step seconds, seconds before backward, each bucket's ready time), and whether every
-        copy has timed enough."""
+        copy has timed enough. `exchanged`: the copies exchange their gradients in this step."""
         marks.clear()
         start = clock.now()
         X, y = next(source)
         strategy.set_lr(run.peak_lr)
-        strategy.train_step(X, y, run.loss_fn if exchange["group"] is None else summed_to_mean, meter)
+        exchange.begin_step(exchanged)
+        strategy.train_step(X, y, summed_to_mean if exchanged else run.loss_fn, meter)
         all_done = in_step(enough)
         end = clock.now()
         clock.settle()
@@ -228,7 +179,37 @@ def _profile_main(spec: dict) -> None:
     )
     if spec["copies"] > 1:
         profile.overlap = _measure_overlap(one_step, exchange, buckets.buffers[0], profile)
+    remove_listener()
     atomic_write_json(Path(spec["out"]), profile.to_dict())
+
+
+class _Exchange:
+    """The copies' gradient exchange, on only in the steps that measure the overlap: a `GradSync`
+    on the strategy's own buckets, as a rank of a real run has, so each bucket's allreduce starts
+    during backward in bucket order, and it is waited for where a run waits: as the step enters
+    its "allreduce" phase, between backward and the optimizer (a phase listener)."""
+
+    def __init__(self, buckets):
+        self.buckets = buckets
+        self.grad_sync = None  # made by connect()
+        self.on = False
+
+    def connect(self, group) -> None:
+        from gpulab.parallel.distributed import GradSync
+
+        self.grad_sync = GradSync(self.buckets, group)
+
+    def begin_step(self, on: bool) -> None:
+        """Before a step's backward (the profile's steps are one micro-batch each)."""
+        self.on = on
+        if self.grad_sync is not None:
+            self.grad_sync.begin_backward(communicate=on)
+
+    @contextmanager
+    def in_phase(self, name: str):
+        if self.on and name == "allreduce":
+            self.grad_sync.finish()
+        yield
 
 
 OVERLAP_MIN_PAIRS = 6
@@ -236,7 +217,7 @@ OVERLAP_MAX_PAIRS = 100
 OVERLAP_SECONDS = 2.0
 
 
-def _measure_overlap(one_step, exchange: dict, flats, profile: StepProfile) -> float:
+def _measure_overlap(one_step, exchange: _Exchange, flats, profile: StepProfile) -> float:
     """How fast an allreduce progresses during backward, as a share of its idle speed, measured
     with the copies' own gradient buckets exchanged as a run exchanges them: pairs of steps
     without and with the exchange (alternated, so that drift hits both alike) give what it adds
@@ -246,9 +227,8 @@ def _measure_overlap(one_step, exchange: dict, flats, profile: StepProfile) -> f
     import torch
     import torch.distributed as dist
 
-    from gpulab.plan.predict import fit_overlap
-
     group = dist.new_group(backend="gloo")  # apart from the handshakes' group
+    exchange.connect(group)
 
     def idle_allreduce_s(flat) -> float:
         copy, times = flat.clone(), []
@@ -262,12 +242,10 @@ def _measure_overlap(one_step, exchange: dict, flats, profile: StepProfile) -> f
     added, started = [], time.perf_counter()
     while True:
         (plain, *_), _ = one_step()
-        exchange["group"] = group
         # Copies stop together: the exchanged step's handshake carries "timed enough", as in the profile.
         pairs = len(added) + 1
         enough = pairs >= OVERLAP_MAX_PAIRS or (pairs >= OVERLAP_MIN_PAIRS and time.perf_counter() - started >= OVERLAP_SECONDS)
-        (exchanged, *_), all_done = one_step(enough)
-        exchange["group"] = None
+        (exchanged, *_), all_done = one_step(enough, exchanged=True)
         added.append(exchanged - plain)
         if all_done:
             break
