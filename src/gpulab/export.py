@@ -93,20 +93,10 @@ def load_run(run_dir: Path):
     from gpulab.config import TrainConfig
     from gpulab.train.rundir import CHECKPOINT, RunDir
 
-    if not run_dir.exists():
-        raise UserError(f"{run_dir} does not exist; give the directory of a gpulab train run")
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir} is not a directory; give the directory of a gpulab train run")
-    if not (run_dir / "config.json").is_file():
-        raise UserError(f"{run_dir} is not a gpulab run directory (no config.json)")
-    if not (run_dir / CHECKPOINT).is_file():
-        raise UserError(f"{run_dir}: no {CHECKPOINT} there; the run stopped before its first epoch ended")
-    rd = RunDir(run_dir)
-    try:
-        cfg = TrainConfig.from_dict(rd.read_config())
-        checkpoint = rd.load_checkpoint()
-    except UserError as e:  # RunDir words its errors for --resume; the rest of the line fits export too
-        raise UserError(str(e).replace(f"--resume {run_dir}", str(run_dir), 1)) from None
+    run = RunDir(run_dir)  # named on its own: its errors start with the folder
+    run.check_is_run()
+    cfg = TrainConfig.from_dict(run.read_config())
+    checkpoint = run.load_checkpoint()
     state = checkpoint.get("strategy")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise UserError(f"{run_dir}: {CHECKPOINT} holds no model weights; it is not a gpulab checkpoint")

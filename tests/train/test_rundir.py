@@ -1,8 +1,10 @@
-"""The run directory's picture: curves.png a person can read (drawn from hand-made histories)."""
+"""The run directory: its picture, curves.png, a person can read (drawn from hand-made histories), and
+the errors of reading a run, worded for whoever reads it."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import matplotlib
 
@@ -12,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from gpulab.errors import UserError  # noqa: E402
 from gpulab.train.rundir import RunDir  # noqa: E402
 
 C0, C1 = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two line colours: train, test
@@ -69,3 +72,20 @@ def test_loss_and_accuracy_have_their_own_axes_and_the_run_its_title(tmp_path):
     assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "accuracy"]
     assert fig._suptitle.get_text() == f"{tmp_path.name}: lenet on cpu*2"
     plt.close("all")
+
+
+def test_read_errors_name_the_run_as_its_reader_was_given_it(tmp_path):
+    """--resume DIR for a resumed run; DIR alone where the folder is named on its own (export)."""
+    (tmp_path / "config.json").write_text("[]")
+    here = re.escape(str(tmp_path))
+    with pytest.raises(UserError, match=f"^--resume {here}: config.json is not a gpulab run config$"):
+        RunDir(tmp_path, option="--resume").read_config()
+    with pytest.raises(UserError, match=f"^{here}: config.json is not a gpulab run config$"):
+        RunDir(tmp_path).read_config()
+    # No checkpoint: a resume is told how to start over; a reader, only what is missing.
+    with pytest.raises(UserError, match=f"^--resume {here}: no checkpoint.pt there; .*: start it over with gpulab train --out {here}"):
+        RunDir(tmp_path, option="--resume").load_checkpoint()
+    with pytest.raises(UserError, match=f"^{here}: no checkpoint.pt there; the run stopped before its first epoch ended$"):
+        RunDir(tmp_path).check_is_run()
+    with pytest.raises(UserError, match=f"^{here}/nope does not exist; give the directory of a gpulab train run$"):
+        RunDir(tmp_path / "nope").check_is_run()

@@ -259,7 +259,7 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
     if not world.is_main:
         console = Console(quiet=True)
     if resume:
-        run_dir = RunDir(Path(resume))
+        run_dir = RunDir(Path(resume), option="--resume")
         cfg, checkpoint, saved_epochs = saved_config(world, run_dir, data_dir, epochs)
     else:
         cfg = config_of_new_run(cfg or TrainConfig(), train_data, own["model"], data_dir)

@@ -143,11 +143,19 @@ def csv_row(row: dict) -> dict:
 
 
 class RunDir:
-    def __init__(self, path: Path, unique: bool = False):
+    def __init__(self, path: Path, unique: bool = False, option: str | None = None):
         self.path = Path(path)
         self.unique = unique
         """A default path: claimed under a name of its own (-2, -3, ... when taken)."""
+        self.option = option
+        """The command-line option that named this existing run ("--resume"), which the errors of
+        reading it start with; None where the folder was named on its own (gpulab export DIR)."""
         self._lock: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The run directory as its reader's errors name it: "--resume DIR", or "DIR"."""
+        return f"{self.option} {self.path}" if self.option else str(self.path)
 
     # ------------------------------------------------------------------ owning the directory
 
@@ -239,13 +247,24 @@ class RunDir:
     def write_config(self, config: dict) -> None:
         atomic_write_json(self.path / "config.json", config)
 
+    def check_is_run(self) -> None:
+        """Before reading a run: one line unless the folder is a gpulab run with a checkpoint."""
+        if not self.path.exists():
+            raise UserError(f"{self.label} does not exist; give the directory of a gpulab train run")
+        if not self.path.is_dir():
+            raise UserError(f"{self.label} is not a directory; give the directory of a gpulab train run")
+        if not (self.path / "config.json").is_file():
+            raise UserError(f"{self.label} is not a gpulab run directory (no config.json)")
+        if not self.has_checkpoint():
+            raise self._no_checkpoint()
+
     def read_config(self) -> dict:
         try:
             config = json.loads((self.path / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"--resume {self.path}: no readable config.json ({e}); is this a gpulab run directory?") from None
+            raise UserError(f"{self.label}: no readable config.json ({e}); is this a gpulab run directory?") from None
         if not isinstance(config, dict):
-            raise UserError(f"--resume {self.path}: config.json is not a gpulab run config")
+            raise UserError(f"{self.label}: config.json is not a gpulab run config")
         return config
 
     def write_metrics(self, history: list[dict]) -> None:
@@ -315,10 +334,10 @@ class RunDir:
         return (self.path / CHECKPOINT).is_file()
 
     def _no_checkpoint(self) -> UserError:
-        return UserError(
-            f"--resume {self.path}: no {CHECKPOINT} there; the run stopped before its first epoch ended: "
-            f"start it over with gpulab train --out {self.path} and its options"
-        )
+        message = f"{self.label}: no {CHECKPOINT} there; the run stopped before its first epoch ended"
+        if self.option == "--resume":  # nothing to continue: say how to start over instead
+            message += f": start it over with gpulab train --out {self.path} and its options"
+        return UserError(message)
 
     def load_checkpoint(self) -> dict:
         path = self.path / CHECKPOINT
@@ -327,7 +346,7 @@ class RunDir:
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:  # truncated or foreign file: torch raises several types
-            raise UserError(f"--resume {self.path}: {CHECKPOINT} is unreadable ({type(e).__name__}); it is damaged") from None
+            raise UserError(f"{self.label}: {CHECKPOINT} is unreadable ({type(e).__name__}); it is damaged") from None
         if not isinstance(checkpoint, dict) or not {"strategy", "history", "epoch"} <= checkpoint.keys():
-            raise UserError(f"--resume {self.path}: {CHECKPOINT} is not a gpulab checkpoint")
+            raise UserError(f"{self.label}: {CHECKPOINT} is not a gpulab checkpoint")
         return checkpoint
