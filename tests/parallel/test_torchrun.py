@@ -221,7 +221,7 @@ def test_a_rank_that_fails_on_its_own_is_named_with_its_reason(tmp_path, when):
 BAD_SAMPLE_JOB = '''
 import os, sys, torch
 from gpulab.errors import UserError
-from gpulab.parallel.world import JobFailed
+from gpulab.parallel.failures import JobFailed
 from gpulab.train import TrainConfig, train
 
 

@@ -12,18 +12,14 @@ byte it moves; gpulab adds only the rules:
 - Start-up collectives may wait long (STARTUP_TIMEOUT: slow nodes, data being unpacked);
   training collectives run on their own group with a short timeout (`--timeout`), so a dead or
   hung rank turns into an error on the others within that time, never a hang.
-- When a collective fails, the survivor raises a flag in the rendezvous store and every live
-  rank checks in, answered by a small watchdog thread so that a rank blocked inside a collective
-  still counts as alive; whoever does not check in is the rank that failed, and the message
-  names it (`failure`).
+- When another rank fails, each survivor says which one, where, and how to go on: the failure
+  protocol of `gpulab.parallel.failures` (`collectives`, `failure`, `report_failure`).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import signal
-import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -33,11 +29,10 @@ from typing import TypeVar
 import torch
 
 from gpulab.errors import UserError
+from gpulab.parallel.failures import FailureProtocol, JobFailed, PeerLost, is_communication_error, one_line
 
 T = TypeVar("T")
 STARTUP_TIMEOUT = timedelta(minutes=10)
-CHECK_IN_S = 2.0  # how long survivors of a failure wait for each other in the store
-WATCHDOG_POLL_S = 0.5  # how often each rank's watchdog looks for a failure flag
 
 
 class SharedError(UserError):
@@ -47,22 +42,6 @@ class SharedError(UserError):
     def __init__(self, message: str, printed_by: int = 0):
         super().__init__(message)
         self.printed_by = printed_by
-
-
-class PeerLost(RuntimeError):
-    """A collective failed because another rank died, hung past the timeout or crashed."""
-
-
-class Terminated(BaseException):
-    """SIGTERM (from torchrun after another rank failed, or from a scheduler): stop cleanly."""
-
-
-class JobFailed(Exception):
-    """This rank stopped because of another rank's failure; the message says which and where."""
-
-    def __init__(self, message: str, quiet: bool):
-        super().__init__(message)
-        self.quiet = quiet  # another surviving rank prints the same line
 
 
 class World:
@@ -108,14 +87,16 @@ class World:
 
     @contextmanager
     def collectives(self):
-        """Around training collectives: a failed one raises PeerLost."""
+        """Around training collectives: one that failed because of another rank raises PeerLost."""
         yield
 
     def failure(self, error: BaseException, where: str, hint: str) -> JobFailed:
+        """The one line to stop with after PeerLost or Terminated (`where` it happened, `hint`
+        how to go on), naming the rank that failed."""
         return JobFailed(f"{where}: {error}. {hint}", quiet=False)
 
     def report_failure(self, error: BaseException) -> None:
-        pass
+        """This rank is failing on its own (`error`): let the others name it and its reason."""
 
     def close(self) -> None:
         pass
@@ -166,15 +147,8 @@ class TorchrunWorld(World):
         self.prefix = f"gpulab/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_joined}/"
         self.connected = False
         self.agreements = 0  # all_or_none calls so far: the same count on every rank
-        self.stopping = False  # True once a failure is being reported or the World closes: SIGTERM waits
-        # torchrun sends SIGTERM to the other ranks when one fails: turn it into an exception so
-        # they can say why they stop (only the main thread may install a handler).
-        self.previous_sigterm = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.stop_watchdog = threading.Event()
-        self.watchdog = threading.Thread(target=self._watchdog, name="gpulab-watchdog", daemon=True)
-        self.watchdog.start()
+        # From here on SIGTERM raises Terminated and a watchdog answers the others' check-ins.
+        self.failures = FailureProtocol(self.store, self.prefix, self.rank, self.world_size)
 
     # ------------------------------------------------------------------ set-up
 
@@ -182,7 +156,7 @@ class TorchrunWorld(World):
         import torch.distributed as dist
 
         backend = choose_backend(backend, device)
-        self.backend, self.timeout_s = backend, timeout_s
+        self.backend = backend
         if device.type == "cuda":
             torch.cuda.set_device(device)
         # torch keeps its groups' addresses in the store under fixed names: a prefix of this
@@ -196,6 +170,7 @@ class TorchrunWorld(World):
         # others' next collective within timeout_s, while start-up keeps its long one.
         self.group_timeout = timedelta(seconds=timeout_s)
         self.group = dist.new_group(timeout=self.group_timeout, backend=backend)
+        self.failures.step_timeout_s = timeout_s
 
     def share(self, key: str, compute: Callable[[], T]) -> T:
         key = self.prefix + "share/" + key
@@ -290,12 +265,7 @@ class TorchrunWorld(World):
     def close(self) -> None:
         import torch.distributed as dist
 
-        self.stopping = True  # a SIGTERM now must not replace the exception this rank is reporting
-        self.stop_watchdog.set()
-        self.watchdog.join(timeout=10)  # its store calls time out after 5 s
-        if self.previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self.previous_sigterm)
-            self.previous_sigterm = None
+        self.failures.close()  # a SIGTERM from now on must not replace the exception this rank is reporting
         if self.connected:
             # gloo's worker threads free each finished collective's tensors, which needs the GIL;
             # a group destroyed meanwhile joins those threads while holding the GIL: a deadlock
@@ -312,89 +282,17 @@ class TorchrunWorld(World):
         try:
             yield
         except RuntimeError as e:
+            self.failures.raise_if_terminated()  # a dropped SIGTERM: the others are stopping too
             if is_communication_error(e):
                 raise PeerLost(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
             raise
-
-    def _on_sigterm(self, signum, frame) -> None:
-        if not self.stopping:  # while a failure is being reported, or at close, finish that first
-            raise Terminated()
+        self.failures.raise_if_terminated()
 
     def report_failure(self, error: BaseException) -> None:
-        """This rank is failing on its own: leave the reason where the survivors will look."""
-        self.stopping = True
-        try:
-            self.store.set_timeout(timedelta(seconds=5))
-            self.store.set(self.prefix + f"failed/{self.rank}", one_line(error))
-        except Exception:
-            pass  # the store may be gone with rank 0; the launcher's summary still has it
+        self.failures.report(error)
 
     def failure(self, error: BaseException, where: str, hint: str) -> JobFailed:
-        """The one-line message for a rank that stops because another failed."""
-        self.stopping = True
-        alive, reasons = self._check_in()
-        # Failed: ranks that left a reason, and ranks that did not answer the check-in.
-        failed = sorted(set(reasons) | ({r for r in range(self.world_size) if r not in alive} if alive else set()))
-        alive = [r for r in alive if r not in reasons]
-        if failed:
-            named = "; ".join(
-                f"rank {r} failed: {reasons[r]}" if r in reasons else f"rank {r} stopped answering"
-                for r in failed
-            )
-            cause = f"{named} (torchrun's summary shows how it exited)"
-        elif isinstance(error, Terminated):
-            cause = "stopped by SIGTERM (from the launcher, after another rank failed, or from a job scheduler)"
-        else:
-            cause = f"a collective failed: {error}"
-        if isinstance(error, PeerLost) and "Timed out" in str(error):
-            cause += f"; the step timeout is --timeout {self.timeout_s:g} s"
-        quiet = bool(alive) and self.rank != min(alive)  # the lowest surviving rank speaks for all
-        return JobFailed(f"{where}: {cause}. {hint}", quiet=quiet)
-
-    def _watchdog(self) -> None:
-        """Check this rank in when another raises the failure flag, even while the main thread
-        is blocked in a collective or a store call. A dead or stopped process cannot: that is
-        how it is found. Its own store client with a short timeout: it never waits behind the
-        main thread's client, and never blocks the process from exiting for long."""
-        import torch.distributed as dist
-
-        try:
-            store = dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                timeout=timedelta(seconds=5), wait_for_workers=False,
-            )
-        except Exception:
-            return  # no second connection: the check-in then sees this rank only if it answers itself
-        flag = self.prefix + "failure"
-        while not self.stop_watchdog.wait(WATCHDOG_POLL_S):
-            try:
-                if store.check([flag]):
-                    store.set(self.prefix + f"alive/{self.rank}", b"1")
-                    return
-            except Exception:
-                return  # the store is gone: nobody is left to ask
-
-    def _check_in(self) -> tuple[list[int], dict[int, str]]:
-        """Raise the failure flag, then see which ranks answer within CHECK_IN_S."""
-        import torch.distributed as dist
-
-        try:
-            self.store.set_timeout(timedelta(seconds=5))
-            self.store.set(self.prefix + "failure", b"1")
-            self.store.set(self.prefix + f"alive/{self.rank}", b"1")
-            keys = [self.prefix + f"alive/{r}" for r in range(self.world_size)]
-            try:
-                self.store.wait(keys, timedelta(seconds=CHECK_IN_S))  # returns as soon as all are in
-            except dist.DistStoreError:
-                pass  # someone is missing: find out who below
-            alive = [r for r in range(self.world_size) if self.store.check([keys[r]])]
-            reasons = {}
-            for r in range(self.world_size):
-                if self.store.check([self.prefix + f"failed/{r}"]):
-                    reasons[r] = self.store.get(self.prefix + f"failed/{r}").decode()
-            return alive, reasons
-        except Exception:
-            return [], {}  # the store went down with the rank that hosted it
+        return self.failures.failure(error, where, hint)
 
 
 def choose_backend(backend: str, device: torch.device) -> str:
@@ -404,18 +302,6 @@ def choose_backend(backend: str, device: torch.device) -> str:
     if backend == "nccl" and device.type != "cuda":
         raise UserError(f"--backend nccl needs a GPU per rank, but the ranks run on {device}: use --backend gloo")
     return backend
-
-
-def is_communication_error(e: BaseException) -> bool:
-    import torch.distributed as dist
-
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(s in text for s in ("gloo", "NCCL", "Connection", "Timed out"))
-
-
-def one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}".strip()
 
 
 def threads_per_rank(local_world_size: int) -> int | None:

@@ -30,7 +30,8 @@ from gpulab.io import check_writable as check_folder_writable
 from gpulab.monitor import profile
 from gpulab.parallel import Meter, World
 from gpulab.parallel.meter import FiniteWatch
-from gpulab.parallel.world import PeerLost, SharedError, Terminated, from_environment
+from gpulab.parallel.failures import PeerLost, Terminated
+from gpulab.parallel.world import SharedError, from_environment
 from gpulab.train.build import Run, build
 from gpulab.train.display import banner, epoch_line, progress_bar, result_line
 from gpulab.train.recipe import lr_at

@@ -19,7 +19,8 @@ from rich.markup import escape
 from gpulab import data, models
 from gpulab.devices import format_devices
 from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training, reordered
-from gpulab.parallel.world import PeerLost, Terminated, World, from_environment
+from gpulab.parallel.failures import PeerLost, Terminated
+from gpulab.parallel.world import World, from_environment
 from gpulab.config import TrainConfig
 from gpulab.train.build import build, make_loaders, make_strategy
 from gpulab.train.precision import use_channels_last
