@@ -1,6 +1,6 @@
 """The recording format, read back: one JSON-lines file per recorded process.
 
-Written by the recorder (recorder.py) inside each process of the profiled job, read by the
+Written by the recorder (record/) inside each process of the profiled job, read by the
 report side in `gpulab profile`'s own process. This module imports no torch: the parent must not
 pay for it (2-3 s) and must not change the script's environment.
 
@@ -159,7 +159,7 @@ class Recording:
                 self.start = r
             elif kind == "end":
                 self.end = r
-            elif kind == "fold":  # the steps so far belong to the next one (recorder.py: step rules)
+            elif kind == "fold":  # the steps so far belong to the next one (record/steps.py: step rules)
                 folded, self.steps = folded + self.steps, []
             elif kind == "step":
                 self.steps.append(_merged(folded, r) if folded else r)

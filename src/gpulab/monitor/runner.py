@@ -2,7 +2,7 @@
 
 The command runs as the user wrote it, with autostart/ first on its PYTHONPATH: every Python
 process of the job (the script, its multiprocessing children, torchrun's ranks) records itself
-from its own `import torch` into its own events file in a private folder (attach.py). The
+from its own `import torch` into its own events file in a private folder (record/attach.py). The
 device/process sampler runs here, in the parent, so it costs the job no GIL time.
 
 This process never imports torch: it would add seconds to every run for nothing.
