@@ -1,9 +1,10 @@
 """The parent side of `gpulab profile`: run the job with every Python process recorded, report.
 
-The command runs as the user wrote it, with autostart/ first on its PYTHONPATH: every Python
-process of the job (the script, its multiprocessing children, torchrun's ranks) records itself
-from its own `import torch` into its own events file in a private folder (record/attach.py). The
-device/process sampler runs here, in the parent, so it costs the job no GIL time.
+The command runs as the user wrote it, with record/autostart/ first on its PYTHONPATH: every
+Python process of the job (the script, its multiprocessing children, torchrun's ranks) records
+itself from its own `import torch` into its own events file in a private folder
+(record/attach.py). The device/process sampler runs here, in the parent, so it costs the job no
+GIL time.
 
 This process never imports torch: it would add seconds to every run for nothing.
 
@@ -11,8 +12,8 @@ Signals. The job runs in its own process group. SIGINT, SIGTERM and SIGHUP sent 
 its group: `timeout`, Slurm, Kubernetes) are passed on to the job's group once, so the script's
 own handlers run; a second SIGINT escalates to SIGTERM, then SIGKILL after a grace period. When
 the job's main process ends, whatever it left running in its group is stopped; if gpulab itself
-is killed, the job stops itself (record/attach.py watches its parent). The report is written from what
-was recorded, and the exit code is the script's (128 + N for signal N).
+is killed, the job stops itself (record/attach.py watches its parent). The report is written
+from what was recorded, and the exit code is the script's (128 + N for signal N).
 """
 
 from __future__ import annotations
