@@ -15,7 +15,9 @@ import errno
 import json
 import os
 import subprocess
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpulab.errors import UserError
@@ -92,3 +94,20 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None  # not a checkout (installed package) or no git
     return commit + ("+dirty" if dirty else "")
+
+
+@contextmanager
+def native_stderr_hidden():
+    """fd 2 points at /dev/null for the block: C++ libraries under gpulab (kineto starting and
+    stopping torch.profiler, c10's once-only warnings) write log lines straight to it, and they
+    are not the user's stderr. Keep the block short: the script's own stderr is hidden too."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -16,6 +16,10 @@ class ProfileConfig:
     kernel_window_steps: int = 3
     """On CUDA, steps captured with torch.profiler (right after warm-up) to count kernels and measure
     how long the device was busy per step; 0 turns it off. These steps are left out of the statistics."""
+    memory_window: bool = True
+    """Measure one step's memory after warm-up (and after the kernel window): the peak and what it
+    is made of - parameters, gradients, optimizer state, activations per module, inputs, the rest.
+    Two steps, left out of the statistics (torch.profiler records their allocations)."""
     stack_interval_s: float = 0.02
     """How often the training thread's Python stack is sampled to find the hottest user line of
     each phase; 0 turns it off."""

@@ -6,8 +6,8 @@ pay for it (2-3 s) and must not change the script's environment.
 
 A process's file holds, in order of writing, the records typed below (TypedDicts: the JSON
 objects themselves, so writing and reading cost nothing extra): process, start, loader*, then
-step*/fold*, kernels (CUDA), tail, end; and the whole-run tallies sites, hot, spans, facts,
-rewritten at every flush (the last one wins).
+step*/fold*, kernels (CUDA), memory, tail, oom (if it ran out of memory), end; and the whole-run
+tallies sites, hot, spans, facts, rewritten at every flush (the last one wins).
 
 perf_counter() is CLOCK_MONOTONIC on Linux and macOS: one clock for every process of a machine,
 so lanes line up without translation.
@@ -100,6 +100,44 @@ class KernelsRecord(TypedDict, total=False):
     runtime_sync_s_per_step: float
 
 
+class MemoryRecord(TypedDict, total=False):
+    """One step's memory, measured (gpulab.memory.step.StepMemory's fields), or the error that
+    kept the memory window from running. `step`: the index of the measured step."""
+    type: Literal["memory"]
+    error: str
+    step: int
+    device: str
+    how: str
+    live_start: int
+    peak: int
+    peak_t: float | None
+    live_end: int
+    at_peak: dict[str, int]
+    sizes: dict[str, int]
+    activations_by_module: list[list]
+    batch: int | None
+    reserved: int | None
+    curve: list[list[float]]
+
+
+class OomRecord(TypedDict, total=False):
+    """The process ran out of memory (gpulab.memory.oom.OutOfMemory's fields): where, how much
+    was asked for, and what was in use by category at that moment."""
+    type: Literal["oom"]
+    device: str
+    requested: int | None
+    message: str
+    where: str | None
+    module: str | None
+    phase: str
+    in_use: dict[str, int]
+    total_in_use: int
+    device_total: int | None
+    reserved: int | None
+    batch: int | None
+    dtype: str | None
+
+
 class EndRecord(TypedDict):
     type: Literal["end"]
     t: float
@@ -149,6 +187,8 @@ class Recording:
         self.span_seconds: dict[str, float] = {}
         self.facts: dict = {}
         self.kernels: dict | None = None
+        self.memory: dict | None = None
+        self.oom: dict | None = None
         self.exit_code: int | None = None  # set by whoever knows it (the parent, for its own child)
         folded: list[dict] = []
         for r in records:
@@ -178,6 +218,10 @@ class Recording:
                 self.facts = r
             elif kind == "kernels":
                 self.kernels = r
+            elif kind == "memory":
+                self.memory = r
+            elif kind == "oom":
+                self.oom = r
 
     @property
     def t_start(self) -> float | None:

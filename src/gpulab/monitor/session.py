@@ -55,6 +55,8 @@ class Profile:
     def __exit__(self, exc_type, exc, tb) -> bool:
         error = f"{exc_type.__name__}: {exc}" if exc_type else None
         exit_code = 1 if exc_type else 0
+        if exc is not None:
+            self._recorder.note_exception(exc, tb)
         self._recorder.stop(exit_code=exit_code, error=error)
         self._sampler.stop()
         rec = Recording(self._recorder.records)

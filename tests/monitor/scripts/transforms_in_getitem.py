@@ -1,8 +1,11 @@
 """Planted: per-sample transforms that are nn.Modules (like torchvision's Normalize), run inside
 __getitem__ with num_workers=0, plus a plain-callable one. The script measures its own data wait
-(time blocked in next() of the training loop) and prints its share of the loop's time.
+(time blocked in next() of the training loop) and prints its share of a step's time, the median
+over its steps: the steady state, as gpulab's shares are (a profiler's measurement windows make a
+step or two slower than the rest; a median over the steps is not moved by them).
 """
 
+import statistics
 import time
 
 import torch
@@ -50,22 +53,21 @@ def main():
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 30 * 30, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(Images(), batch_size=32)
-    waited = 0.0
+    shares = []
     it = iter(loader)
-    t_start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
         try:
             X, y = next(it)
         except StopIteration:
             break
-        waited += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
         loss = nn.functional.cross_entropy(model(X), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    total = time.perf_counter() - t_start
-    print(f"transforms_in_getitem: data share {waited / total:.3f}")
+        shares.append(waited / (time.perf_counter() - t0))
+    print(f"transforms_in_getitem: data share {statistics.median(shares):.3f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from rich.markup import escape
 from gpulab.monitor.output import timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.diagnose import diagnose
+from gpulab.monitor.analyze.memory import memory_line, memory_summary, oom_finding
 from gpulab.monitor.analyze.phases import PHASE_NAMES, lane_summary, shown_phases
 from gpulab.monitor.analyze.ranks import rank_findings
 from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
@@ -21,11 +22,16 @@ ENVIRONMENT_KEYS = ("python", "torch", "torch_cuda_build", "cpu_count", "torch_t
 
 
 def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler: dict, cfg: ProfileConfig,
-                 exit_code: int | None) -> dict:
-    """diagnose()'s keys first (steps, step_time_s, phases, devices, findings), then the evidence behind them."""
+                 exit_code: int | None, process: str | None = None) -> dict:
+    """diagnose()'s keys first (steps, step_time_s, phases, devices, findings), then the evidence
+    behind them. `process`: how findings name the process, when it is not the script's own."""
     report = diagnose(rec, samples, gpus, cfg.warmup_steps)
+    oom = oom_finding(rec, who=process)
+    if oom is not None:  # what ended the run comes first
+        report["findings"] = [oom] + [f for f in report["findings"] if f["cause"] != "none"]
     end = rec.end or {}
     report.update({
+        "memory": memory_summary(rec),
         "command": rec.start.get("command"),
         "exit_code": exit_code,
         "complete": rec.end is not None and exit_code == 0,
@@ -54,11 +60,14 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
     main = next((r for r in lanes if r.pid == main_pid), None)
     trained = trainers(lanes)
     shown = diagnosed_lane(lanes, main_pid) or Recording([])
-    report = build_report(shown, samples, gpus, sampler, cfg, exit_code)
+    process = _who(shown, main_pid) if shown is not main and shown.pid is not None else None
+    report = build_report(shown, samples, gpus, sampler, cfg, exit_code, process)
     report["diagnosed_pid"] = shown.pid
     report["processes"] = [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
                            for r in by_rank(lanes) if r.recorded and not r.is_dataloader_worker]
     across = rank_findings(lanes, cfg.warmup_steps)
+    if not any(f["cause"] == "out_of_memory" for f in report["findings"]):  # another process ran out
+        across += [f for r in lanes if r is not shown and (f := oom_finding(r, who=_who(r, main_pid))) is not None]
     if across:
         report["findings"] = sorted(across + [f for f in report["findings"] if f["cause"] != "none"],
                                     key=lambda f: f["share"], reverse=True)
@@ -72,6 +81,12 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
     elif not shown.recorded:
         report["findings"][0]["evidence"], report["findings"][0]["fix"] = _why_nothing_was_recorded(main)
     return report, [shown] + [r for r in trained if r is not shown]
+
+
+def _who(rec: Recording, main_pid: int) -> str:
+    """'rank 1 (pid 4242)', 'pid 4242 (child of 4200)': a process of the job, as a finding names it."""
+    role = _role(rec, main_pid)
+    return f"{role} (pid {rec.pid})" if role.startswith("rank") else f"pid {rec.pid} ({role})"
 
 
 def _role(rec: Recording, main_pid: int) -> str:
@@ -138,6 +153,8 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
     if busy:
         phases += f"   device busy {busy['share']:.0%} ({escape(busy['source'])})"
     lines.append(f"  step time: {phases}")
+    if report.get("memory"):
+        lines.append(f"  {escape(memory_line(report['memory']))}")
     for n, f in enumerate(report["findings"], 1):
         if f["cause"] == "none" and not report["steps"] and not report.get("device_busy"):
             lines.append(f"  [bold yellow]nothing to diagnose[/]: {escape(f['evidence'])}")

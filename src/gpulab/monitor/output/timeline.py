@@ -3,7 +3,8 @@
 Four rows sharing the time axis, readable at a glance:
   steps    each step as a bar split into its phases (data wait, copy, compute, sync, other)
   device   GPU: NVML kernel-active % (and GPM SM-active % on Hopper+); CPU run: compute % of each step
-  memory   GPU memory used, and the process's resident memory (with DataLoader workers)
+  memory   GPU memory used, the process's resident memory (with DataLoader workers), and torch's
+           live bytes through the step the memory window measured
   CPU      the training process and its workers (100 % = one core)
 Waiting for data is a strip along the bottom of every row, darker where more of that moment
 was spent waiting (readable at 10 steps or 10,000); thin lines mark step boundaries when few
@@ -62,7 +63,7 @@ def figure(lanes: list[Recording], samples: list[dict], gpus: list[dict], report
         _plot_gpu_activity(ax_device, samples, gpus, origin)
     else:
         _plot_cpu_compute(ax_device, rec.steps, origin)
-    _plot_memory(ax_memory, samples, gpus, origin)
+    _plot_memory(ax_memory, samples, gpus, origin, rec.memory)
     _plot_cpu(ax_cpu, samples, rec.start.get("cpu_count"), origin)
 
     strip = _data_wait_strip([(a - origin, b - a) for s in steps for a, b in s.get("data", [])])
@@ -197,7 +198,9 @@ def _plot_cpu_compute(ax, steps: list[dict], origin: float) -> None:
     ax.set_ylabel("compute %", fontsize=8)
 
 
-def _plot_memory(ax, samples: list[dict], gpus: list[dict], origin: float) -> None:
+def _plot_memory(ax, samples: list[dict], gpus: list[dict], origin: float, measured: dict | None) -> None:
+    """Sampled memory (NVML, psutil) over the run, and torch's live bytes through the step the
+    memory window measured (a short, tall line where that step ran)."""
     for position, info in enumerate(gpus):
         t = [s["t"] - origin for s in samples if len(s["gpus"]) > position]
         used = [s["gpus"][position].get("memory_used_mib") for s in samples if len(s["gpus"]) > position]
@@ -207,6 +210,10 @@ def _plot_memory(ax, samples: list[dict], gpus: list[dict], origin: float) -> No
     _line(ax, t, [p["rss_mib"] / 1024 for p in procs], "process RSS", "-.")
     if any(p["workers"] for p in procs):
         _line(ax, t, [p["workers_rss_mib"] / 1024 for p in procs], "workers RSS", ":")
+    if measured and measured.get("curve"):
+        curve = measured["curve"]
+        _line(ax, [c[0] - origin for c in curve], [c[1] / 2**30 for c in curve],
+              f"torch live bytes, measured step ({measured['device']})", "-", color="#7a1f5c")
     ax.set_ylim(bottom=0)
     ax.set_ylabel("GiB", fontsize=8)
 
@@ -221,8 +228,8 @@ def _plot_cpu(ax, samples: list[dict], cores: int | None, origin: float) -> None
     ax.set_ylabel(f"CPU %\n(100 = 1 of {cores} cores)" if cores else "CPU %\n(100 = 1 core)", fontsize=8)
 
 
-def _line(ax, t: list[float], values: list, label: str, style: str) -> None:
+def _line(ax, t: list[float], values: list, label: str, style: str, color: str | None = None) -> None:
     points = [(x, v) for x, v in zip(t, values) if v is not None]
     if points:
         xs, ys = zip(*points)
-        ax.plot(xs, ys, style, linewidth=1.1, label=label)
+        ax.plot(xs, ys, style, linewidth=1.1, label=label, color=color)

@@ -54,7 +54,7 @@ def _note_uncaught_exceptions(recorder) -> None:
     previous = sys.excepthook
 
     def excepthook(kind, value, tb):
-        recorder.error = f"{kind.__name__}: {value}"
+        recorder.note_exception(value, tb)
         previous(kind, value, tb)
 
     sys.excepthook = excepthook

@@ -6,14 +6,12 @@ of kernel intervals). A launch-bound loop shows many short kernels and a device 
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 
+from gpulab.io import native_stderr_hidden
 from gpulab.monitor.events import KernelsRecord
 
 _RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -48,7 +46,7 @@ class KernelWindow:
 
         try:
             self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            with _kineto_logs_hidden():
+            with native_stderr_hidden():
                 self._prof.start()
         except Exception as e:  # CUPTI missing or busy (another profiler): no kernel statistics
             self._give_up(e)
@@ -65,7 +63,7 @@ class KernelWindow:
         # counted (kineto's timestamps are wall-clock ns, like time.time_ns()).
         steps_end_ns = time.time_ns()
         try:
-            with _kineto_logs_hidden():
+            with native_stderr_hidden():
                 # Let every GPU finish the window's kernels while the profiler still records them:
                 # leaving the profiler synchronizes only the current device.
                 for index in range(torch.cuda.device_count()):
@@ -86,23 +84,6 @@ class KernelWindow:
         self.done = True
         failed: KernelsRecord = {"type": "kernels", "error": f"{type(error).__name__}: {error}"}
         self._emit(failed)
-
-
-@contextmanager
-def _kineto_logs_hidden():
-    """Kineto writes log lines ("profiler_start", "Completed Stage: ...") straight to fd 2 when a
-    capture starts and stops; they are not the user's stderr, so fd 2 points at /dev/null for the
-    few milliseconds of those two calls."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,

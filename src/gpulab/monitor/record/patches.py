@@ -129,7 +129,8 @@ def install(rec) -> Patches:
     if rec.cfg.dataloader_overrides:
         p.patch(DataLoader, "__init__", partial(_loader_init, rec.cfg.dataloader_overrides))
     p.patch(_BaseDataLoaderIter, "__next__", partial(_as_span, rec, "data_wait", "next(DataLoader)",
-                                                     lambda iterator: rec.steps.end_step_after_backward()))
+                                                     lambda iterator: rec.steps.end_step_after_backward(),
+                                                     after=lambda batch: rec.memory.note_inputs(batch)))
     nesting = _Nesting()
     _hook_module_calls(rec, p, nesting)
     p.patch(torch.autograd, "backward", partial(_autograd, rec, nesting, "backward"))
@@ -151,10 +152,11 @@ def install(rec) -> Patches:
     return p
 
 
-def _as_span(rec, category: str, name, before, original):
+def _as_span(rec, category: str, name, before, original, after=None):
     """`original`, timed as a `category` span in the recorded thread. `name`: the span's name, or
     a function of the call's first argument that gives it; `before(first argument)`: what the
-    recorder notes first (a step that ended, a DataLoader it has not seen)."""
+    recorder notes first (a step that ended, a DataLoader it has not seen); `after(result)`: what
+    it notes of the result (a batch)."""
 
     def wrapper(*args, **kwargs):
         if not rec.here():
@@ -163,9 +165,12 @@ def _as_span(rec, category: str, name, before, original):
             before(args[0])
         token = rec.steps.enter(name if isinstance(name, str) else name(args[0]), category)
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
         finally:
             rec.steps.exit(token)
+        if after is not None:
+            after(result)
+        return result
 
     wrapper.__wrapped__ = original
     return wrapper
@@ -246,6 +251,9 @@ def _hook_module_calls(rec, p: Patches, nesting: _Nesting) -> None:
             return
         rec.steps.end_step_after_backward()
         rec.ddp.note_module(module)
+        rec.memory.models.add(module)
+        if rec.memory.measuring:
+            rec.memory.note_inputs(args)
         nesting.in_forward = True
         open_calls.append((module, rec.steps.enter(type(module).__name__, "compute"), False))
 
@@ -317,9 +325,21 @@ def _hook_distributed(rec, p: Patches) -> None:
 # ----------------------------------------------------------------------------- processes
 
 def _process_bootstrap(rec, original):
-    """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here."""
+    """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here.
+    Its target's exception never reaches sys.excepthook either (_bootstrap prints it itself): the
+    recorder notes it on its way out of run()."""
 
     def _bootstrap(process, *args, **kwargs):
+        run = process.run
+
+        def run_noting_its_exception():
+            try:
+                return run()
+            except BaseException as e:
+                rec.note_exception(e, e.__traceback__)
+                raise
+
+        process.run = run_noting_its_exception
         try:
             return original(process, *args, **kwargs)
         finally:

@@ -8,6 +8,7 @@ the work, one job each:
     stacks.StackSampler     the hottest user line of each category
     transforms.TransformSpans   per-sample transforms inside a DataLoader fetch
     ddp.DdpTimers           DDP's own timers for the wait inside its backward
+    memory.MemoryWindow     one step measured for memory: the peak and what it is made of
     writer.EventWriter      records out (format: monitor/events.py)
     cuda.CudaHooks          CUDA only: host syncs, copies, the kernel window
 
@@ -30,12 +31,14 @@ from pathlib import Path
 
 import torch
 
+from gpulab.memory.oom import is_out_of_memory, read_out_of_memory
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.events import EndRecord, LoaderRecord, ProcessRecord, StartRecord, events_file
+from gpulab.monitor.events import EndRecord, LoaderRecord, OomRecord, ProcessRecord, StartRecord, events_file
 from gpulab.monitor.record import patches
 from gpulab.monitor.record.cuda import CudaHooks
 from gpulab.monitor.record.ddp import DdpTimers
 from gpulab.monitor.record.frames import user_site
+from gpulab.monitor.record.memory import MemoryWindow
 from gpulab.monitor.record.sites import SyncSites
 from gpulab.monitor.record.stacks import StackSampler
 from gpulab.monitor.record.steps import StepAccounting
@@ -55,7 +58,8 @@ class Recorder:
         self.writer = EventWriter(events_path, self._snapshots)
         self.cuda = CudaHooks(self, window_after_step=cfg.warmup_steps, window_steps=cfg.kernel_window_steps)
         self.ddp = DdpTimers()
-        self.error: str | None = None  # an uncaught exception, noted by attach.py's excepthook
+        self.memory = MemoryWindow(self.writer.emit, cfg.memory_window)
+        self.error: str | None = None  # an uncaught exception (note_exception)
         self._ident: int | None = None
         self._stopping = False
         self._patches: patches.Patches | None = None  # in place while recording
@@ -114,6 +118,7 @@ class Recorder:
         self.steps = StepAccounting(self.cfg.trace_steps, self.writer.emit, self._between_steps)
         self.transforms.reset(self.steps)
         self.writer.new_lane(events_file(self.writer.path.parent, self._pid))
+        self.memory = MemoryWindow(self.writer.emit, self.cfg.memory_window)  # the parent's window is the parent's
         self._ident = threading.get_ident()  # the forking thread is the child's only thread
         argv = list(getattr(sys, "orig_argv", sys.argv))
         process: ProcessRecord = {"type": "process", "pid": self._pid, "ppid": os.getppid(), "t": time.perf_counter(),
@@ -156,6 +161,7 @@ class Recorder:
             self.writer.emit(tail)
         if self._stacks is not None:
             self._stacks.stop()
+        self.memory.finish()
         with self.cuda.suppressed():
             self.cuda.finish(self.steps.index)
         self._patches.undo()
@@ -191,16 +197,40 @@ class Recorder:
             self.steps.mark_step()
 
     def _between_steps(self, steps_done: int) -> bool:
-        """The recorder's own work after each step; whether the next one is inside the kernel window."""
+        """The recorder's own work after each step; whether the next one is inside a measurement
+        window (kernels, memory), whose steps are left out of the statistics."""
         if self.ddp.seen:
             self.ddp.stats()
         if self.cuda.enabled:
             with self.cuda.suppressed():  # our own bookkeeping (kernel window) is no sync of the user's
                 self.cuda.on_step_end(steps_done)
+        with self.cuda.suppressed():  # the memory window's synchronize and profiler are gpulab's too
+            self.memory.on_step_end(steps_done, may_start=self._memory_may_start(steps_done))
         if self.cfg.stop_after_steps and steps_done >= self.cfg.stop_after_steps:
             self._end_process_early()
         self.writer.flush_if_due(time.perf_counter())
-        return self.cuda.window_active
+        return self.cuda.window_active or self.memory.active
+
+    def _memory_may_start(self, steps_done: int) -> bool:
+        """After warm-up, and after the kernel window (one torch.profiler at a time) when CUDA is in use."""
+        if steps_done < self.cfg.warmup_steps:
+            return False
+        window = self.cuda.window
+        return not window.active and (window.done or not self.cuda.enabled or not torch.cuda.is_initialized())
+
+    def note_exception(self, error: BaseException, tb) -> None:
+        """The exception that ends the script (attach.py's excepthook, or the session's block). Out
+        of memory: what was in use, and where, while the failing frames still hold it."""
+        self.error = f"{type(error).__name__}: {error}"
+        if not (self.recording() and is_out_of_memory(error)):
+            return
+        try:
+            oom = read_out_of_memory(error, tb, list(self.memory.models), list(self.memory.optimizers), user_site)
+            record: OomRecord = {"type": "oom", **oom.to_dict()}
+        except Exception as e:  # reading it may need memory too: say so, never hide the script's own error
+            record = {"type": "oom", "message": str(error).splitlines()[0], "phase": f"unknown ({type(e).__name__})",
+                      "in_use": {}, "total_in_use": 0}
+        self.writer.emit(record)
 
     # ------------------------------------------------------------------ syncs and copies (from cuda.py)
 
@@ -237,6 +267,7 @@ class Recorder:
         token = self._optimizer_tokens.pop(id(optimizer), None)
         if token is not None:
             self.steps.exit(token)
+        self.memory.optimizers.add(optimizer)
         self.steps.optimizer_stepped(optimizer)
 
     def note_loader(self, loader, caller) -> None:

@@ -1,0 +1,337 @@
+"""One training step's memory, measured: live bytes over the step, the peak, and what the peak
+is made of.
+
+How (public torch APIs; nothing of the script changes):
+- live bytes over time: torch.profiler with profile_memory=True reports every allocation and
+  free of torch's allocators (CPU and CUDA) with its time; the live bytes at the step's start
+  come from the CUDA allocator (`memory_allocated`) or, on a CPU, where torch keeps no count,
+  from every tensor a Python object reaches at that step boundary (tensors.reachable_tensors).
+  The profiler starts one step before the measured one (`prepare`): it reports the free of a
+  block only if it saw the block allocated, and the previous step's batch, gradients and
+  outputs are freed during the next one.
+- the split at the peak, from what is known to hold memory, with the time each piece appeared
+  and went away:
+    parameters and buffers      of the modules the step called (constant)
+    optimizer state             every tensor in the stepped optimizers' `state` (constant)
+    gradients                   `.grad` of those parameters: there at the start, made during
+                                backward (post-accumulate-grad hooks), freed by zero_grad
+                                (a finalizer on each gradient tensor)
+    activations                 every tensor autograd saves for backward
+                                (torch.autograd.graph.saved_tensors_hooks), except parameters
+                                and the batch, counted once per storage, charged to the
+                                innermost module running when it was saved, released when
+                                autograd drops it (a finalizer on what the hook returned)
+    inputs                      the batch
+    other_kept                  what is still live after the step that none of the above
+                                explains (a dataset in memory, outputs the script keeps)
+    temporaries                 the rest of the peak: intermediate results not saved for
+                                backward, an optimizer's scratch buffers
+Everything here runs for the measured step only (its cost: a few microseconds per saved tensor
+and per allocation, one pass over the Python objects on a CPU).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from gpulab.io import native_stderr_hidden
+from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_tensors,
+                                   storage_key, storage_nbytes, tensors_in)
+
+MAX_CURVE_POINTS = 400
+TOP_MODULES = 8
+
+
+@dataclass
+class StepMemory:
+    """What one step held on one device (bytes; times are perf_counter seconds)."""
+
+    device: str
+    how: str
+    """How the live bytes were read, in words."""
+    live_start: int
+    peak: int
+    peak_t: float | None
+    live_end: int
+    at_peak: dict[str, int]
+    """The peak split into tensors.CATEGORIES; the parts sum to `peak`."""
+    sizes: dict[str, int]
+    """Each category at its largest during the step (activations: everything saved by forward)."""
+    activations_by_module: list[list] = field(default_factory=list)
+    """[qualified name, class name, bytes] of the modules that saved the most, largest first."""
+    batch: int | None = None
+    """Samples in the step's batch (the first dimension of its first input), for per-sample sizes."""
+    reserved: int | None = None
+    """CUDA: what the caching allocator holds from the driver (allocated + cached) at the step's end."""
+    curve: list[list[float]] = field(default_factory=list)
+    """[time, live bytes] through the step, at most MAX_CURVE_POINTS (each the largest of its span)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Timeline:
+    """Bytes of one kind over the step: (time, +bytes) when a piece appears, (time, -bytes) when it
+    goes; `at(t)` is what was there at time t."""
+
+    def __init__(self, start_bytes: int = 0):
+        self.start_bytes = start_bytes
+        self.changes: list[tuple[float, int]] = []
+
+    def add(self, nbytes: int, t: float | None = None) -> None:
+        self.changes.append((time.perf_counter() if t is None else t, nbytes))
+
+    def at(self, t: float) -> int:
+        return self.start_bytes + sum(n for when, n in self.changes if when <= t)
+
+    def largest(self) -> int:
+        level = best = self.start_bytes
+        for _, n in sorted(self.changes):
+            level += n
+            best = max(best, level)
+        return best
+
+
+class StepMemoryProbe:
+    """Measures one step on `device`: `prepare()` one step before it, `begin(modules, optimizers)`
+    at its start, `note_inputs(batch)` when its batch is known, `end()` at its end -> StepMemory.
+    `close()` undoes everything (also after a failure). Every call comes from the training thread."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._profiler = None
+        self._undo: list = []
+        self._begun = False
+
+    # ------------------------------------------------------------------ the step before
+
+    def prepare(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        before = torch.empty(256)  # allocated before the profiler starts, freed right after:
+        with native_stderr_hidden():
+            self._profiler.start()
+            # c10 warns once per process, on stderr, when a block from before the profiler is
+            # freed; it is gpulab's to see, not the user's: have it now, hidden.
+            del before
+
+    # ------------------------------------------------------------------ the measured step
+
+    def begin(self, modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        if self._profiler is None:
+            self.prepare()
+        self._begun = True
+        self.modules, self.optimizers = list(modules), list(optimizers)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.live_start = torch.cuda.memory_allocated(self.device)
+            self.how = "CUDA caching allocator (memory_allocated) + torch.profiler's allocation events"
+        else:
+            self.live_start = reachable_tensors(self.device).nbytes
+            self.how = ("tensors reachable at the step's start + torch.profiler's allocation events "
+                        "(the CPU allocator keeps no count)")
+        self._anchor = (time.time_ns(), time.perf_counter())
+        self.t_begin = time.perf_counter()
+        self.params = Storages(self.device).add_all(parameters_and_buffers(self.modules))
+        self.inputs = Storages(self.device)
+        self.inputs_timeline = _Timeline()
+        self.batch: int | None = None
+        self.grads = _Timeline()
+        self.grads.start_bytes = self._watch_gradients()
+        self.activations = _Timeline()
+        self._saved_count: Counter = Counter()
+        self._saved_bytes: dict = {}
+        self.by_module: dict[str, int] = defaultdict(int)
+        self._module_classes: dict[str, str] = {}
+        self._names = {id(m): name for root in self.modules for name, m in _named(root)}
+        self._stack: list[str] = []
+        self._watch_modules()
+        self._watch_new_gradients()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        hooks.__enter__()
+        self._undo.append(lambda: hooks.__exit__(None, None, None))
+        self.begin_ns = time.time_ns()
+
+    def note_inputs(self, batch) -> None:
+        """The step's batch (a tensor, or a nested list/tuple/dict of them)."""
+        if not self._begun:
+            return
+        for t in tensors_in(batch):
+            added = self.inputs.add(t)
+            if added:
+                self.inputs_timeline.add(added)
+                if self.batch is None and t.dim():
+                    self.batch = t.shape[0]
+
+    def end(self) -> StepMemory:
+        end_ns = time.time_ns()
+        self.t_end = time.perf_counter()
+        self._unhook()
+        with native_stderr_hidden():
+            self._profiler.stop()
+        curve = self._curve(end_ns)
+        live_end = curve[-1][1] if curve else self.live_start
+        peak_t, peak = max(curve, key=lambda point: point[1]) if curve else (None, self.live_start)
+        reserved = None
+        if self.cuda:
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device))  # the allocator's own count wins
+            reserved = torch.cuda.memory_reserved(self.device)
+        optimizer_bytes = Storages(self.device).add_all(t for t in optimizer_state(self.optimizers) if t not in self.params).nbytes
+        at_t = peak_t if peak_t is not None else self.t_end
+        parts = {
+            "parameters": self.params.nbytes,
+            "gradients": self.grads.at(at_t),
+            "optimizer_state": optimizer_bytes,
+            "activations": self.activations.at(at_t),
+            "inputs": self.inputs_timeline.at(at_t),
+        }
+        kept_after = self.params.nbytes + optimizer_bytes + self.grads.at(self.t_end) + self.inputs_timeline.at(self.t_end)
+        parts["other_kept"] = max(0, live_end - kept_after - self.activations.at(self.t_end))
+        parts["temporaries"] = max(0, peak - sum(parts.values()))
+        sizes = {
+            "parameters": self.params.nbytes,
+            "gradients": self.grads.largest(),
+            "optimizer_state": optimizer_bytes,
+            "activations": sum(self._saved_bytes.values()),
+            "inputs": self.inputs.nbytes,
+        }
+        top = sorted(self.by_module.items(), key=lambda kv: kv[1], reverse=True)[:TOP_MODULES]
+        self.close()
+        return StepMemory(
+            device=str(self.device), how=self.how, live_start=self.live_start, peak=peak, peak_t=peak_t,
+            live_end=live_end, at_peak=_fit_to(parts, peak), sizes=sizes,
+            activations_by_module=[[name, self._module_classes.get(name, ""), n] for name, n in top],
+            batch=self.batch, reserved=reserved, curve=_downsampled(curve),
+        )
+
+    def close(self) -> None:
+        """Undo the hooks and stop the profiler, whatever state the probe is in."""
+        self._unhook()
+        if self._profiler is not None:
+            try:
+                with native_stderr_hidden():
+                    self._profiler.stop()
+            except Exception:
+                pass  # stopped already, or never started
+            self._profiler = None
+
+    def _unhook(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    # ------------------------------------------------------------------ what the step holds
+
+    def _pack(self, t: torch.Tensor):
+        key = storage_key(t)
+        if key is None or key[0] != str(self.device) or t in self.params or t in self.inputs:
+            return t
+        alias = t.detach()  # not `t`: an output saved by its own node would keep itself alive
+        self._saved_count[key] += 1
+        if self._saved_count[key] == 1:
+            nbytes = storage_nbytes(t)
+            self._saved_bytes.setdefault(key, nbytes)
+            self.activations.add(nbytes)
+            module = self._stack[-1] if self._stack else "(outside any module)"
+            self.by_module[module] += nbytes
+        weakref.finalize(alias, self._released, key)
+        return alias
+
+    def _released(self, key) -> None:
+        self._saved_count[key] -= 1
+        if self._saved_count[key] == 0:
+            self.activations.add(-self._saved_bytes[key])
+
+    def _watch_modules(self) -> None:
+        """A stack of the modules running, to charge each saved tensor to the innermost one."""
+
+        def before(module, args):
+            name = self._names.get(id(module))
+            if name is not None:
+                self._module_classes.setdefault(name, type(module).__name__)
+                self._stack.append(name)
+
+        def after(module, args, output):
+            if self._names.get(id(module)) is not None and self._stack:
+                self._stack.pop()
+
+        for handle in (register_module_forward_pre_hook(before), register_module_forward_hook(after, always_call=True)):
+            self._undo.append(handle.remove)
+
+    def _watch_gradients(self) -> int:
+        """The gradients there at the start; each one's free (zero_grad(set_to_none)) is timed."""
+        found = Storages(self.device)
+        for g in gradients(self.modules, self.optimizers):
+            nbytes = found.add(g)
+            if nbytes:
+                weakref.finalize(g, self.grads.add, -nbytes)
+        return found.nbytes
+
+    def _watch_new_gradients(self) -> None:
+        """A gradient made during backward: its bytes from then on, until it is freed."""
+        params = {id(p): p for m in self.modules for p in m.parameters() if p.requires_grad}
+        had = {key: p.grad for key, p in params.items()}
+
+        def made(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None or grad is had.get(id(param)):
+                return
+            had[id(param)] = grad
+            nbytes = storage_nbytes(grad)
+            self.grads.add(nbytes)
+            weakref.finalize(grad, self.grads.add, -nbytes)
+
+        for p in params.values():
+            self._undo.append(p.register_post_accumulate_grad_hook(made).remove)
+
+    def _curve(self, end_ns: int) -> list[list[float]]:
+        """Live bytes after each allocation or free of the step, on this device."""
+        wall0, perf0 = self._anchor
+        device_type = torch.autograd.DeviceType.CUDA if self.cuda else torch.autograd.DeviceType.CPU
+        changes = sorted((e.start_ns(), e.nbytes()) for e in self._profiler.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and e.device_type() == device_type
+                         and (not self.cuda or e.device_index() == self.device.index)
+                         and self.begin_ns <= e.start_ns() <= end_ns)
+        live, curve = self.live_start, [[self.t_begin, self.live_start]]
+        for ns, nbytes in changes:
+            live += nbytes
+            curve.append([perf0 + (ns - wall0) / 1e9, live])
+        return curve
+
+
+def _named(root: torch.nn.Module):
+    """(qualified name, module) of every module under `root`; the root is its class name."""
+    for name, module in root.named_modules():
+        yield (name or type(root).__name__), module
+
+
+def _unpack(alias: torch.Tensor) -> torch.Tensor:
+    return alias
+
+
+def _fit_to(parts: dict[str, int], peak: int) -> dict[str, int]:
+    """The parts as measured, scaled down proportionally if together they exceed the peak (each
+    is measured separately, so they can overlap a little: a saved tensor that is also kept)."""
+    total = sum(parts.values())
+    if total <= peak or total == 0:
+        return parts
+    return {k: int(v * peak / total) for k, v in parts.items()}
+
+
+def _downsampled(curve: list[list[float]]) -> list[list[float]]:
+    if len(curve) <= MAX_CURVE_POINTS:
+        return curve
+    per = len(curve) / MAX_CURVE_POINTS
+    out = []
+    for i in range(MAX_CURVE_POINTS):
+        chunk = curve[int(i * per):int((i + 1) * per)] or curve[-1:]
+        out.append(max(chunk, key=lambda point: point[1]))
+    return out

@@ -1,0 +1,96 @@
+"""Memory in `gpulab profile` (issue 25): the measured step's split held against the truth of
+scripts whose memory is known by hand and by their own saved_tensors_hooks; running out of
+memory as a finding that names the line, the phase and the largest category, in whichever
+process it happened."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpulab.cli import main
+from gpulab.memory.oom import requested_bytes
+from gpulab.memory.tensors import CATEGORIES
+from gpulab.monitor.analyze.memory import oom_fixes, size
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def profile(tmp_path: Path, script: str, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "prof"
+    code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script), *args])
+    return code, json.loads((out / "report.json").read_text())
+
+
+def planted_line(script: str) -> int:
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if "# planted:" in line)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_the_memory_split_matches_what_the_script_counts_itself(tmp_path, model):
+    code, report = profile(tmp_path, "memory_known.py", model, str(tmp_path / "truth.json"))
+    assert code == 0
+    truth = json.loads((tmp_path / "truth.json").read_text())
+    memory = report["memory"]
+    for category, expected in truth.items():  # parameters, gradients, optimizer state, activations, inputs
+        assert memory["sizes"][category] == pytest.approx(expected, rel=0.10), category
+    assert set(memory["at_peak"]) == set(CATEGORIES)
+    assert sum(memory["at_peak"].values()) == pytest.approx(memory["peak"], rel=0.01)
+    # Each case has its own peak: Adam's step over 6 MiB of parameters; the CNN's backward, its
+    # 36 MiB of activations partly freed and the convolutions' gradients being made.
+    assert memory["peak_phase"] == {"mlp": "optimizer step (Adam)", "cnn": "backward"}[model]
+    assert memory["peak"] > memory["live_start"]
+    assert memory["batch"] == {"mlp": 256, "cnn": 64}[model]
+    top_name, top_class, top_bytes = memory["activations_by_module"][0]
+    assert top_class == "ReLU" and top_bytes > 0  # ReLU saves its output: the largest saver in both
+    assert report["excluded_steps"]["profiler_window"] == 2  # the window's two steps are not statistics
+    assert report["steps"] == 8
+
+
+def test_running_out_of_memory_is_the_first_finding(tmp_path):
+    code, report = profile(tmp_path, "out_of_memory.py")
+    assert code == 1  # the script's own exit code
+    first = report["findings"][0]
+    assert first["cause"] == "out_of_memory"
+    assert first["where"].endswith(f"out_of_memory.py:{planted_line('out_of_memory.py')}")
+    assert "in forward of" in first["evidence"] and "the largest is activations" in first["evidence"]
+    assert "asked for 128.0 MiB" in first["evidence"]
+    frees = [f["frees"] for f in first["fixes"]]
+    assert frees == sorted(frees, reverse=True) and len(frees) >= 3  # ranked by what each frees
+    assert first["fixes"][0]["fix"].startswith("halve the batch")
+
+
+def test_running_out_of_memory_in_a_child_process_names_it(tmp_path):
+    code, report = profile(tmp_path, "out_of_memory.py", "--in-child")
+    assert code == 1
+    oom = next(f for f in report["findings"] if f["cause"] == "out_of_memory")
+    child = next(p for p in report["processes"] if p["role"].startswith("child"))
+    assert f"pid {child['pid']}" in oom["evidence"]
+    assert oom["where"].endswith(f"out_of_memory.py:{planted_line('out_of_memory.py')}")
+
+
+def test_the_size_of_an_allocation_is_read_from_either_allocator():
+    cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 134217728 bytes. Error code 12 (Cannot allocate memory)")
+    cuda = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+            "1.21 GiB is free. Of the allocated memory 75.03 GiB is allocated by PyTorch")
+    assert requested_bytes(cpu) == 134217728
+    assert requested_bytes(cuda) == 2 * 2**30
+    assert requested_bytes("some other error") is None
+    assert size(1536) == "1.5 KiB" and size(3 * 2**30) == "3.0 GiB" and size(12) == "12 B"
+
+
+def test_the_fixes_are_priced_from_what_was_in_use():
+    oom = {"in_use": {"parameters": 100, "gradients": 100, "optimizer_state": 200, "activations": 1000, "inputs": 40},
+           "dtype": "float32", "reserved": 3000, "total_in_use": 1500}
+    fixes = {f["fix"].split(" ")[0]: f["frees"] for f in oom_fixes(oom, None)}
+    assert fixes["halve"] == 520  # half of the activations and the batch
+    assert fixes["activation"] == 500 and fixes["bf16"] == 500
+    assert fixes["shard"] == 200  # half of parameters + gradients + optimizer state over 2 devices
+    assert fixes["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True:"] == 1500  # reserved, not in use
+    bf16 = {f["fix"].split(" ")[0] for f in oom_fixes({**oom, "dtype": "bfloat16"}, None)}
+    assert "bf16" not in bf16  # already in 2 bytes: nothing to gain
