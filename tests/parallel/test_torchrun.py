@@ -85,6 +85,11 @@ def test_two_ranks_train_like_one_process_and_only_rank_0_speaks(tiny_data, tmp_
         assert a["test_acc"] == pytest.approx(b["test_acc"], abs=0.01)
     w1, w2 = weights(one), weights(two)
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4  # fp32 summation order only
+    # Each epoch's peak memory, per rank (each rank is its own process: its peak resident memory).
+    for row in metrics(two):
+        assert set(row["peak_memory"]) == {"rank 0 cpu", "rank 1 cpu"}
+        assert all(50 * 2**20 < n < 4 * 2**30 for n in row["peak_memory"].values())
+    assert re.search(r"peak resident memory \d+ MiB on rank 0 cpu, \d+ MiB on rank 1 cpu", out)
 
 
 def test_check_parity_under_torchrun(tiny_data, tmp_path):

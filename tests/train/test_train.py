@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,12 @@ import torch
 from rich.console import Console
 
 from gpulab.errors import UserError
+from gpulab.memory.peak import peak_memory, reset_peaks
 from gpulab.train import RECIPES, TrainConfig, train
 from gpulab.train.recipe import lr_at
 from gpulab.train.rundir import CHECKPOINT, LOCK, RunDir, check_writable, default_run_dir
 
-TIMING_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds"}
+MEASURED_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds", "peak_memory"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,7 +47,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def deterministic(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+    return [{k: v for k, v in row.items() if k not in MEASURED_KEYS} for row in rows]
 
 
 class Crash(Exception):
@@ -452,3 +454,20 @@ def test_resume_of_a_damaged_checkpoint_is_a_one_line_error(tiny_data, tmp_path)
     (out / "config.json").write_text('{"epochs": "ten"}')
     with pytest.raises(UserError, match="config.json has a value of the wrong type"):
         train(resume=str(out))
+
+
+def test_each_epoch_records_its_peak_memory(tiny_data, tmp_path, capsys):
+    train(config(tmp_path / "a", epochs=2))
+    for row in metrics(tmp_path / "a"):
+        assert set(row["peak_memory"]) == {"cpu"}  # one process: its peak resident memory
+        assert 50 * 2**20 < row["peak_memory"]["cpu"] < 4 * 2**30
+    assert re.search(r"sec/epoch on \[cpu\], peak resident memory \d+ MiB on cpu", capsys.readouterr().out)
+
+
+def test_the_peak_is_counted_anew_after_a_reset():
+    cpu = [torch.device("cpu")]
+    x = torch.ones(50_000_000)  # 200 MB, touched
+    del x
+    before = peak_memory(cpu)["cpu"]
+    assert reset_peaks(cpu)
+    assert peak_memory(cpu)["cpu"] < before - 150 * 2**20

@@ -49,7 +49,27 @@ def result_line(history: list[dict], run: Run) -> str:
     final = history[-1]
     sec_per_epoch = sum(r["train_seconds"] for r in history) / len(history)
     result = f"test acc: {final['test_acc']:.3f}" if final["test_acc"] is not None else f"test loss: {final['test_loss']:.4g}"
-    return f"{result}, {sec_per_epoch:.1f} sec/epoch on {placement(run)}"
+    line = f"{result}, {sec_per_epoch:.1f} sec/epoch on {placement(run)}"
+    peaks = peak_memory_text(history)
+    return f"{line}, {peaks}" if peaks else line
+
+
+def peak_memory_text(history: list[dict]) -> str | None:
+    """'peak memory 1.2 GiB on cuda:0', 'peak resident memory 812 MiB on cpu', or per rank; None
+    for a history written before gpulab recorded it (a resumed older run)."""
+    peaks: dict[str, int] = {}
+    for row in history:
+        for where, nbytes in row.get("peak_memory", {}).items():
+            peaks[where] = max(peaks.get(where, 0), nbytes)
+    if not peaks:
+        return None
+    cpu = all(where.split()[-1] == "cpu" for where in peaks)
+    listing = ", ".join(f"{_mib(n)} {where}" for where, n in peaks.items())
+    return f"peak resident memory {listing} (the whole process)" if cpu else f"peak memory {listing}"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB on" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB on"
 
 
 def progress_bar(console: Console, show: bool) -> Progress:

@@ -27,6 +27,7 @@ from gpulab.config import TrainConfig
 from gpulab.devices import synchronize
 from gpulab.errors import UserError
 from gpulab.io import check_writable as check_folder_writable
+from gpulab.memory.peak import peak_memory, reset_peaks
 from gpulab.monitor import profile
 from gpulab.parallel import Meter, World
 from gpulab.parallel.meter import FiniteWatch
@@ -80,6 +81,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
     meter = Meter(run.devices[0])
     watch = FiniteWatch(meter, rank_sum(run.world))
     run.timer.reset()
+    reset_peaks(run.devices)
     task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
     synchronize(run.devices)
     t0 = time.perf_counter()
@@ -107,6 +109,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
         raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {stats['loss']}")
     phases = {name: [round(s, 4) for s in per_device] for name, per_device in run.timer.summary().items()}
     return {
+        "peak_memory": epoch_peak_memory(run),
         "train_loss": stats["loss"],
         "train_acc": stats["accuracy"] if run.loss_fn.classifies else None,
         "train_seconds": seconds,
@@ -114,6 +117,18 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
         "phases_s": phases,
         "allreduce_share": [s / seconds for s in phases.get("allreduce", [0.0])],
     }
+
+
+def epoch_peak_memory(run: Run) -> dict[str, int]:
+    """This epoch's peak memory per device ("cuda:0", or "cpu": the process's peak resident
+    memory), and under torchrun per rank ("rank 1 cuda:1"): one gather per epoch."""
+    peaks = peak_memory(run.devices)
+    if run.world.world_size == 1:
+        return peaks
+    every = run.world.gather(peaks)
+    if every is None:  # not the main rank: it keeps its own
+        return {f"rank {run.world.rank} {device}": n for device, n in peaks.items()}
+    return {f"rank {rank} {device}": n for rank, per_rank in enumerate(every) for device, n in per_rank.items()}
 
 
 def evaluate(run: Run) -> dict:
