@@ -13,8 +13,8 @@ import pytest
 
 from gpulab.cli import main
 from gpulab.memory.oom import requested_bytes
-from gpulab.memory.tensors import CATEGORIES
-from gpulab.monitor.analyze.memory import oom_fixes, size
+from gpulab.memory.categories import CATEGORIES, size
+from gpulab.monitor.analyze.memory import oom_fixes
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

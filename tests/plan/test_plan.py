@@ -13,6 +13,7 @@ import pytest
 
 from gpulab.plan import collective, netns
 from gpulab.plan.links import LINKS, LinkCost, parse_link
+from gpulab.plan.memory import fit_line, parse_memory, replicated_peak, sharded_peak
 from gpulab.plan.predict import bucket_schedule, exposed_communication, fit_overlap, predict
 from gpulab.plan.profile import StepProfile
 from tests.conftest import assert_one_line_error, run_cli
@@ -185,6 +186,8 @@ def test_every_named_link_parses_and_explicit_figures_are_read():
     (["--check-links", "fast"], ["--check-links fast", "Mbit/s"]),
     (["--rounds", "0"], ["--rounds 0"]),
     (["--model", "nosuchmodel"], ["nosuchmodel"]),
+    (["--memory", "lots"], ["--memory lots", "80GiB", "16GB", "512MiB"]),
+    (["--memory", "0GiB"], ["--memory 0GiB"]),
 ])
 def test_bad_inputs_are_one_line_errors(argv, fragments, capsys, tmp_path):
     code, out, err = run_cli(["plan", "--devices", "cpu", "--out", str(tmp_path / "p"), *argv], capsys)
@@ -219,6 +222,12 @@ def test_a_real_plan_end_to_end(tiny_data, tmp_path, capsys):
         assert 0 <= p["overlap"] <= 1 and (p["copies"] > 1 or p["overlap"] == 1.0)
     assert [p["copies"] for p in plan["profiles"]] == [1, 2]
     assert "2 devices" in stdout and "Assumptions" in stdout
+    # Memory per device from each profile's measured step: half the batch holds less.
+    one_memory, two_memory = (p["memory"] for p in plan["profiles"])
+    assert two_memory["peak"] < one_memory["peak"] and one_memory["batch"] == 32 and two_memory["batch"] == 16
+    assert plan["memory"]["bytes_per_sample"] > 0 and plan["memory"]["fitted_points"] == 2
+    assert plan["memory_verdict"][0].startswith("memory, one device: ") and "fits up to batch" in plan["memory_verdict"][0]
+    assert "sharded over 2" in plan["memory_verdict"][1]
 
 
 def test_test_hosts_limit_the_link_and_leave_nothing_behind():
@@ -233,3 +242,59 @@ def test_test_hosts_limit_the_link_and_leave_nothing_behind():
     # 1 MiB over 2 ranks: each sends 2(k-1)/k * 1 MiB = 1 MiB; at 50 Mbit/s that takes >= 0.168 s.
     assert timings["seconds"][1] >= 1024 * 1024 * 8 / 50e6
     assert timings["seconds"][1] < 5 * 1024 * 1024 * 8 / 50e6
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_memory_sizes_are_read_in_binary_and_decimal_units():
+    assert parse_memory("80GiB") == 80 * 2**30
+    assert parse_memory("80G") == 80 * 2**30
+    assert parse_memory("16GB") == 16 * 10**9
+    assert parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("2.5g") == int(2.5 * 2**30)
+    assert parse_memory("1024") == 1024
+
+
+def memory(batch: int, peak: int, **at_peak) -> dict:
+    sizes = {"parameters": 100, "gradients": 100, "optimizer_state": 200, "activations": 10 * batch, "inputs": batch}
+    return {"peak": peak, "batch": batch, "sizes": sizes, "largest_unit": 30,
+            "at_peak": {"optimizer_state": 200, "other_kept": 50, **at_peak}}
+
+
+def profile_with(m: dict) -> StepProfile:
+    return StepProfile(batch=m["batch"], step_s=0.01, before_backward_s=0.0, backward_s=0.0, after_backward_s=0.0,
+                       bucket_bytes=[], bucket_ready_s=[], device="cpu", threads=1, copies=1, step_times_s=[0.01],
+                       memory=m)
+
+
+def test_memory_per_configuration_and_the_largest_batch():
+    m = memory(64, 1000)
+    assert replicated_peak(m) == 1000 and replicated_peak(m, sync="ddp") == 1100  # DDP copies the gradients once
+    # Sharded over 4: parameters, gradients and optimizer state (400) / 4, plus the largest unit twice.
+    assert sharded_peak(m, 4) == 1000 - 300 + 60
+    line = fit_line([profile_with(memory(64, 1000)), profile_with(memory(32, 600))])
+    assert (line.fixed, line.per_sample, line.points) == (200, 12.5, 2)
+    assert line.largest_batch(2000) == 144  # (2000 - 200) / 12.5
+    assert line.largest_batch(2000, extra=100) == 136
+    single = fit_line([profile_with(memory(64, 1000))])  # one batch: all but the state and kept memory grows
+    assert (single.fixed, single.points) == (450, 1) and single.per_sample == pytest.approx(550 / 64)
+
+
+@pytest.mark.slow
+def test_the_memory_check_holds_its_verdict_by_running_it(tiny_data, tmp_path):
+    """plan --check's memory part on LeNet: the peak per device of real gpulab train runs, and the
+    largest batch that fits a budget next to 25% more, each measured."""
+    from gpulab.host import usable_cores
+    from gpulab.plan import step
+    from gpulab.plan.check import check_memory
+
+    cfg = {"model": "lenet", "batch_size": 64, "devices": "cpu", "data_dir": str(tiny_data)}
+    profiles = {"1 process": step.measure(cfg, 64, usable_cores(), seconds=0.2),
+                "2 ranks": step.measure(cfg, 32, 1, seconds=0.2, copies=2)}
+    result = check_memory(cfg, tiny_data, tmp_path, profiles, say=lambda text: None)
+    for row in result["setups"]:
+        assert abs(row["error"]) < 0.10, row
+    fits, more = result["runs"]
+    assert fits["fits"] and not more["fits"] and result["verdict_holds"]
+    assert more["batch"] == round(1.25 * fits["batch"])

@@ -60,7 +60,7 @@ class StepMemory:
     peak_t: float | None
     live_end: int
     at_peak: dict[str, int]
-    """The peak split into tensors.CATEGORIES; the parts sum to `peak`."""
+    """The peak split into categories.CATEGORIES; the parts sum to `peak`."""
     sizes: dict[str, int]
     """Each category at its largest during the step (activations: everything saved by forward)."""
     activations_by_module: list[list] = field(default_factory=list)

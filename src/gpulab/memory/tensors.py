@@ -8,12 +8,6 @@ from collections.abc import Iterable
 
 import torch
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "inputs", "other_kept", "temporaries")
-"""The split of a step's memory (step.py): what the model is, what backward adds, what the
-optimizer keeps, what forward saves for backward, the batch, and the rest - memory kept across
-steps that none of those explain (a dataset held in memory) and the step's temporaries."""
-
-
 def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """(device, address) of a tensor's storage, or None for tensors without one (meta, sparse)."""
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from gpulab.errors import UserError
 from gpulab.plan.collective import Host, child_pythonpath, rendezvous, wait_all
+from gpulab.plan.profile import StepProfile
 
 
 CHECK_LR = 1e-3
@@ -32,6 +33,7 @@ class Measured:
     name: str
     samples_per_s: float
     command: str
+    out: Path
 
 
 def train_args(cfg: dict, data_dir: Path, out: Path) -> list[str]:
@@ -46,10 +48,11 @@ def train_args(cfg: dict, data_dir: Path, out: Path) -> list[str]:
 
 
 def run_training(name: str, cfg: dict, data_dir: Path, workdir: Path, ranks_per_host: int = 1,
-                 hosts: list[Host] | None = None, threads: int | None = None, timeout_s: float = 900.0) -> Measured:
-    """gpulab train as `name` says; samples/s of its second epoch."""
+                 hosts: list[Host] | None = None, threads: int | None = None, timeout_s: float = 900.0,
+                 extra: tuple[str, ...] = ()) -> Measured:
+    """gpulab train as `name` says (`extra`: more of its options); samples/s of its last epoch."""
     out = workdir / name.replace(" ", "-").replace("/", "-")
-    args = train_args(cfg, data_dir, out)
+    args = [*train_args(cfg, data_dir, out), *extra]
     gpulab = [sys.executable, "-m", "gpulab"]
     env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     if threads:
@@ -71,7 +74,7 @@ def run_training(name: str, cfg: dict, data_dir: Path, workdir: Path, ranks_per_
         raise UserError(f"plan --check: the {name} run failed: {failed}")
     history = json.loads((out / "metrics.json").read_text())
     shown = " & ".join(" ".join(cmd[cmd.index("-m") + 1:] if "-m" in cmd else cmd) for cmd, _ in commands)
-    return Measured(name=name, samples_per_s=history[-1]["samples_per_s"], command=shown)
+    return Measured(name=name, samples_per_s=history[-1]["samples_per_s"], command=shown, out=out)
 
 
 def small_copy(cfg: dict, workdir: Path, steps: int) -> Path:
@@ -107,9 +110,11 @@ def setups(rates_mbit: list[float], with_hosts: bool) -> list[Setup]:
     return out
 
 
-def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: float = 3.0, say=print) -> list[dict]:
+def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: float = 3.0,
+          say=print) -> tuple[list[dict], dict]:
     """Every setup, `rounds` times in turn (this machine's speed drifts over minutes, so each
-    prediction is made from profiles and a link measured around its run)."""
+    prediction is made from profiles and a link measured around its run); then memory
+    (check_memory). Returns the setups' summaries and the memory check."""
     from gpulab.plan import netns, step
     from gpulab.host import usable_cores
 
@@ -130,7 +135,59 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
             for s in chosen:
                 say(f"round {r + 1}/{rounds}: {s.name}")
                 results[s.name].append(one_round(s, r, cfg, data_dir, tmp, profile_seconds, say))
-    return [summarize(s, results[s.name]) for s in chosen]
+        profiles = {s.name: results[s.name][0]["profile"] for s in chosen if s.name in MEMORY_SETUPS}
+        memory = check_memory(cfg, data_dir, tmp, profiles, say)
+    return [summarize(s, results[s.name]) for s in chosen], memory
+
+
+# ----------------------------------------------------------------------------- memory
+
+MEMORY_SETUPS = {"1 process": 1, "2 ranks": 2}
+"""Setups whose memory per device is checked, with their ranks (agents and test hosts hold what
+2 ranks hold)."""
+FITS_SCALE = 4
+"""The largest-batch check plans for a budget that fits about this many times the batch."""
+
+
+def check_memory(cfg: dict, data_dir: Path, tmp: Path, profiles: dict[str, StepProfile], say) -> dict:
+    """Predicted vs measured peak memory per device for each of MEMORY_SETUPS (gpulab train --profile:
+    its measured step, on rank 0), then the largest-batch verdict: for a budget the line through
+    those profiles says fits FITS_SCALE x the batch, the step at that largest batch and at 25%
+    more, each measured (and on CUDA run under the budget: gpulab.plan.fits)."""
+    from gpulab.plan.memory import fit_line, replicated_peak
+
+    sync = cfg.get("sync") or "gpulab"
+    rows = []
+    for name, ranks in MEMORY_SETUPS.items():
+        say(f"memory: {name}")
+        run = run_training(f"memory {name}", cfg, data_dir, tmp, ranks_per_host=ranks, extra=("--epochs", "1", "--profile"))
+        measured = json.loads((run.out / "profile" / "report.json").read_text())["memory"]
+        predicted = replicated_peak(profiles[name].memory, sync)
+        rows.append({"name": name, "per_device_batch": profiles[name].batch, "predicted_peak": predicted,
+                     "measured_peak": measured["peak"], "error": predicted / measured["peak"] - 1,
+                     "measured_at": measured.get("peak_phase")})
+    line = fit_line(list(profiles.values()))
+    budget = int(line.at(FITS_SCALE * cfg["batch_size"]))
+    largest = line.largest_batch(budget)
+    runs = [fits(cfg, b, budget, tmp) for b in (largest, round(1.25 * largest))]
+    say(f"memory: within {budget:,} bytes the plan says batch {largest} fits: it "
+        f"{'does' if runs[0]['fits'] else 'does NOT'}; {runs[1]['batch']} {'does not' if not runs[1]['fits'] else 'DOES'}")
+    return {"setups": rows, "line": {"fixed_bytes": line.fixed, "bytes_per_sample": line.per_sample},
+            "budget": budget, "largest_batch": largest, "runs": runs,
+            "verdict_holds": runs[0]["fits"] and not runs[1]["fits"]}
+
+
+def fits(cfg: dict, batch: int, budget: int, tmp: Path, timeout_s: float = 900.0) -> dict:
+    """gpulab.plan.fits in its own process: does the step at `batch` fit `budget`?"""
+    out = tmp / f"fits-{batch}.json"
+    spec = {"cfg": cfg, "batch": batch, "budget": budget, "out": str(out)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+    proc = subprocess.Popen([sys.executable, "-m", "gpulab.plan.fits", json.dumps(spec)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    failed = wait_all([proc], timeout_s)
+    if failed:
+        raise UserError(f"plan --check: measuring the step at batch {batch} failed: {failed}")
+    return json.loads(out.read_text())
 
 
 def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_seconds: float, say) -> dict:
@@ -179,6 +236,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
         "link": link.__dict__ if link else None, "allreduce_timings": timings,  # raw, so that a fit can be redone
         "nominal_predicted": nominal, "command": measured.command,
         "profile_step_s": [before.step_s, after.step_s], "overlap": [before.overlap, after.overlap],
+        "profile": before,
     }
 
 
@@ -195,5 +253,5 @@ def summarize(s: Setup, rounds: list[dict]) -> dict:
         "round_errors": [r["predicted"] / r["measured"] - 1 for r in rounds],
         "ideal_samples_per_s": median(r["ideal"] for r in rounds),
         "nominal_link_predicted_samples_per_s": median(nominal) if nominal else None,
-        "rounds": rounds,
+        "rounds": [{k: v for k, v in r.items() if k != "profile"} for r in rounds],
     }

@@ -26,6 +26,9 @@ def add_plan_parser(sub) -> None:
                    help="what joins the devices of one machine (default: measured here between 2 ranks)")
     p.add_argument("--seconds", type=float, default=3.0, help="seconds of steps per measured profile (default 3)")
     p.add_argument("--no-sweep", action="store_true", help="skip the per-device batch sweep (faster)")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="memory per device to plan within, e.g. 80GiB, 16GB, 512MiB (default: this GPU's, or this "
+                        "machine's shared by its ranks)")
     p.add_argument("--check", action="store_true",
                    help="also run what fits on this machine (1 process, 2 ranks, 2 agents, 2 tc-limited hosts) "
                    "and compare predicted with measured samples/s")
@@ -42,6 +45,7 @@ def run_plan(args) -> int:
     from gpulab.options import STEP_FIELDS, given_options
     from gpulab.io import check_writable
     from gpulab.plan import report
+    from gpulab.plan.memory import parse_memory
     from gpulab.plan.planner import PlanConfig, device_kind, make_plan
     from gpulab.train import TrainConfig
 
@@ -49,7 +53,8 @@ def run_plan(args) -> int:
     checked = TrainConfig(**given)  # every train option checked the way gpulab train checks it
     train = {**given, "model": checked.model, "batch_size": checked.batch_size}
     cfg = PlanConfig(train=train, devices_per_node=args.devices_per_node, nodes=args.nodes, link=args.link,
-                     device_link=args.device_link, profile_seconds=args.seconds, sweep=not args.no_sweep)
+                     device_link=args.device_link, profile_seconds=args.seconds, sweep=not args.no_sweep,
+                     memory=parse_memory(args.memory) if args.memory is not None else None)
     rates = parse_rates(args.check_links)
     if args.rounds < 1:
         raise UserError(f"--rounds {args.rounds}: run the check at least once")
@@ -61,17 +66,18 @@ def run_plan(args) -> int:
     say = lambda text: console.print(f"[dim]{text}[/dim]")  # noqa: E731
     plan = make_plan(cfg, say)
     console.print(report.table(plan))
-    for line in report.verdict(plan):
+    for line in [*report.verdict(plan), *report.memory_verdict(plan)]:
         console.print(line)
     console.print("Assumptions: " + "; ".join(report.assumptions(plan)) + ".", style="dim")
-    checked = None
+    checked, memory_checked = None, None
     if args.check:
         from gpulab.plan.check import check
 
-        checked = check(train, rates, rounds=args.rounds, profile_seconds=args.seconds, say=say)
+        checked, memory_checked = check(train, rates, rounds=args.rounds, profile_seconds=args.seconds, say=say)
         console.print(check_table(checked))
+        console.print(memory_check_table(memory_checked))
     out.mkdir(parents=True, exist_ok=True)
-    report.write(plan, out, checked)
+    report.write(plan, out, checked, memory_checked)
     console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
 
@@ -84,6 +90,24 @@ def parse_rates(text: str) -> list[float]:
     if not rates or any(not (r > 0) for r in rates):
         raise UserError(f"--check-links {text}: give link rates in Mbit/s, e.g. 1000,200")
     return rates
+
+
+def memory_check_table(memory: dict):
+    from rich.table import Table
+
+    from gpulab.memory.categories import size
+
+    t = Table(title="peak memory per device: predicted vs measured (gpulab train --profile, rank 0)")
+    for name in ("configuration", "per-device batch", "predicted", "measured", "error"):
+        t.add_column(name, justify="right")
+    for r in memory["setups"]:
+        t.add_row(r["name"], str(r["per_device_batch"]), size(r["predicted_peak"]), size(r["measured_peak"]),
+                  f"{r['error']:+.1%}")
+    fit, over = memory["runs"]
+    t.caption = (f"within {size(memory['budget'])} the plan says batch {fit['batch']} fits: measured "
+                 f"{size(fit['peak'])} ({'fits' if fit['fits'] else 'does NOT fit'}); batch {over['batch']}: "
+                 f"{size(over['peak'])} ({'does not fit' if not over['fits'] else 'FITS'})")
+    return t
 
 
 def check_table(rows: list[dict]):

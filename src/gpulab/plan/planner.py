@@ -18,6 +18,7 @@ from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.plan import collective, step
 from gpulab.plan.links import LinkCost, parse_link
+from gpulab.plan.memory import MemoryLine, fit_line
 from gpulab.plan.predict import ASSUMPTIONS, Prediction, predict
 from gpulab.plan.profile import StepProfile
 
@@ -38,6 +39,9 @@ class PlanConfig:
     """Between the devices of one machine; default: measured here."""
     profile_seconds: float = 3.0
     sweep: bool = True
+    memory: int | None = None
+    """Bytes of memory per device to plan within (--memory); default: this GPU's, or on a CPU this
+    machine's memory shared by the ranks it runs."""
 
     def __post_init__(self):
         batch = self.train["batch_size"]
@@ -131,6 +135,21 @@ class Plan:
     """(nodes, devices per node) -> predictions over per-device batches."""
     links: dict[str, LinkCost]
     profiles: list[StepProfile]
+    memory_line: MemoryLine | None = None
+    """Peak memory per device against the per-device batch, fitted through the profiles."""
+
+    def memory_budget(self, per_node: int) -> tuple[int, str]:
+        """(bytes per device, where that figure comes from) for `per_node` devices per machine."""
+        if self.config.memory:
+            return self.config.memory, "--memory"
+        if self.kind == "cuda":
+            import torch
+
+            return torch.cuda.get_device_properties(0).total_memory, "this GPU's memory"
+        import psutil
+
+        total = psutil.virtual_memory().total
+        return total // per_node, "this machine's memory" + (f" / {per_node} ranks" if per_node > 1 else "")
 
     def smallest_efficient_batch(self, nodes: int, per_node: int) -> int | None:
         """The smallest per-device batch of the sweep at which k devices reach TARGET_EFFICIENCY."""
@@ -194,7 +213,7 @@ def make_plan(cfg: PlanConfig, say=print) -> Plan:
                     if (p.efficiency >= TARGET_EFFICIENCY and points[-1].speedup > 1) or single.compute_s > SWEEP_MAX_STEP_S:
                         break
     return Plan(config=cfg, kind=kind, one_device=one_device, rows=rows, speedups=speedups, sweep=sweep,
-                links=links, profiles=list(profiles.cache.values()))
+                links=links, profiles=list(profiles.cache.values()), memory_line=fit_line(list(profiles.cache.values())))
 
 
 __all__ = ["ASSUMPTIONS", "Plan", "PlanConfig", "make_plan"]

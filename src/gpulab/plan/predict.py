@@ -92,6 +92,8 @@ class Prediction:
     """The whole allreduce of one step, hidden or not."""
     exposed_s: float
     link: str
+    memory: dict | None = None
+    """The per-device step's measured memory (StepProfile.memory): plan/memory.py predicts from it."""
 
     @property
     def step_s(self) -> float:
@@ -128,5 +130,5 @@ def predict(profile: StepProfile, link: LinkCost | None, k: int, nodes: int = 1,
         devices=k, nodes=nodes, global_batch=global_batch or profile.batch * k, per_device_batch=profile.batch,
         compute_s=profile.expected_slowest_s(max(1, k // profile.copies)), communication_s=communication,
         exposed_s=exposed_communication(profile, link, k) if link else 0.0,
-        link=link.source if link and k > 1 else "none",
+        link=link.source if link and k > 1 else "none", memory=profile.memory,
     )

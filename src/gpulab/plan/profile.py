@@ -30,6 +30,10 @@ class StepProfile:
     """The share of its idle speed at which an allreduce progresses during backward: 1 when it runs
     as fast as on idle devices. Measured when copies > 1 (on a CPU, gloo and the network stack
     need the cores backward is using); else 1, as for NCCL on a GPU."""
+    memory: dict | None = None
+    """One step's memory on the device (gpulab.memory.step, bytes): peak, at_peak (the peak split
+    into parameters, gradients, optimizer_state, activations, inputs, other_kept, temporaries),
+    sizes, batch, and largest_unit (the parameters sharding gathers at once)."""
 
     def expected_slowest_s(self, groups: int) -> float:
         """The mean step time when `groups` such groups of copies wait for each other every step,

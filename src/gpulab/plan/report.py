@@ -8,6 +8,8 @@ from pathlib import Path
 
 from gpulab.io import atomic_write_bytes, atomic_write_json, git_commit
 from gpulab.plan.planner import TARGET_EFFICIENCY, Plan
+from gpulab.memory.categories import CATEGORY_NAMES, size
+from gpulab.plan.memory import replicated_peak, sharded_peak
 from gpulab.plan.predict import ASSUMPTIONS
 
 
@@ -21,7 +23,7 @@ def table(plan: Plan):
     t = Table(title=f"{plan.config.train['model']}, global batch {plan.one_device.global_batch}, "
                     f"one device = {describe_device(plan)}")
     for name in ("machines x devices", "per-device batch", "compute ms", "allreduce ms", "exposed ms", "step ms",
-                 "samples/s", "speedup", "efficiency", "90% from batch"):
+                 "samples/s", "speedup", "efficiency", "90% from batch", "memory / device"):
         t.add_column(name, justify="right")
     for row, speedup in zip(plan.rows, plan.speedups):
         per_node = row.devices // row.nodes
@@ -31,8 +33,62 @@ def table(plan: Plan):
             ms(row.exposed_s), ms(row.step_s), f"{row.samples_per_s:,.0f}", f"{speedup:.2f}x",
             f"{row.efficiency:.0%}" if row.devices > 1 else "-",
             "-" if row.devices == 1 or not plan.sweep else (f"{efficient:,}" if efficient else f"> {last_swept(plan, row):,}"),
+            size(replicated_peak(row.memory, sync(plan))) if row.memory else "-",
         )
     return t
+
+
+def sync(plan: Plan) -> str:
+    return plan.config.train.get("sync") or "gpulab"
+
+
+def memory_verdict(plan: Plan) -> list[str]:
+    """Per configuration: the peak per device, what it is made of, the largest batch that fits
+    the budget, and what sharding would free."""
+    lines = []
+    for row in plan.rows:
+        if not row.memory:
+            continue
+        per_node = row.devices // row.nodes
+        budget, source = plan.memory_budget(per_node)
+        replicated = replicated_peak(row.memory, sync(plan))
+        parts = sorted(row.memory["at_peak"].items(), key=lambda kv: kv[1], reverse=True)[:3]
+        what = "one device" if row.devices == 1 else f"{row.devices} devices ({'DDP' if sync(plan) == 'ddp' else 'gpulab sync'})"
+        text = (f"memory, {what}: {size(replicated)} per device at batch {row.per_device_batch} ("
+                + ", ".join(f"{CATEGORY_NAMES[k]} {size(v)}" for k, v in parts) + ")")
+        line = plan.memory_line
+        if line is not None:
+            extra = replicated - row.memory["peak"]
+            largest = line.largest_batch(budget, extra)
+            text += (f"; within {size(budget)} ({source}) it fits up to batch {largest:,} per device" if largest
+                     else f"; it does not fit in {size(budget)} ({source}) at any batch")
+        if row.devices > 1:
+            sharded = sharded_peak(row.memory, row.devices)
+            text += f"; sharded over {row.devices} (FSDP / ZeRO-3) {size(sharded)}: frees {size(replicated - sharded)}"
+            if line is not None:
+                text += f", fits up to batch {line.largest_batch(budget, sharded - row.memory['peak']):,}"
+        lines.append(text + ".")
+    if plan.memory_line is not None:
+        lines.append(f"memory grows by {size(plan.memory_line.per_sample)} per sample per device (fitted through "
+                     f"{plan.memory_line.points} measured batch size{'s' if plan.memory_line.points > 1 else ''}).")
+    return lines
+
+
+def memory_json(plan: Plan) -> dict | None:
+    line = plan.memory_line
+    if line is None:
+        return None
+    rows = []
+    for row in plan.rows:
+        if not row.memory:
+            continue
+        budget, source = plan.memory_budget(row.devices // row.nodes)
+        rows.append({"devices": row.devices, "nodes": row.nodes, "per_device_batch": row.per_device_batch,
+                     "measured": row.memory, "replicated_peak": replicated_peak(row.memory, sync(plan)),
+                     "sharded_peak": sharded_peak(row.memory, row.devices) if row.devices > 1 else None,
+                     "budget": budget, "budget_source": source,
+                     "largest_batch": line.largest_batch(budget, replicated_peak(row.memory, sync(plan)) - row.memory["peak"])})
+    return {"fixed_bytes": line.fixed, "bytes_per_sample": line.per_sample, "fitted_points": line.points, "rows": rows}
 
 
 def last_swept(plan: Plan, row) -> int:
@@ -88,7 +144,7 @@ def assumptions(plan: Plan) -> list[str]:
     return [*links, *ASSUMPTIONS]
 
 
-def to_json(plan: Plan, check: list[dict] | None = None) -> dict:
+def to_json(plan: Plan, check: list[dict] | None = None, memory_check: dict | None = None) -> dict:
     return {
         "git_commit": git_commit(),  # the code that measured this ('+dirty': not a clean checkout)
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -102,13 +158,16 @@ def to_json(plan: Plan, check: list[dict] | None = None) -> dict:
         "links": {w: {"alpha_s": l.alpha_s, "beta_s_per_byte": l.beta_s_per_byte, "source": l.source} for w, l in plan.links.items()},
         "profiles": [p.to_dict() for p in plan.profiles],
         "verdict": verdict(plan),
+        "memory": memory_json(plan),
+        "memory_verdict": memory_verdict(plan),
         "assumptions": assumptions(plan),
         "check": check,
+        "memory_check": memory_check,
     }
 
 
-def write(plan: Plan, out: Path, check: list[dict] | None = None) -> None:
-    atomic_write_json(out / "plan.json", to_json(plan, check))
+def write(plan: Plan, out: Path, check: list[dict] | None = None, memory_check: dict | None = None) -> None:
+    atomic_write_json(out / "plan.json", to_json(plan, check, memory_check))
     atomic_write_bytes(out / "plan.png", figure(plan, check))
 
 

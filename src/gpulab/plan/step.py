@@ -130,12 +130,15 @@ def _profile_main(spec: dict) -> None:
         # gradients are the mean, so the copies go on training alike, at no cost in the step.
         return run.loss_fn(out, y) / spec["copies"]
 
-    def one_step(enough: bool = False, exchanged: bool = False):
+    def one_step(enough: bool = False, exchanged: bool = False, note_batch=None):
         """(step seconds, seconds before backward, each bucket's ready time), and whether every
-        copy has timed enough. `exchanged`: the copies exchange their gradients in this step."""
+        copy has timed enough. `exchanged`: the copies exchange their gradients in this step;
+        `note_batch(batch)`: told the step's batch (the memory probe)."""
         marks.clear()
         start = clock.now()
         X, y = next(source)
+        if note_batch is not None:
+            note_batch((X, y))
         strategy.set_lr(run.peak_lr)
         exchange.begin_step(exchanged)
         strategy.train_step(X, y, summed_to_mean if exchanged else run.loss_fn, meter)
@@ -177,6 +180,7 @@ def _profile_main(spec: dict) -> None:
         bucket_ready_s=ready, device=str(device), threads=torch.get_num_threads(),
         step_times_s=[r[0] for r in rows], copies=spec["copies"],
     )
+    profile.memory = _measure_memory(one_step, strategy, device)
     if spec["copies"] > 1:
         profile.overlap = _measure_overlap(one_step, exchange, buckets.buffers[0], profile)
     remove_listener()
@@ -210,6 +214,36 @@ class _Exchange:
         if self.on and name == "allreduce":
             self.grad_sync.finish()
         yield
+
+
+def _measure_memory(one_step, strategy, device) -> dict:
+    """One step's memory (gpulab.memory.step): the probe starts in one step and measures the
+    next (copies in step take both steps together, as they take every step)."""
+    from gpulab.memory.step import StepMemoryProbe  # torch: the child's, as every import of it here
+
+    probe = StepMemoryProbe(device)
+    try:
+        probe.prepare()
+        one_step()
+        probe.begin(strategy.replicas, strategy.optimizers)
+        one_step(note_batch=probe.note_inputs)
+        measured = probe.end()
+    finally:
+        probe.close()
+    return {"peak": measured.peak, "at_peak": measured.at_peak, "sizes": measured.sizes, "batch": measured.batch,
+            "largest_unit": largest_unit_bytes(strategy.replicas[0])}
+
+
+def largest_unit_bytes(model) -> int:
+    """The parameters of the largest part of the model that sharding would gather at once: the
+    largest module holding at most half of the model's parameters (a layer of LeNet, a residual
+    block of ResNet-18), or the whole model when no part is that small."""
+    def nbytes(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    total = nbytes(model)
+    parts = [nbytes(m) for m in model.modules() if m is not model and 0 < nbytes(m) <= total / 2]
+    return max(parts, default=total)
 
 
 OVERLAP_MIN_PAIRS = 6

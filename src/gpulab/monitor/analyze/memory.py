@@ -1,35 +1,19 @@
 """Memory in the report: the measured step's peak and what it is made of, and - when the script
 ran out of memory - the finding that says where, what was in use, and which fix frees how much.
 
-Categories (gpulab.memory.tensors.CATEGORIES): parameters (and buffers), gradients, optimizer
+Categories (gpulab.memory.categories): parameters (and buffers), gradients, optimizer
 state, activations (saved for backward), inputs (the batch), other_kept (memory kept across steps
 that none of those explain: a dataset in memory), temporaries (the rest of the peak).
 """
 
 from __future__ import annotations
 
+from gpulab.memory.categories import CATEGORY_NAMES, size
 from gpulab.monitor.analyze.findings import finding
 from gpulab.monitor.events import Recording
 
-CATEGORY_NAMES = {
-    "parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
-    "activations": "activations", "inputs": "inputs", "other_kept": "other kept", "temporaries": "temporaries",
-    "other": "other",
-}
-SHARD_DEVICES = 2  # the sharded-optimizer fix is priced for this many devices
 TOP_MODULES = 3
-
-
-def size(nbytes: float | None) -> str:
-    """1536 -> '1.5 KiB'; bytes in binary units, as torch and nvidia-smi print memory."""
-    if nbytes is None:
-        return "?"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
+SHARD_DEVICES = 2  # the sharded-optimizer fix is priced for this many devices
 
 
 # ----------------------------------------------------------------------------- the measured step
