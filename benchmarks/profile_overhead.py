@@ -17,9 +17,10 @@ fixed cost again, seen on a real script.
 
     flock /tmp/gpulab-cpu.lock env PYTHONPATH=src .venv/bin/python benchmarks/profile_overhead.py
 
-`--before OLD_SRC` adds a third run to every round: the same script profiled by another checkout
-of gpulab (its src/ folder), so a change to the profiler is compared with what it replaced, side
-by side, on one machine, in one run.
+Every round also profiles each script with `--no-memory` (the memory window's fixed cost apart),
+and `--before OLD_SRC` adds the same script profiled by another checkout of gpulab (its src/
+folder), so a change to the profiler is compared with what it replaced, side by side, on one
+machine, in one run.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ def run(argv: list[str], out: Path, src: Path | None = None) -> tuple[float, flo
     return wall, float(loop.group(1)) if loop else None
 
 
-def profiled(argv: list[str], out: Path) -> list[str]:
-    return [sys.executable, "-m", "gpulab", "profile", "--out", str(out / "prof"), "--", *argv]
+def profiled(argv: list[str], out: Path, options: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "gpulab", "profile", "--out", str(out / "prof"), *options, "--", *argv]
 
 
 def main() -> None:
@@ -133,40 +134,45 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="also profile with this checkout's src/ (side by side)")
     args = parser.parse_args()
     this_src = Path(__file__).resolve().parent.parent / "src"
-    checkouts = {"this": this_src} | ({"before": args.before.resolve()} if args.before else {})
+    # Each variant: (the checkout's src/, gpulab profile's options). The memory window (issue 25)
+    # is a fixed cost inside the loop: measured apart with --no-memory.
+    variants = {"this": (this_src, ()), "no-memory": (this_src, ("--no-memory",))}
+    if args.before:
+        variants["before"] = (args.before.resolve(), ())
     env_python = [sys.executable]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         print(f"gpulab profile overhead: {args.rounds} rounds, plain and profiled alternating, {os.cpu_count()} cores")
-        fixed = {name: [] for name in checkouts}
+        fixed = {name: [] for name in variants}
         for _ in range(args.rounds):
             plain, _ = run([*env_python, "-c", "import torch"], out)
-            for name, src in checkouts.items():
-                prof, _ = run(profiled([*env_python, "-c", "import torch"], out), out, src)
+            for name, (src, options) in variants.items():
+                prof, _ = run(profiled([*env_python, "-c", "import torch"], out, options), out, src)
                 fixed[name].append(prof - plain)
         for name, added in fixed.items():
-            print(f"\nfixed cost (python -c 'import torch'), {name} ({checkouts[name]}): +{statistics.median(added):.2f} s "
-                  f"median [{min(added):.2f} .. {max(added):.2f}] over {args.rounds} pairs (goal 0.5 s, accepted 1.0 s)")
-        print(f"\n{'script':<12} {'checkout':<8} {'loop plain':>11} {'loop prof.':>11} {'in-loop':>9} {'wall added':>11}")
+            print(f"\nfixed cost (python -c 'import torch'), {name} ({variants[name][0]} {' '.join(variants[name][1])}): "
+                  f"+{statistics.median(added):.2f} s median [{min(added):.2f} .. {max(added):.2f}] over {args.rounds} "
+                  f"pairs (goal 0.5 s, accepted 1.0 s)")
+        print(f"\n{'script':<12} {'variant':<9} {'loop plain':>11} {'loop prof.':>11} {'in-loop':>9} {'wall added':>11}")
         for name, source in SCRIPTS.items():
             if args.only and name not in args.only:
                 continue
             script = out / f"{name}.py"
             script.write_text(source.replace("STEPS", str(args.steps)))
             command = [*env_python, *LAUNCHERS.get(name, []), str(script)]
-            ratios = {c: [] for c in checkouts}
-            added = {c: [] for c in checkouts}
+            ratios = {c: [] for c in variants}
+            added = {c: [] for c in variants}
             last = {}
             for _ in range(args.rounds):
                 wall_plain, loop_plain = run(command, out)
-                for c, src in checkouts.items():
-                    wall_prof, loop_prof = run(profiled(command, out), out, src)
+                for c, (src, options) in variants.items():
+                    wall_prof, loop_prof = run(profiled(command, out, options), out, src)
                     ratios[c].append(loop_prof / loop_plain)
                     added[c].append(wall_prof - wall_plain)
                     last[c] = (loop_plain, loop_prof)
-            for c in checkouts:
+            for c in variants:
                 ratio = statistics.median(ratios[c])
-                print(f"{name:<12} {c:<8} {last[c][0]:>10.2f}s {last[c][1]:>10.2f}s {100 * (ratio - 1):>+8.1f}% "
+                print(f"{name:<12} {c:<9} {last[c][0]:>10.2f}s {last[c][1]:>10.2f}s {100 * (ratio - 1):>+8.1f}% "
                       f"{statistics.median(added[c]):>+10.2f}s   (in-loop range {100 * (min(ratios[c]) - 1):+.1f}% .. "
                       f"{100 * (max(ratios[c]) - 1):+.1f}%)")
 

@@ -88,10 +88,10 @@ def planted_site(script: str) -> str:
     return f"{script}:{next(i for i, line in enumerate(lines, 1) if '# planted:' in line)}"
 
 
-def profile_report(script: str, out: Path, log: Path) -> dict:
-    done = gpulab(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script)], log)
-    if done.returncode != 0:
-        raise Failed(f"gpulab profile exited {done.returncode} (see {log.name})")
+def profile_report(script: str, out: Path, log: Path, *args: str, exit_code: int = 0) -> dict:
+    done = gpulab(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script), *args], log)
+    if done.returncode != exit_code:
+        raise Failed(f"gpulab profile exited {done.returncode}, not {exit_code} (see {log.name})")
     return json.loads((out / "report.json").read_text())
 
 
@@ -220,6 +220,52 @@ def check_annotated_step(check: Check, out: Path) -> str:
     seen += f"; the same step without the annotation: device busy {busy_plain:.0%}"
     # An annotation counted as a kernel fills the idle gaps; the same step must read about the same.
     if busy_annotated > busy_plain + 0.05:
+        raise Failed(seen)
+    return seen
+
+
+def check_profile_memory(check: Check, out: Path) -> str:
+    """The memory split on CUDA (the caching allocator's counts + torch.profiler's events) against
+    what memory_known.py counts itself, as tests/monitor/test_memory.py checks it on a CPU."""
+    truth_file = out / "memory-truth.json"
+    report = profile_report("memory_known.py", out / "profile-memory", out / "profile-memory.log", "cnn",
+                            str(truth_file), "cuda")
+    truth, memory = json.loads(truth_file.read_text()), report["memory"]
+    ratios = {k: memory["sizes"][k] / v for k, v in truth.items()}
+    seen = (f"peak {memory['peak'] / 2**20:.1f} MiB on {memory['device']} in {memory['peak_phase']}; measured/truth "
+            + ", ".join(f"{k} {r:.3f}" for k, r in ratios.items()))
+    if not memory["device"].startswith("cuda") or any(abs(r - 1) > 0.10 for r in ratios.values()):
+        raise Failed(seen)
+    return seen
+
+
+def check_profile_oom(check: Check, out: Path) -> str:
+    """torch.cuda.OutOfMemoryError as the first finding: the planted line, the largest category."""
+    report = profile_report("out_of_memory.py", out / "profile-oom", out / "profile-oom.log", "--cuda", exit_code=1)
+    top = top_finding(report)
+    seen = f"top finding {top['cause']} at {top.get('where')}: {top.get('evidence', '')[:200]}"
+    if (top["cause"] != "out_of_memory" or not str(top.get("where")).endswith(planted_site("out_of_memory.py"))
+            or "on cuda" not in top["evidence"] or "the largest is activations" not in top["evidence"]):
+        raise Failed(seen)
+    return seen
+
+
+def check_plan_fits_cuda(check: Check, out: Path) -> str:
+    """gpulab.plan.fits on CUDA enforces the budget through the caching allocator: LeNet at batch
+    2048 fits a budget 10% over its measured peak, and not one 20% under it."""
+    runs = {}
+    for name, budget in (("measure", 80 * 2**30), ("over", None), ("under", None)):
+        peak = runs.get("measure", {}).get("peak") or 0
+        budget = budget or int(peak * (1.1 if name == "over" else 0.8))
+        spec = {"cfg": {"model": "lenet", "devices": "cuda"}, "batch": 2048, "budget": budget,
+                "out": str(out / f"fits-{name}.json")}
+        done = run([sys.executable, "-m", "gpulab.plan.fits", json.dumps(spec)], out / f"fits-{name}.log", timeout=300)
+        if done.returncode != 0:
+            raise Failed(f"gpulab.plan.fits exited {done.returncode}; see fits-{name}.log")
+        runs[name] = json.loads((out / f"fits-{name}.json").read_text())
+    seen = (f"LeNet batch 2048 peak {runs['measure']['peak'] / 2**20:.1f} MiB; fits 110%: {runs['over']['fits']}, "
+            f"fits 80%: {runs['under']['fits']} ({runs['under']['error']})")
+    if not runs["over"]["fits"] or runs["under"]["fits"] or not runs["under"]["error"]:
         raise Failed(seen)
     return seen
 
@@ -359,6 +405,12 @@ CHECKS = [
           check_annotated_step),
     Check("profile-tiny-kernels", "gpu", "tiny_kernels.py: launch_overhead at the planted line",
           profile_check("tiny_kernels.py", "launch_overhead")),
+    Check("profile-memory", "gpu", "memory_known.py cnn on cuda: each category within 10% of what the script counts",
+          check_profile_memory),
+    Check("profile-oom", "gpu", "out_of_memory.py --cuda: out_of_memory first, at the planted line, largest activations",
+          check_profile_oom),
+    Check("plan-fits-cuda", "gpu", "gpulab.plan.fits: LeNet batch 2048 fits 110% of its peak, not 80% (allocator limit)",
+          check_plan_fits_cuda),
     Check("sampler-gpm", "hopper", "GPM metrics read, pairs >= 0.15 s apart at a 50 ms interval; per-process SM share",
           check_sampler_gpm),
     Check("kill-frees-gpu", "gpu", "kill -9 of gpulab profile: the job ends and leaves the GPU within 30 s",

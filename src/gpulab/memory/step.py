@@ -2,7 +2,7 @@
 is made of.
 
 How (public torch APIs; nothing of the script changes):
-- live bytes over time: torch.profiler with profile_memory=True reports every allocation and
+- live bytes over time: torch's profiler with profile_memory=True reports every allocation and
   free of torch's allocators (CPU and CUDA) with its time; the live bytes at the step's start
   come from the CUDA allocator (`memory_allocated`) or, on a CPU, where torch keeps no count,
   from every tensor a Python object reaches at that step boundary (tensors.reachable_tensors).
@@ -113,12 +113,12 @@ class StepMemoryProbe:
     # ------------------------------------------------------------------ the step before
 
     def prepare(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        # torch.autograd.profiler's profile, not torch.profiler's: the latter's first start imports
+        # torch._inductor to read one setting (1.1-1.4 s, measured here), in the middle of the loop.
+        self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
         before = torch.empty(256)  # allocated before the profiler starts, freed right after:
         with native_stderr_hidden():
-            self._profiler.start()
+            self._profiler.__enter__()
             # c10 warns once per process, on stderr, when a block from before the profiler is
             # freed; it is gpulab's to see, not the user's: have it now, hidden.
             del before
@@ -176,8 +176,7 @@ class StepMemoryProbe:
         end_ns = time.time_ns()
         self.t_end = time.perf_counter()
         self._unhook()
-        with native_stderr_hidden():
-            self._profiler.stop()
+        self._stop_profiler()
         curve = self._curve(end_ns)
         live_end = curve[-1][1] if curve else self.live_start
         peak_t, peak = max(curve, key=lambda point: point[1]) if curve else (None, self.live_start)
@@ -216,13 +215,16 @@ class StepMemoryProbe:
     def close(self) -> None:
         """Undo the hooks and stop the profiler, whatever state the probe is in."""
         self._unhook()
-        if self._profiler is not None:
-            try:
-                with native_stderr_hidden():
-                    self._profiler.stop()
-            except Exception:
-                pass  # stopped already, or never started
-            self._profiler = None
+        try:
+            self._stop_profiler()
+        except Exception:
+            pass  # stopped already, or never started
+        self._profiler = None
+
+    def _stop_profiler(self) -> None:
+        if self._profiler is not None and self._profiler.kineto_results is None:
+            with native_stderr_hidden():
+                self._profiler.__exit__(None, None, None)
 
     def _unhook(self) -> None:
         while self._undo:
@@ -296,7 +298,7 @@ class StepMemoryProbe:
         """Live bytes after each allocation or free of the step, on this device."""
         wall0, perf0 = self._anchor
         device_type = torch.autograd.DeviceType.CUDA if self.cuda else torch.autograd.DeviceType.CPU
-        changes = sorted((e.start_ns(), e.nbytes()) for e in self._profiler.profiler.kineto_results.events()
+        changes = sorted((e.start_ns(), e.nbytes()) for e in self._profiler.kineto_results.events()
                          if e.name() == "[memory]" and e.device_type() == device_type
                          and (not self.cuda or e.device_index() == self.device.index)
                          and self.begin_ns <= e.start_ns() <= end_ns)

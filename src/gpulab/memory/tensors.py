@@ -86,7 +86,7 @@ def reachable_tensors(device: torch.device) -> Storages:
     """Every storage on `device` that a Python object reaches: on a CPU, where torch keeps no
     count of its allocations, what is live at a step boundary (a tensor only C++ holds - a saved
     tensor of a graph the script kept - is not found). One pass over the garbage collector's
-    objects: ~0.1 s per million objects."""
+    objects: ~0.25 s per million objects (43 ms over 172,000 measured here)."""
     found = Storages(device)
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads obj.__class__, which some lazy proxies resolve

@@ -39,6 +39,9 @@ def add_profile_parser(sub) -> None:
                         "is and with KEY=VALUE forced on its DataLoaders (num_workers, pin_memory, "
                         "persistent_workers, prefetch_factor), and compare the step times; repeatable")
     p.add_argument("--steps", type=int, default=30, metavar="K", help="steps measured per --try run (default 30)")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the memory window (two steps after warm-up measured for memory; a fixed cost of "
+                        "about a tenth of a second plus two slower steps, noticeable in a run of a few seconds)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the Python command to profile, after --")
     p.set_defaults(func=run_profile)
 
@@ -47,7 +50,8 @@ def run_profile(args) -> int:
     from gpulab.monitor.runner import profile_command
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    cfg = ProfileConfig(**({"interval_s": args.interval} if args.interval is not None else {}))
+    settings = {"interval_s": args.interval} if args.interval is not None else {}
+    cfg = ProfileConfig(**settings, memory_window=not args.no_memory)
     out = Path(args.out) if args.out else None
     if args.try_:
         from gpulab.monitor.trial import try_command

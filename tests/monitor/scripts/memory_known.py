@@ -2,7 +2,7 @@
 two moments counted by hand, activations by the script's own saved_tensors_hooks - written to a
 JSON file for the test to hold gpulab's memory split against.
 
-usage: memory_known.py mlp|cnn TRUTH.json
+usage: memory_known.py mlp|cnn TRUTH.json [cuda]
 """
 
 import json
@@ -46,9 +46,12 @@ def truth(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> dict:
 def main():
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
     model, data, batch = model_and_data(sys.argv[1])
+    model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters())
     for X, y in DataLoader(data, batch_size=batch):
+        X, y = X.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(X), y)
         loss.backward()

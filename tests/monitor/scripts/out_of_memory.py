@@ -3,7 +3,8 @@ own address space (RLIMIT_AS) to what it uses plus 300 MB and trains on a batch 
 first layer's output (128 MB) fits, and a later layer's does not.
 Activations are then the largest thing in use (256 MB; parameters 19 MB, Adam 38 MB).
 
-usage: out_of_memory.py [--in-child]   (--in-child: the training runs in a forked child process)"""
+usage: out_of_memory.py [--in-child | --cuda]   (--in-child: the training runs in a forked child
+process; --cuda: on the GPU, the caching allocator limited the same way)"""
 
 import multiprocessing as mp
 import resource
@@ -18,16 +19,26 @@ def address_space() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 
 
-def main():
+def limit_memory(device: str) -> None:
+    """From now on at most 300 MB more: of address space on a CPU, of the caching allocator on CUDA."""
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + 300 * 2**20) / total)
+    else:
+        limit = address_space() + 300 * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def main(device: str = "cpu"):
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+    model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters())
     for step, batch in enumerate((64, 64, 16384)):
-        X, y = torch.randn(batch, 256), torch.randint(0, 10, (batch,))
+        X, y = torch.randn(batch, 256, device=device), torch.randint(0, 10, (batch,), device=device)
         if step == 2:
-            limit = address_space() + 300 * 2**20
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            limit_memory(device)
         optimizer.zero_grad(set_to_none=True)
         out = model(X)  # planted: runs out of memory here, in a layer of the forward
         nn.functional.cross_entropy(out, y).backward()
@@ -40,4 +51,4 @@ if __name__ == "__main__":
         child.start()
         child.join()
         sys.exit(child.exitcode)
-    main()
+    main("cuda" if "--cuda" in sys.argv else "cpu")

@@ -19,12 +19,28 @@ from gpulab.memory.step import StepMemoryProbe
 from gpulab.monitor.events import MemoryRecord
 
 
+class Seen:
+    """Objects seen, held weakly; noting one already seen costs a dict lookup (it is done on every
+    outermost module call and every optimizer step, where a WeakSet would make a weakref each time)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, obj) -> None:
+        ref = self._refs.get(id(obj))
+        if ref is None or ref() is not obj:
+            self._refs[id(obj)] = weakref.ref(obj)
+
+    def __iter__(self):
+        return iter([obj for obj in (ref() for ref in list(self._refs.values())) if obj is not None])
+
+
 class MemoryWindow:
     def __init__(self, emit: Callable[[dict], None], enabled: bool):
         self._emit = emit
         self.done = not enabled
-        self.models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # outermost modules called
-        self.optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers stepped
+        self.models = Seen()  # outermost modules called (also for reading an out-of-memory error)
+        self.optimizers = Seen()  # optimizers stepped
         self._probe: StepMemoryProbe | None = None
         self._measuring = False
         self._step = 0

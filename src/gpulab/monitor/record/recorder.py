@@ -204,8 +204,9 @@ class Recorder:
         if self.cuda.enabled:
             with self.cuda.suppressed():  # our own bookkeeping (kernel window) is no sync of the user's
                 self.cuda.on_step_end(steps_done)
-        with self.cuda.suppressed():  # the memory window's synchronize and profiler are gpulab's too
-            self.memory.on_step_end(steps_done, may_start=self._memory_may_start(steps_done))
+        if not self.memory.done:
+            with self.cuda.suppressed():  # the memory window's synchronize and profiler are gpulab's too
+                self.memory.on_step_end(steps_done, may_start=self._memory_may_start(steps_done))
         if self.cfg.stop_after_steps and steps_done >= self.cfg.stop_after_steps:
             self._end_process_early()
         self.writer.flush_if_due(time.perf_counter())
