@@ -3,7 +3,8 @@
 
     tensors.py   what tensors hold: unique storages, by category (parameters, gradients,
                  optimizer state, inputs), everything reachable (the CPU has no allocator counter)
-    step.py      StepMemory: one step measured - live bytes over time, the peak, and the split at
+    records.py   what a measurement says: StepMemory, OutOfMemory (typed dicts, torch-free)
+    step.py      StepMemoryProbe: one step measured - live bytes over time, the peak, and the split at
                  the peak into parameters, gradients, optimizer state, activations saved for
                  backward (per module), inputs and other memory
     oom.py       an out-of-memory error read: how much was asked for, on which device, and what

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 import traceback
 import types
-from dataclasses import asdict, dataclass, field
 
 import torch
 
+from gpulab.memory.records import OutOfMemory
 from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_tensors,
                                    tensors_in)
 
@@ -24,32 +24,6 @@ _CUDA_OOM = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _CUDA_DEVICE = re.compile(r"GPU (\d+) has a total capacity of ([\d.]+) (B|KiB|MiB|GiB|TiB)")
 _MAX_GRAPH_NODES = 100_000
-
-
-@dataclass
-class OutOfMemory:
-    device: str
-    requested: int | None
-    """Bytes the failing allocation asked for, from the error's text."""
-    message: str
-    where: str | None
-    """The user's file:line that was running."""
-    module: str | None
-    """'layer3.1.conv2 (Conv2d)': the innermost module whose forward was running, if any."""
-    phase: str
-    """'forward of layer3.1.conv2 (Conv2d)', 'backward', 'optimizer step (Adam)', 'loading data', ..."""
-    in_use: dict[str, int] = field(default_factory=dict)
-    """parameters, gradients, optimizer_state, activations (the live autograd graph's saved
-    tensors and the intermediate results in the failing frames), inputs (the batch), other."""
-    total_in_use: int = 0
-    device_total: int | None = None
-    reserved: int | None = None
-    batch: int | None = None
-    dtype: str | None = None
-    """The activations' dtype (float32, bfloat16), for the mixed-precision fix."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -76,12 +50,14 @@ def read_out_of_memory(error: BaseException, tb: types.TracebackType | None, mod
     device = _device_of(error, modules)
     names = {id(m): (name or type(root).__name__) for root in modules for name, m in root.named_modules()}
     module, phase = _phase(frames, names)
-    oom = OutOfMemory(device=str(device), requested=requested_bytes(str(error)), message=message,
-                      where=user_site(frames[-1]) if frames else None, module=module, phase=phase)
+    oom: OutOfMemory = {"device": str(device), "requested": requested_bytes(str(error)), "message": message,
+                        "where": user_site(frames[-1]) if frames else None, "module": module, "phase": phase,
+                        "in_use": {}, "total_in_use": 0, "device_total": None, "reserved": None, "batch": None,
+                        "dtype": None}
     _count_in_use(oom, device, frames, modules, optimizers)
     if device.type == "cuda":
-        oom.reserved = torch.cuda.memory_reserved(device)
-        oom.device_total = torch.cuda.get_device_properties(device).total_memory
+        oom["reserved"] = torch.cuda.memory_reserved(device)
+        oom["device_total"] = torch.cuda.get_device_properties(device).total_memory
     return oom
 
 
@@ -126,8 +102,8 @@ def _count_in_use(oom: OutOfMemory, device: torch.device, frames, modules, optim
         if any(t in k for k in kept):
             continue
         if t.grad_fn is None and not t.requires_grad:
-            if inputs.add(t) and oom.batch is None and t.dim():
-                oom.batch = t.shape[0]  # what the step was given (the batch), not made by it
+            if inputs.add(t) and oom["batch"] is None and t.dim():
+                oom["batch"] = t.shape[0]  # what the step was given (the batch), not made by it
         elif activations.add(t):
             dtypes.append(t.dtype)
     for saved in _saved_in_graph([t for t in local if t.grad_fn is not None]):
@@ -138,11 +114,11 @@ def _count_in_use(oom: OutOfMemory, device: torch.device, frames, modules, optim
     else:  # what Python reaches (the failing frames' locals too), and what only the graph holds
         live = reachable_tensors(device)
         total = live.nbytes + sum(n for key, n in activations.bytes_by_key.items() if key not in live.bytes_by_key)
-    oom.in_use = {"parameters": params.nbytes, "gradients": grads.nbytes, "optimizer_state": opt.nbytes,
-                  "activations": activations.nbytes, "inputs": inputs.nbytes}
-    oom.in_use["other"] = max(0, total - sum(oom.in_use.values()))
-    oom.total_in_use = max(total, sum(oom.in_use.values()))
-    oom.dtype = str(max(set(dtypes), key=dtypes.count)).removeprefix("torch.") if dtypes else None
+    in_use = {"parameters": params.nbytes, "gradients": grads.nbytes, "optimizer_state": opt.nbytes,
+              "activations": activations.nbytes, "inputs": inputs.nbytes}
+    in_use["other"] = max(0, total - sum(in_use.values()))
+    oom["in_use"], oom["total_in_use"] = in_use, max(total, sum(in_use.values()))
+    oom["dtype"] = str(max(set(dtypes), key=dtypes.count)).removeprefix("torch.") if dtypes else None
 
 
 def _saved_in_graph(roots: list[torch.Tensor]):

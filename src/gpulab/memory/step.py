@@ -35,45 +35,17 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from gpulab.io import native_stderr_hidden
+from gpulab.memory.records import StepMemory
 from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_tensors,
                                    storage_key, storage_nbytes, tensors_in)
 
 MAX_CURVE_POINTS = 400
 TOP_MODULES = 8
-
-
-@dataclass
-class StepMemory:
-    """What one step held on one device (bytes; times are perf_counter seconds)."""
-
-    device: str
-    how: str
-    """How the live bytes were read, in words."""
-    live_start: int
-    peak: int
-    peak_t: float | None
-    live_end: int
-    at_peak: dict[str, int]
-    """The peak split into categories.CATEGORIES; the parts sum to `peak`."""
-    sizes: dict[str, int]
-    """Each category at its largest during the step (activations: everything saved by forward)."""
-    activations_by_module: list[list] = field(default_factory=list)
-    """[qualified name, class name, bytes] of the modules that saved the most, largest first."""
-    batch: int | None = None
-    """Samples in the step's batch (the first dimension of its first input), for per-sample sizes."""
-    reserved: int | None = None
-    """CUDA: what the caching allocator holds from the driver (allocated + cached) at the step's end."""
-    curve: list[list[float]] = field(default_factory=list)
-    """[time, live bytes] through the step, at most MAX_CURVE_POINTS (each the largest of its span)."""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class _Timeline:
@@ -205,12 +177,12 @@ class StepMemoryProbe:
         }
         top = sorted(self.by_module.items(), key=lambda kv: kv[1], reverse=True)[:TOP_MODULES]
         self.close()
-        return StepMemory(
-            device=str(self.device), how=self.how, live_start=self.live_start, peak=peak, peak_t=peak_t,
-            live_end=live_end, at_peak=_fit_to(parts, peak), sizes=sizes,
-            activations_by_module=[[name, self._module_classes.get(name, ""), n] for name, n in top],
-            batch=self.batch, reserved=reserved, curve=_downsampled(curve),
-        )
+        return {
+            "device": str(self.device), "how": self.how, "live_start": self.live_start, "peak": peak, "peak_t": peak_t,
+            "live_end": live_end, "at_peak": _fit_to(parts, peak), "sizes": sizes,
+            "activations_by_module": [[name, self._module_classes.get(name, ""), n] for name, n in top],
+            "batch": self.batch, "reserved": reserved, "curve": _downsampled(curve),
+        }
 
     def close(self) -> None:
         """Undo the hooks and stop the profiler, whatever state the probe is in."""

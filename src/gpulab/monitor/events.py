@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Literal, NotRequired, TypedDict
 
+from gpulab.memory.records import OutOfMemory, StepMemory
+
 CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "other")
 EVENTS_PREFIX = "events-"
 TRANSFORM_PREFIX = "transform: "  # a step's count of seconds in one transform inside a DataLoader fetch
@@ -100,42 +102,17 @@ class KernelsRecord(TypedDict, total=False):
     runtime_sync_s_per_step: float
 
 
-class MemoryRecord(TypedDict, total=False):
-    """One step's memory, measured (gpulab.memory.step.StepMemory's fields), or the error that
-    kept the memory window from running. `step`: the index of the measured step."""
+class MemoryRecord(StepMemory, total=False):
+    """One step's memory, measured (the memory window): `step`, its index; or only `error`, what
+    kept the window from running."""
     type: Literal["memory"]
     error: str
     step: int
-    device: str
-    how: str
-    live_start: int
-    peak: int
-    peak_t: float | None
-    live_end: int
-    at_peak: dict[str, int]
-    sizes: dict[str, int]
-    activations_by_module: list[list]
-    batch: int | None
-    reserved: int | None
-    curve: list[list[float]]
 
 
-class OomRecord(TypedDict, total=False):
-    """The process ran out of memory (gpulab.memory.oom.OutOfMemory's fields): where, how much
-    was asked for, and what was in use by category at that moment."""
+class OomRecord(OutOfMemory, total=False):
+    """The process ran out of memory: where, how much was asked for, what was in use by category."""
     type: Literal["oom"]
-    device: str
-    requested: int | None
-    message: str
-    where: str | None
-    module: str | None
-    phase: str
-    in_use: dict[str, int]
-    total_in_use: int
-    device_total: int | None
-    reserved: int | None
-    batch: int | None
-    dtype: str | None
 
 
 class EndRecord(TypedDict):

@@ -45,7 +45,7 @@ def main(spec: dict) -> None:
         probe.begin(strategy.replicas, strategy.optimizers)
         probe.note_inputs((X, y))
         strategy.train_step(X, y, run.loss_fn)
-        result["peak"] = probe.end().peak
+        result["peak"] = probe.end()["peak"]
         result["fits"] = result["peak"] <= spec["budget"]
     except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):

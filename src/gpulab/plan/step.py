@@ -230,7 +230,7 @@ def _measure_memory(one_step, strategy, device) -> dict:
         measured = probe.end()
     finally:
         probe.close()
-    return {"peak": measured.peak, "at_peak": measured.at_peak, "sizes": measured.sizes, "batch": measured.batch,
+    return {**{k: measured[k] for k in ("peak", "at_peak", "sizes", "batch")},
             "largest_unit": largest_unit_bytes(strategy.replicas[0])}
 
 

@@ -68,7 +68,7 @@ class MemoryWindow:
                 self._probe.begin(list(self.models), list(self.optimizers))
                 self._measuring, self._step = True, steps_done
             else:
-                record: MemoryRecord = {"type": "memory", "step": self._step, **self._probe.end().to_dict()}
+                record: MemoryRecord = {"type": "memory", "step": self._step, **self._probe.end()}
                 self._finish()
                 self._emit(record)
         except Exception as e:  # another profiler running, an unusual tensor type: no memory figures

@@ -227,7 +227,7 @@ class Recorder:
             return
         try:
             oom = read_out_of_memory(error, tb, list(self.memory.models), list(self.memory.optimizers), user_site)
-            record: OomRecord = {"type": "oom", **oom.to_dict()}
+            record: OomRecord = {"type": "oom", **oom}
         except Exception as e:  # reading it may need memory too: say so, never hide the script's own error
             record = {"type": "oom", "message": str(error).splitlines()[0], "phase": f"unknown ({type(e).__name__})",
                       "in_use": {}, "total_in_use": 0}
