@@ -89,7 +89,7 @@ def test_two_ranks_train_like_one_process_and_only_rank_0_speaks(tiny_data, tmp_
     for row in metrics(two):
         assert set(row["peak_memory"]) == {"rank 0 cpu", "rank 1 cpu"}
         assert all(50 * 2**20 < n < 4 * 2**30 for n in row["peak_memory"].values())
-    assert re.search(r"peak resident memory \d+ MiB on rank 0 cpu, \d+ MiB on rank 1 cpu", out)
+    assert re.search(r"peak resident memory [\d.]+ [MG]iB on rank 0 cpu, [\d.]+ [MG]iB on rank 1 cpu", out)
 
 
 def test_check_parity_under_torchrun(tiny_data, tmp_path):

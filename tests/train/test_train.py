@@ -460,8 +460,8 @@ def test_each_epoch_records_its_peak_memory(tiny_data, tmp_path, capsys):
     train(config(tmp_path / "a", epochs=2))
     for row in metrics(tmp_path / "a"):
         assert set(row["peak_memory"]) == {"cpu"}  # one process: its peak resident memory
-        assert 50 * 2**20 < row["peak_memory"]["cpu"] < 4 * 2**30
-    assert re.search(r"sec/epoch on \[cpu\], peak resident memory \d+ MiB on cpu", capsys.readouterr().out)
+        assert 50 * 2**20 < row["peak_memory"]["cpu"] < 16 * 2**30  # this process: the test run's, all of it
+    assert re.search(r"sec/epoch on \[cpu\], peak resident memory [\d.]+ [MG]iB on cpu", capsys.readouterr().out)
 
 
 def test_the_peak_is_counted_anew_after_a_reset():
