@@ -8,11 +8,7 @@ GIL time.
 
 This process never imports torch: it would add seconds to every run for nothing.
 
-Signals. The job runs in its own process group. SIGINT, SIGTERM and SIGHUP sent to gpulab (or to
-its group: `timeout`, Slurm, Kubernetes) are passed on to the job's group once, so the script's
-own handlers run; a second SIGINT escalates to SIGTERM, then SIGKILL after a grace period. When
-the job's main process ends, whatever it left running in its group is stopped; if gpulab itself
-is killed, the job stops itself (record/attach.py watches its parent). The report is written
+Stopping (signals, leftovers, a job that ignores SIGTERM): monitor/job.py. The report is written
 from what was recorded, and the exit code is the script's (128 + N for signal N).
 """
 
@@ -23,8 +19,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -37,6 +31,7 @@ from gpulab.errors import UserError
 from gpulab.io import check_writable
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording, read_lanes
+from gpulab.monitor.job import Job
 from gpulab.monitor.sampler import Sampler
 
 _PYTHON = re.compile(r"^python(\d+(\.\d+)*)?(\.exe)?$")
@@ -44,8 +39,6 @@ _OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 _OPTIONS_THAT_HIDE_THE_JOB = {"-I": "-I ignores PYTHONPATH", "-E": "-E ignores PYTHONPATH", "-S": "-S skips site start-up"}
 _USAGE = "gpulab profile [--out DIR] -- python your_script.py [args ...]"
 _AUTOSTART = Path(__file__).resolve().parent / "record" / "autostart"
-_GRACE_S = 10.0  # after a second Ctrl-C: SIGTERM, then SIGKILL this much later
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) -> int:
@@ -66,7 +59,7 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) ->
 
 
 @dataclass
-class Job:
+class JobRun:
     pid: int
     exit_code: int
     lanes: list[Recording]
@@ -75,23 +68,21 @@ class Job:
     sampler: dict
 
 
-def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> Job:
+def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
     """Run the job to its end with every Python process recorded; its recordings and samples."""
     events = Path(tempfile.mkdtemp(prefix=".events-", dir=out))
     try:
-        with _ForwardedSignals() as signals:
-            proc = subprocess.Popen(argv, env=job_env(events, cfg), process_group=0)
-            signals.job = proc
+        with Job() as job:
+            proc = job.start(argv, job_env(events, cfg))
             sampler = Sampler(cfg.interval_s, pid=proc.pid).start()
             try:
-                exit_code = signals.wait()
+                exit_code = job.wait()
             finally:
                 sampler.stop()
-                stop_leftovers(proc.pid)
         lanes = read_lanes(events)
     finally:
         shutil.rmtree(events, ignore_errors=True)
-    return Job(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary())
+    return JobRun(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary())
 
 
 def _import_in_background(module: str) -> None:
@@ -108,96 +99,6 @@ def job_env(events: Path, cfg: ProfileConfig) -> dict[str, str]:
     env["GPULAB_PROFILE_CONFIG"] = json.dumps(cfg.to_dict())
     env["GPULAB_PROFILE_PARENT"] = str(os.getpid())
     return env
-
-
-class _ForwardedSignals:
-    """While the job runs: pass SIGINT/SIGTERM/SIGHUP on to its process group, once each; a second
-    SIGINT escalates. The terminal, if any, is handed to the job so that Ctrl-C reaches it directly
-    and it can read from stdin (breakpoint())."""
-
-    def __init__(self):
-        self.job: subprocess.Popen | None = None
-        self._previous: dict = {}
-        self._received: list[int] = []
-        self._kill_at: float | None = None
-        self._tty: int | None = None
-
-    def __enter__(self) -> "_ForwardedSignals":
-        for signum in _FORWARDED:
-            self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._tty is not None:
-            _give_terminal_to(self._tty, os.getpgrp())
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _on_signal(self, signum, frame) -> None:
-        self._received.append(signum)
-        if self.job is None:
-            return
-        if signum == signal.SIGINT and self._received.count(signal.SIGINT) >= 2:
-            _signal_group(self.job.pid, signal.SIGTERM)
-            self._kill_at = self._kill_at or time.monotonic() + _GRACE_S
-        elif self._received.count(signum) == 1:
-            _signal_group(self.job.pid, signum)
-
-    def wait(self) -> int:
-        """The job's exit status, shell-style (128 + N when killed by signal N)."""
-        self._tty = _take_terminal_for(self.job.pid)
-        for signum in self._received:  # arrived before the job existed
-            _signal_group(self.job.pid, signum)
-        while True:
-            try:
-                code = self.job.wait(timeout=0.2)
-                break
-            except subprocess.TimeoutExpired:
-                if self._kill_at is not None and time.monotonic() > self._kill_at:
-                    _signal_group(self.job.pid, signal.SIGKILL)
-        return 128 - code if code < 0 else code
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _take_terminal_for(pgid: int) -> int | None:
-    """Make the job the terminal's foreground group, as a shell would; the fd to give it back."""
-    try:
-        fd = sys.stdin.fileno()
-        if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
-            return None
-        _give_terminal_to(fd, pgid)
-        return fd
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _give_terminal_to(fd: int, pgid: int) -> None:
-    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may not set it
-    try:
-        os.tcsetpgrp(fd, pgid)
-    except OSError:
-        pass
-    finally:
-        signal.signal(signal.SIGTTOU, previous)
-
-
-def stop_leftovers(pgid: int, grace_s: float = 2.0) -> None:
-    """Processes the job left behind in its group (orphaned workers, children): SIGTERM, then SIGKILL."""
-    _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        time.sleep(0.05)
-    _signal_group(pgid, signal.SIGKILL)
 
 
 def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]:

@@ -1,0 +1,187 @@
+"""The job's processes, from start to a clean end, whatever the job does.
+
+The job runs in its own process group, and gpulab is its subreaper (Linux): a process whose
+parent died - a rank after torchrun was killed, a DataLoader worker after its rank - becomes
+gpulab's child instead of init's, so every process the job started can still be found and
+stopped.
+
+Signals. The first SIGINT, SIGTERM or SIGHUP sent to gpulab (by a terminal, `timeout`, Slurm or
+Kubernetes) is passed on to the job's group once, so the script's own handlers run, and torchrun's,
+which passes it on to the ranks. STOP_GRACE_S later, or at once on a second signal, every process
+of the job still alive gets SIGTERM (recorders flush on it), and KILL_GRACE_S after that SIGKILL:
+a rank blocked inside a collective never runs a Python signal handler, and torchrun would give it
+30 s more. When the job's main process ends, whatever it left
+running is stopped the same way (SIGTERM, then SIGKILL). If gpulab itself is killed outright, the
+job stops itself (record/attach.py watches its parent).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+STOP_GRACE_S = 5.0  # from the first signal to SIGTERM for every process of the job
+KILL_GRACE_S = 2.0  # from that SIGTERM to SIGKILL: 7 s in all, inside `timeout -k 10` and Slurm's 30 s
+LEFTOVER_GRACE_S = 2.0  # from SIGTERM to SIGKILL for what the job's main process left behind
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _set_subreaper(on: bool) -> bool:
+    """Make orphaned descendants this process's children (Linux prctl); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+
+
+class Job:
+    """One command run to a clean end: started in its own group, signals passed on, every process
+    it started stopped when it ends or is stopped. Use as a context manager around start/wait."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self._me = psutil.Process()
+        self._children_before: set[int] = set()
+        self._subreaper = False
+        self._previous_handlers: dict = {}
+        self._received: list[int] = []
+        self._term_at: float | None = None  # SIGTERM for every process of the job, then
+        self._kill_at: float | None = None  # SIGKILL
+        self._tty: int | None = None
+
+    def __enter__(self) -> "Job":
+        self._children_before = {p.pid for p in self._me.children()}
+        self._subreaper = _set_subreaper(True)
+        for signum in _FORWARDED:
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.proc is not None:
+                self.stop_leftovers()
+        finally:
+            if self._tty is not None:
+                _give_terminal_to(self._tty, os.getpgrp())
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, handler)
+            if self._subreaper:
+                _set_subreaper(False)
+
+    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        self.proc = subprocess.Popen(argv, env=env, process_group=0)
+        return self.proc
+
+    def wait(self) -> int:
+        """The job's exit status, shell-style (128 + N when killed by signal N)."""
+        self._tty = _take_terminal_for(self.proc.pid)
+        for signum in self._received:  # arrived before the job existed
+            self._pass_on(signum)
+        while True:
+            try:
+                code = self.proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                self._escalate(time.monotonic())
+        return 128 - code if code < 0 else code
+
+    def _on_signal(self, signum, frame) -> None:
+        self._received.append(signum)
+        if self.proc is None:
+            return
+        if len(self._received) == 1:
+            self._pass_on(signum)
+        else:  # the user insists
+            self._term_at = min(self._term_at or time.monotonic(), time.monotonic())
+
+    def _pass_on(self, signum: int) -> None:
+        _signal_group(self.proc.pid, signum)
+        if self._term_at is None:
+            self._term_at = time.monotonic() + STOP_GRACE_S
+
+    def _escalate(self, now: float) -> None:
+        if self._term_at is not None and now >= self._term_at and self._kill_at is None:
+            self.signal_all(signal.SIGTERM)
+            self._kill_at = now + KILL_GRACE_S
+        if self._kill_at is not None and now >= self._kill_at:
+            self.signal_all(signal.SIGKILL)
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process the job started: the main one, its descendants, and the orphans that
+        came to gpulab (the children gpulab had before the job are not the job's)."""
+        found: dict[int, psutil.Process] = {}
+        try:
+            tops = [p for p in self._me.children() if p.pid not in self._children_before]
+        except psutil.Error:
+            return []
+        for top in tops:
+            found[top.pid] = top
+            try:
+                found.update((p.pid, p) for p in top.children(recursive=True))
+            except psutil.Error:
+                pass
+        return list(found.values())
+
+    def signal_all(self, signum: int) -> None:
+        """`signum` to the job's group and to every process of the job, wherever it is."""
+        _signal_group(self.proc.pid, signum)
+        for p in self.processes():
+            _send(p, signum)
+
+    def stop_leftovers(self) -> None:
+        """After the main process ended: what it left behind gets SIGTERM, then SIGKILL; the
+        orphans that came to gpulab are reaped."""
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        left = [p for p in self.processes() if p.pid != self.proc.pid]
+        for p in left:
+            _send(p, signal.SIGTERM)
+        # psutil.wait_procs reaps our own children (the orphans) and polls the others
+        _, alive = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_S)
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        for p in alive:
+            _send(p, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=LEFTOVER_GRACE_S)
+
+
+def _send(p: psutil.Process, signum: int) -> None:
+    try:
+        p.send_signal(signum)  # psutil checks the pid still names the same process
+    except psutil.Error:
+        pass
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _take_terminal_for(pgid: int) -> int | None:
+    """Make the job the terminal's foreground group, as a shell would, so that Ctrl-C reaches it
+    directly and it can read stdin (breakpoint()); the fd to give the terminal back."""
+    try:
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
+            return None
+        _give_terminal_to(fd, pgid)
+        return fd
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _give_terminal_to(fd: int, pgid: int) -> None:
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may not set it
+    try:
+        os.tcsetpgrp(fd, pgid)
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, previous)

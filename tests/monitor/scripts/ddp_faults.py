@@ -1,0 +1,55 @@
+"""Planted faults in a 2-rank DDP job (gloo) of 60 steps; each fault happens on rank 1 at step 20.
+
+usage (under torchrun): ddp_faults.py hang
+  hang   rank 1 skips one all_reduce: rank 0 waits in it, rank 1 goes on to the final barrier;
+         both block inside gloo, where a Python signal handler never runs
+
+Each rank writes `<FAULT_DIR>/rank<r>-at-fault` as it reaches the fault, so a test knows when the
+job is in it.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+MODE = sys.argv[1]
+RANK = int(os.environ.get("RANK", "0"))
+FAULT_STEP = 20
+
+
+def at_fault() -> None:
+    folder = os.environ.get("FAULT_DIR")
+    if folder:
+        Path(folder, f"rank{RANK}-at-fault").touch()
+
+
+def main():
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    total = torch.zeros(1)
+    for step in range(60):
+        X, y = torch.randn(8, 64), torch.randint(0, 4, (8,))
+        loss = nn.functional.cross_entropy(model(X), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step == FAULT_STEP:
+            at_fault()
+            if MODE == "hang" and RANK == 1:
+                break  # planted: rank 1 skips the all_reduce below and waits in the barrier
+        dist.all_reduce(total)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"ddp_faults: rank {RANK} done")
+
+
+if __name__ == "__main__":
+    main()
