@@ -16,7 +16,9 @@ forward/backward/optimizer and the Python in between is measured per step, in ev
 process of the job, while a sampler records GPU and CPU utilization. DIR receives report.json
 (findings ranked by share of step time, each with evidence, the line and the fix),
 timeline.png and trace.json (open in ui.perfetto.dev). The script keeps its exit code, stdout
-and stderr; the short report goes to stderr. Signals sent to gpulab are passed on to the script.
+and stderr; the short report goes to stderr. Signals sent to gpulab are passed on to the script;
+5 s later whatever is left of the job is stopped. A job that stops making progress (a hung
+collective) is named on stderr at once - every rank's collective and line - and stopped.
 
 --try KEY=VALUE --steps K measures a DataLoader change (num_workers, pin_memory,
 persistent_workers, prefetch_factor) on the first K steps, against the script as it is.
@@ -42,6 +44,12 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--no-memory", action="store_true",
                    help="skip the memory window (two steps after warm-up measured for memory; a fixed cost of "
                         "about a tenth of a second plus two slower steps, noticeable in a run of a few seconds)")
+    p.add_argument("--hang-after", type=float, default=0.0, metavar="S",
+                   help="no process of the job finishing a step or a collective for S seconds is a hang: gpulab "
+                        "says where each rank is blocked (collective, sequence number, line) (default: "
+                        "max(60 s, 100 x the median step))")
+    p.add_argument("--on-hang", choices=("stop", "wait"), default="stop",
+                   help="after saying where it hangs: stop the job and write the report (default), or wait")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the Python command to profile, after --")
     p.set_defaults(func=run_profile)
 
@@ -51,7 +59,8 @@ def run_profile(args) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     settings = {"interval_s": args.interval} if args.interval is not None else {}
-    cfg = ProfileConfig(**settings, memory_window=not args.no_memory)
+    cfg = ProfileConfig(**settings, memory_window=not args.no_memory, hang_after_s=args.hang_after,
+                        on_hang=args.on_hang)
     out = Path(args.out) if args.out else None
     if args.try_:
         from gpulab.monitor.trial import try_command

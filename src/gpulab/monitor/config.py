@@ -27,6 +27,14 @@ class ProfileConfig:
     """Steps whose individual spans (forward, backward, syncs, ...) go into trace.json; later steps
     appear as whole steps only, so the trace of a long run stays small."""
 
+    hang_after_s: float = 0.0
+    """No process of the job finishing a step or a collective for this long is a hang: gpulab says
+    where each rank is blocked (collective, sequence number, line) at once; 0: max(60 s, 100 x the
+    slowest median step)."""
+    on_hang: str = "stop"
+    """What gpulab does after saying so: "stop" the job (the report is written) or "wait" (for the
+    job, or for you to look at it: py-spy dump, gdb)."""
+
     stop_after_steps: int = 0
     """End each process once it has run this many steps (`gpulab profile --try`); 0: run to the end."""
     dataloader_overrides: dict = field(default_factory=dict)
@@ -41,6 +49,10 @@ class ProfileConfig:
             raise UserError(f"kernel_window_steps {self.kernel_window_steps}: use 0 (off) or more")
         if not 0 <= self.stack_interval_s <= 10:
             raise UserError(f"stack_interval_s {self.stack_interval_s}: use 0 (off) or a few milliseconds, e.g. 0.02")
+        if self.hang_after_s < 0:
+            raise UserError(f"--hang-after {self.hang_after_s}: use seconds (e.g. 300), or 0 for max(60 s, 100 steps)")
+        if self.on_hang not in ("stop", "wait"):
+            raise UserError(f"--on-hang {self.on_hang}: use stop (end the job, write the report) or wait")
         if self.trace_steps < 0:
             raise UserError(f"trace_steps {self.trace_steps}: use 0 or more")
 

@@ -127,6 +127,12 @@ def events_file(directory: Path | str, pid: int) -> Path:
     return Path(directory) / f"{EVENTS_PREFIX}{pid}.jsonl"
 
 
+# Beside the events files, while the job runs (record/heartbeat.py writes, hangwatch.py reads):
+STATUS_PREFIX = "status-"  # status-<pid>.json: steps, when the process last made progress
+HANG_REQUEST = "hang-request"  # the parent asks every process where it is blocked
+HANG_PREFIX = "hang-"  # hang-<pid>.json: the answer
+
+
 def read_events(path: Path) -> list[dict]:
     """The records of an events file; a line cut short by a crash is skipped."""
     records = []

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -79,8 +80,9 @@ class Job:
         self.proc = subprocess.Popen(argv, env=env, process_group=0)
         return self.proc
 
-    def wait(self) -> int:
-        """The job's exit status, shell-style (128 + N when killed by signal N)."""
+    def wait(self, on_tick: Callable[[], None] = lambda: None) -> int:
+        """The job's exit status, shell-style (128 + N when killed by signal N); `on_tick` runs
+        about every 0.2 s meanwhile."""
         self._tty = _take_terminal_for(self.proc.pid)
         for signum in self._received:  # arrived before the job existed
             self._pass_on(signum)
@@ -89,6 +91,7 @@ class Job:
                 code = self.proc.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
+                on_tick()
                 self._escalate(time.monotonic())
         return 128 - code if code < 0 else code
 
@@ -99,7 +102,11 @@ class Job:
         if len(self._received) == 1:
             self._pass_on(signum)
         else:  # the user insists
-            self._term_at = min(self._term_at or time.monotonic(), time.monotonic())
+            self.stop()
+
+    def stop(self) -> None:
+        """End the job now: SIGTERM to every process, SIGKILL KILL_GRACE_S later."""
+        self._term_at = min(self._term_at or time.monotonic(), time.monotonic())
 
     def _pass_on(self, signum: int) -> None:
         _signal_group(self.proc.pid, signum)

@@ -31,6 +31,7 @@ from gpulab.errors import UserError
 from gpulab.io import check_writable
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording, read_lanes
+from gpulab.monitor.hangwatch import HangWatch
 from gpulab.monitor.job import Job
 from gpulab.monitor.sampler import Sampler
 
@@ -38,6 +39,7 @@ _PYTHON = re.compile(r"^python(\d+(\.\d+)*)?(\.exe)?$")
 _OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 _OPTIONS_THAT_HIDE_THE_JOB = {"-I": "-I ignores PYTHONPATH", "-E": "-E ignores PYTHONPATH", "-S": "-S skips site start-up"}
 _USAGE = "gpulab profile [--out DIR] -- python your_script.py [args ...]"
+FLIGHT_RECORDER_ENTRIES = 2000
 _AUTOSTART = Path(__file__).resolve().parent / "record" / "autostart"
 
 
@@ -52,7 +54,8 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) ->
     job = run_job([interpreter, *options, *target], cfg, out)
     from gpulab.monitor.output.report import build_job_report, print_report, write_outputs
 
-    report, lanes = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code)
+    report, lanes = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code,
+                                     hang=job.hang)
     write_outputs(out, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
     print_report(report, out)
     return job.exit_code
@@ -66,6 +69,7 @@ class JobRun:
     samples: list[dict]
     gpus: list[dict]
     sampler: dict
+    hang: dict | None  # hangwatch.py: where each process was blocked, when the job hung
 
 
 def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
@@ -75,14 +79,20 @@ def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
         with Job() as job:
             proc = job.start(argv, job_env(events, cfg))
             sampler = Sampler(cfg.interval_s, pid=proc.pid).start()
+            hangs = HangWatch(events, cfg)
+
+            def watch() -> None:
+                if hangs.poll() is not None and cfg.on_hang == "stop":
+                    job.stop()
+
             try:
-                exit_code = job.wait()
+                exit_code = job.wait(on_tick=watch)
             finally:
                 sampler.stop()
         lanes = read_lanes(events)
     finally:
         shutil.rmtree(events, ignore_errors=True)
-    return JobRun(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary())
+    return JobRun(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary(), hangs.hang)
 
 
 def _import_in_background(module: str) -> None:
@@ -98,6 +108,8 @@ def job_env(events: Path, cfg: ProfileConfig) -> dict[str, str]:
     env["GPULAB_PROFILE_DIR"] = str(events)
     env["GPULAB_PROFILE_CONFIG"] = json.dumps(cfg.to_dict())
     env["GPULAB_PROFILE_PARENT"] = str(os.getpid())
+    # torch's flight recorder: the last collectives of each process, for the hang watch
+    env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     return env
 
 

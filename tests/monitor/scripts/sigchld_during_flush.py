@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-STEPS = 2000  # all still in memory when SIGTERM comes (the recorder writes once a second)
+STEPS = 2000  # most still in memory when SIGTERM comes (the helper thread writes every 0.25 s)
 
 
 def worker_killed(signum, frame):

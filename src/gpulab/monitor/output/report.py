@@ -11,6 +11,7 @@ from rich.markup import escape
 from gpulab.monitor.output import timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.diagnose import diagnose
+from gpulab.monitor.analyze.hang import hang_finding
 from gpulab.monitor.analyze.memory import memory_line, memory_summary, oom_finding
 from gpulab.monitor.analyze.phases import PHASE_NAMES, lane_summary, shown_phases
 from gpulab.monitor.analyze.ranks import rank_findings
@@ -50,7 +51,7 @@ def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler:
 
 
 def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict], gpus: list[dict], sampler: dict,
-                     cfg: ProfileConfig, exit_code: int | None) -> tuple[dict, list[Recording]]:
+                     cfg: ProfileConfig, exit_code: int | None, hang: dict | None = None) -> tuple[dict, list[Recording]]:
     """The report of a job of one or more processes, and the processes to draw (the diagnosed
     one first, then the other processes that trained).
 
@@ -80,6 +81,9 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
                           f"{shown.pid} ({len(shown.steps)} steps), the others are listed under processes")
     elif not shown.recorded:
         report["findings"][0]["evidence"], report["findings"][0]["fix"] = _why_nothing_was_recorded(main)
+    if hang is not None:
+        report["hang"] = hang
+        report["findings"] = [hang_finding(hang)] + [f for f in report["findings"] if f["cause"] != "none"]
     return report, [shown] + [r for r in trained if r is not shown]
 
 

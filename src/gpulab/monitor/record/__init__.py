@@ -9,6 +9,7 @@
       transforms.py              per-sample transforms inside a DataLoader fetch
       ddp.py                     DistributedDataParallel's own timers
       writer.py                  records -> events-<pid>.jsonl (monitor/events.py is the format)
+      heartbeat.py               progress -> status-<pid>.json; where it is blocked, when asked
     patches.py                   the hooks and patches that call the recorder, installed as one set
     cuda.py, kernels.py          CUDA only: host syncs and copies; the torch.profiler kernel window
     frames.py, interpreter.py    the user's file:line; an import hook, signals in helper threads

@@ -34,8 +34,14 @@ class DdpTimers:
     def seen(self) -> bool:
         return bool(self._modules)
 
+    @property
+    def latest(self) -> dict | None:
+        """The latest reading, not read anew (safe from another thread)."""
+        return self._stats
+
     def stats(self) -> dict | None:
-        """The latest reading (read now if it is due)."""
+        """The latest reading (read now if it is due; from the training thread only: DDP's
+        reducer may be running)."""
         ddp = next(iter(self._modules), None)
         if ddp is None or time.perf_counter() - self._read_at < _READ_EVERY_S:
             return self._stats

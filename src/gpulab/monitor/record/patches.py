@@ -314,12 +314,18 @@ def _hook_distributed(rec, p: Patches) -> None:
         if not hasattr(c10d, name):
             continue
         original = getattr(c10d, name)
-        wrapper = _as_span(rec, "collective", f"dist.{name}", None, original)
+        wrapper = _as_span(rec, "collective", f"dist.{name}", None, original, after=_collective_done(rec))
         # `dist.all_reduce` and `c10d.all_reduce` are one function under two names: patch both.
         for owner in (c10d, torch.distributed):
             if getattr(owner, name, None) is original:
                 p.patch(owner, name, lambda orig, w=wrapper: w)
-    p.patch(torch._C._distributed_c10d.Work, "wait", partial(_as_span, rec, "collective", "Work.wait", None))
+    p.patch(torch._C._distributed_c10d.Work, "wait",
+            partial(_as_span, rec, "collective", "Work.wait", None, after=_collective_done(rec)))
+
+
+def _collective_done(rec):
+    """Progress, for the hang watch: a collective finished."""
+    return lambda result: rec.progress.collective_done()
 
 
 # ----------------------------------------------------------------------------- processes

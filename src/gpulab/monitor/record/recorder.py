@@ -38,6 +38,7 @@ from gpulab.monitor.record import patches
 from gpulab.monitor.record.cuda import CudaHooks
 from gpulab.monitor.record.ddp import DdpTimers
 from gpulab.monitor.record.frames import user_site
+from gpulab.monitor.record.heartbeat import Heartbeat, Progress
 from gpulab.monitor.record.memory import MemoryWindow
 from gpulab.monitor.record.sites import SyncSites
 from gpulab.monitor.record.stacks import StackSampler
@@ -74,6 +75,10 @@ class Recorder:
         self._loaders: set[int] = set()
         self._optimizer_tokens: dict[int, int] = {}
         self._stacks: StackSampler | None = None
+        self.progress = Progress()
+        if self.writer.path is not None:
+            heartbeat = Heartbeat(self.writer.path.parent, self._pid, _env_int("RANK"), lambda: self._ident, self.progress)
+            self.writer.on_tick = heartbeat.tick
 
     # ------------------------------------------------------------------ session
 
@@ -161,6 +166,8 @@ class Recorder:
             self.writer.emit(tail)
         if self._stacks is not None:
             self._stacks.stop()
+        if self.ddp.seen:
+            self.ddp.stats()
         self.memory.finish()
         with self.cuda.suppressed():
             self.cuda.finish(self.steps.index)
@@ -199,6 +206,7 @@ class Recorder:
     def _between_steps(self, steps_done: int) -> bool:
         """The recorder's own work after each step; whether the next one is inside a measurement
         window (kernels, memory), whose steps are left out of the statistics."""
+        self.progress.step_done(steps_done)
         if self.ddp.seen:
             self.ddp.stats()
         if self.cuda.enabled:
@@ -209,7 +217,6 @@ class Recorder:
                 self.memory.on_step_end(steps_done, may_start=self._memory_may_start(steps_done))
         if self.cfg.stop_after_steps and steps_done >= self.cfg.stop_after_steps:
             self._end_process_early()
-        self.writer.flush_if_due(time.perf_counter())
         return self.cuda.window_active or self.memory.active
 
     def _memory_may_start(self, steps_done: int) -> bool:
@@ -289,7 +296,8 @@ class Recorder:
     # ------------------------------------------------------------------ output
 
     def _snapshots(self) -> list[dict]:
-        """The whole-run tallies, written at every flush (the reader keeps the last)."""
+        """The whole-run tallies, written now and then and at the end (the reader keeps the last);
+        also read from the writer's thread, so nothing here may call into torch's running parts."""
         steps = self.steps
         return [
             self.sites.snapshot(),
@@ -299,7 +307,7 @@ class Recorder:
             {"type": "facts", "step_rule": steps.rule, "backward_calls": steps.backward_calls,
              "optimizer_steps": steps.optimizer_steps, "dataloader_worker": _in_dataloader_worker(),
              "torch_threads": torch.get_num_threads(),
-             "transforms": self.transforms.calls, "ddp": self.ddp.stats()},
+             "transforms": self.transforms.calls, "ddp": self.ddp.latest},
         ]
 
     @property

@@ -1,56 +1,98 @@
 """Records out: kept in memory (the in-process API) or appended to this process's events file.
 
-The file is written about once a second and at the end, so a process that crashes still leaves
-most of its record; the whole-run tallies (snapshots) are appended at every flush, and the
-reader keeps the last one of each kind.
+To a file, a helper thread writes the new records every FLUSH_EVERY_S, so what a process
+recorded survives it however it ends: a rank blocked inside a collective (whose main thread never
+comes back to Python) is written in full, one killed by SIGKILL loses at most its last quarter
+second. The whole-run tallies (snapshots) are appended every SNAPSHOT_EVERY_S and at the end;
+the reader keeps the last one of each kind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-_FLUSH_EVERY_S = 1.0
+from gpulab.monitor.record.interpreter import block_signals_in_this_thread
+
+FLUSH_EVERY_S = 0.25
+SNAPSHOT_EVERY_S = 2.0  # snapshots are whole tallies, rewritten each time: not every flush
 
 
 class EventWriter:
-    """`path` None: every record stays in `records` (the snapshots are added at the final flush)."""
+    """`path` None: every record stays in memory (the snapshots are added at the final flush)."""
 
     def __init__(self, path: Path | None, snapshots: Callable[[], list[dict]]):
         self.path = Path(path) if path else None
-        self.records: list[dict] = []  # all records (in memory), or those not yet written (to a file)
+        # appended by the training thread, drained by the flushing one (deque: both are atomic)
+        self._pending: deque[dict] = deque()
         self._snapshots = snapshots
-        self._pid = os.getpid()
-        self._last_flush = time.perf_counter()
+        self.on_tick: Callable[[], None] | None = None  # more work for the helper thread (heartbeat.py)
         self.silenced = False  # a DataLoader worker: writes nothing
+        self._start_lane()
+
+    @property
+    def records(self) -> list[dict]:
+        """Everything recorded so far (in memory), or what is not written yet (to a file)."""
+        return list(self._pending)
 
     def emit(self, record: dict) -> None:
-        self.records.append(record)
+        self._pending.append(record)
 
     def new_lane(self, path: Path) -> None:
-        """In a forked child: its own file, from scratch."""
+        """In a forked child: its own file, from scratch (the parent's thread and lock stay behind)."""
         self.path = Path(path)
-        self.records = []
-        self._pid = os.getpid()
-        self._last_flush = time.perf_counter()
+        self._pending = deque()
+        self._start_lane()
 
-    def flush_if_due(self, now: float) -> None:
-        if now - self._last_flush > _FLUSH_EVERY_S:
-            self.flush()
+    def _start_lane(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.RLock()  # the flushing thread and the final flush (a signal handler)
+        self._closed = False
+        self._last_snapshot = 0.0
+        if self.path is not None:
+            threading.Thread(target=self._flush_periodically, name="gpulab-flush", daemon=True).start()
+
+    def _flush_periodically(self) -> None:
+        block_signals_in_this_thread()
+        pid = self._pid
+        while not self._closed and os.getpid() == pid:
+            time.sleep(FLUSH_EVERY_S)
+            now = time.monotonic()
+            if self.on_tick is not None and not self.silenced:
+                self.on_tick()
+            try:
+                self._write(with_snapshots=now - self._last_snapshot >= SNAPSHOT_EVERY_S)
+            except RuntimeError:  # a tally changed size while read from this thread: next time
+                pass
 
     def flush(self, final: bool = False) -> None:
-        """Append pending records to the events file, then the whole-run tallies."""
-        self._last_flush = time.perf_counter()
+        """Write what is pending, with the whole-run tallies; the final one ends the lane."""
         if self.path is None:
             if final:
-                self.records.extend(self._snapshots())
+                self._pending.extend(self._snapshots())
             return
-        if os.getpid() != self._pid or self.silenced:
-            return
-        lines = [json.dumps(r) for r in [*self.records, *self._snapshots()]]
-        with open(self.path, "a") as f:
-            f.write("\n".join(lines) + "\n")
-        self.records.clear()
+        self._write(with_snapshots=True, final=final)
+
+    def _write(self, with_snapshots: bool, final: bool = False) -> None:
+        with self._lock:
+            if self._closed or self.silenced or os.getpid() != self._pid:
+                return
+            # the tallies first, written out at once: read from this thread they may raise (a
+            # dict changing size), and nothing pending is taken before that
+            snapshots = [json.dumps(r) for r in self._snapshots()] if with_snapshots else []
+            lines = []
+            while self._pending:
+                lines.append(json.dumps(self._pending.popleft()))
+            lines.extend(snapshots)
+            if with_snapshots:
+                self._last_snapshot = time.monotonic()
+            if final:
+                self._closed = True
+            if lines:
+                with open(self.path, "a") as f:
+                    f.write("\n".join(lines) + "\n")

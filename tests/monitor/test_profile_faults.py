@@ -1,8 +1,13 @@
-"""`gpulab profile` stops a hung job cleanly (issue 27): a 2-rank DDP job (gloo) whose rank 1
-skipped one all_reduce hangs for good, both ranks blocked inside gloo where no Python signal
-handler runs. SIGTERM, or Ctrl-C twice, to gpulab: within 15 s gpulab has exited, a report is
-written, and no process of the job is left anywhere (torchrun starts its ranks in sessions of
-their own, so a signal to the job's process group alone does not reach them)."""
+"""`gpulab profile` when the job goes wrong (issue 27), on a 2-rank DDP job (gloo) whose rank 1
+skips one all_reduce and so hangs for good, both ranks blocked inside gloo where no Python signal
+handler runs (tests/monitor/scripts/ddp_faults.py).
+
+- Stopped by the user: SIGTERM, or Ctrl-C twice, to gpulab: within 15 s gpulab has exited, a
+  report is written, and no process of the job is left anywhere (torchrun starts its ranks in
+  sessions of their own, so a signal to the job's process group alone does not reach them).
+- Found by gpulab: with --hang-after 5 it names each rank's collective, sequence number and line,
+  the mismatch between them, and stops the job itself.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from gpulab.cli import main
 
 import psutil
 import pytest
@@ -76,3 +83,39 @@ def test_a_hung_ddp_job_is_stopped_cleanly_with_nothing_left_behind(tmp_path, si
         assert {p["rank"] for p in report["processes"] if p["rank"] is not None} == {0, 1}
     finally:
         stop_everything(gpulab, str(faults))
+
+
+def planted_line(text: str) -> int:
+    lines = (SCRIPTS / "ddp_faults.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.strip() == text)
+
+
+def test_a_hang_is_found_named_rank_by_rank_and_stopped(tmp_path, monkeypatch, capfd):
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    monkeypatch.setenv("FAULT_DIR", str(faults))
+    started = time.monotonic()
+    code = main(["profile", "--hang-after", "5", "--out", str(tmp_path / "prof"), "--",
+                 *TORCHRUN, str(SCRIPTS / "ddp_faults.py"), "hang"])
+    took = time.monotonic() - started
+    err = capfd.readouterr().err
+    assert code != 0
+    assert job_processes(str(faults)) == []
+    report = json.loads((tmp_path / "prof" / "report.json").read_text())
+    hang = report["findings"][0]
+    assert hang["cause"] == "hang", report["findings"]
+    all_reduce, barrier = planted_line("dist.all_reduce(total)"), planted_line("dist.barrier()")
+    ranks = {r["rank"]: r for r in report["hang"]["ranks"]}
+    assert ranks[0]["collective"]["op"] == "all_reduce" and ranks[1]["collective"]["op"] == "barrier"
+    seq = ranks[0]["collective"]["seq"]
+    assert ranks[1]["collective"]["seq"] == seq
+    assert f"rank 0 waits in all_reduce #{seq} (1 Float) at " in hang["evidence"]
+    assert f"ddp_faults.py:{all_reduce}" in hang["evidence"] and f"ddp_faults.py:{barrier}" in hang["evidence"]
+    assert f"rank 1 waits in barrier #{seq} at" in hang["evidence"]
+    assert "the ranks called different things" in hang["evidence"]
+    assert hang["where"].endswith(f"ddp_faults.py:{all_reduce}")
+    assert "gpulab profile: the job hangs" in err and f"rank 1 waits in barrier #{seq}" in err
+    # steps come from the helper thread's writes: both ranks' 21 steps, though neither ever
+    # returned to Python to flush
+    assert {p["rank"]: p["steps"] for p in report["processes"] if p["rank"] is not None} == {0: 21, 1: 21}
+    assert took < 60, took

@@ -1,0 +1,120 @@
+"""What `gpulab profile` needs to see a hang, from inside each recorded process.
+
+Progress: the training thread notes each step and each finished collective (a few attribute
+writes). The writer's helper thread calls Heartbeat.tick() every quarter second: it keeps
+`status-<pid>.json` up to date (steps, when this process last made progress, its median step), and
+when the parent asks (it creates `hang-request` beside the events files) it writes
+`hang-<pid>.json`: where the training thread is blocked - the collective it waits in, from torch's
+flight recorder (op, sequence number, sizes; gloo and NCCL), and its Python stack, whose innermost
+user frame is the line that called it. The helper thread can do this because a thread blocked in
+a collective has released the GIL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from gpulab.monitor.events import HANG_PREFIX, HANG_REQUEST, STATUS_PREFIX
+from gpulab.monitor.record.frames import format_site, is_user_file
+
+_STACK_DEPTH = 12  # user frames kept, innermost first
+
+
+class Progress:
+    """Written by the training thread only; read by the helper thread."""
+
+    def __init__(self):
+        self.steps = 0
+        self.last_unix = time.time()
+        self._step_durations: deque[float] = deque(maxlen=101)
+        self._last_step_unix: float | None = None
+
+    def step_done(self, steps: int) -> None:
+        now = time.time()
+        if self._last_step_unix is not None:
+            self._step_durations.append(now - self._last_step_unix)
+        self._last_step_unix = self.last_unix = now
+        self.steps = steps
+
+    def collective_done(self) -> None:
+        self.last_unix = time.time()
+
+    def median_step_s(self) -> float | None:
+        durations = list(self._step_durations)
+        return median(durations) if durations else None
+
+
+class Heartbeat:
+    def __init__(self, folder: Path, pid: int, rank: int | None, training_thread: Callable[[], int | None],
+                 progress: Progress):
+        self.folder = folder
+        self.pid = pid
+        self.rank = rank
+        self.progress = progress
+        self._training_thread = training_thread
+        self._last_status: dict | None = None
+        self._answered = False
+
+    def tick(self) -> None:
+        status = {"pid": self.pid, "rank": self.rank, "steps": self.progress.steps,
+                  "progress_unix": round(self.progress.last_unix, 3), "median_step_s": self.progress.median_step_s()}
+        if status != self._last_status:
+            _write_json(self.folder / f"{STATUS_PREFIX}{self.pid}.json", status)
+            self._last_status = status
+        if not self._answered and (self.folder / HANG_REQUEST).exists():
+            self._answered = True
+            _write_json(self.folder / f"{HANG_PREFIX}{self.pid}.json", self.where_blocked())
+
+    def where_blocked(self) -> dict:
+        """The collective the training thread waits in (flight recorder) and its Python stack."""
+        return {"pid": self.pid, "rank": self.rank, "steps": self.progress.steps,
+                "idle_s": round(time.time() - self.progress.last_unix, 1),
+                "collective": _pending_collective(), "stack": self._training_stack()}
+
+    def _training_stack(self) -> list[str]:
+        """The training thread's user frames, innermost first, as `path:line in function`."""
+        frame = sys._current_frames().get(self._training_thread())
+        stack = []
+        while frame is not None and len(stack) < _STACK_DEPTH:
+            code = frame.f_code
+            if is_user_file(code.co_filename):
+                stack.append(f"{format_site(code.co_filename, frame.f_lineno)} in {code.co_name}")
+            frame = frame.f_back
+        return stack
+
+
+def _pending_collective() -> dict | None:
+    """The oldest collective of this process that has not finished, from torch's flight recorder
+    (on when TORCH_FR_BUFFER_SIZE > 0, which gpulab sets); None when there is none or no recorder."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        entries = json.loads(_dump_fr_trace_json(True, True)).get("entries", [])
+    except Exception:  # a private API: absent or changed in this torch
+        return None
+    pending = [e for e in entries if not e.get("retired", True)]
+    if not pending:
+        return None
+    e = min(pending, key=lambda e: e.get("time_created_ns", 0))
+    op = str(e.get("profiling_name", "?")).split(":")[-1]
+    return {"op": op, "seq": e.get("collective_seq_id"), "group": (e.get("process_group") or ["?", "?"])[1],
+            "sizes": e.get("input_sizes"), "dtypes": e.get("input_dtypes"), "state": e.get("state")}
+
+
+def _write_json(path: Path, record: dict) -> None:
+    """Whole or not at all: the parent may read it any time."""
+    tmp = path.with_name(f".{path.name}.{threading.get_ident()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
