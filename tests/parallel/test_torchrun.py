@@ -396,3 +396,23 @@ def test_sigterm_from_a_scheduler_stops_every_rank_with_one_line(long_epochs, tm
     assert "Traceback" not in err and job.returncode == 128 + 15
     assert torch.load(tmp_path / "run" / CHECKPOINT, weights_only=False)["epoch"] >= 1
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "run") in " ".join(p.info["cmdline"] or [])]
+
+
+def test_two_agents_started_with_different_options_are_refused_at_once(tiny_data, tmp_path):
+    """Two torchrun agents, one given --epochs 2 and --lr 0.05: before this, rank 1 said "rank 0
+    stopped answering" 20 s in while agent 0 waited until killed (issue 27)."""
+    port = free_port()
+    started = time.monotonic()
+    agents = [subprocess.Popen(torchrun_cmd(1, [*FAST, "--out", str(tmp_path / "run"), *extra], nnodes=2,
+                                            node_rank=node_rank, port=port),
+                               cwd=tmp_path, env=env_for(tiny_data), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for node_rank, extra in ((0, ["--epochs", "1"]), (1, ["--epochs", "2", "--lr", "0.05"]))]
+    errs = [a.communicate(timeout=120)[1] for a in agents]
+    took = time.monotonic() - started
+    assert all(a.returncode != 0 for a in agents)
+    lines = error_lines(errs[0]) + error_lines(errs[1])
+    assert len(lines) == 1, errs  # said once, by rank 0
+    assert ("the ranks were started with different gpulab train options: --epochs 1 on rank 0 but 2 on rank 1; "
+            "--lr (default) on rank 0 but 0.05 on rank 1; start every rank with the same ones") in lines[0]
+    assert not (tmp_path / "run").exists()  # nothing written
+    assert took < 60, took  # start-up included (torch imported by 2 agents and 2 ranks on 2 cores)

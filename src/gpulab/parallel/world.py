@@ -69,6 +69,10 @@ class World:
         """`fn()` on every process; if it raises a UserError on any, every process raises."""
         return fn()
 
+    def agree(self, values: dict, what: str) -> None:
+        """Every process must hold the same `values` (`what` they are: "gpulab train options");
+        if they differ, every process raises one error naming each difference and its ranks."""
+
     def local_main_first(self, fn: Callable[[], T]) -> T:
         """`fn()` on local rank 0 of each machine first (it may download or unpack files), then on
         the other ranks, which find them in place."""
@@ -100,6 +104,20 @@ class World:
 
     def close(self) -> None:
         pass
+
+
+def differing_values(per_rank: list[dict]) -> str:
+    """'--epochs 3 on ranks 0, 1 but 2 on rank 2; --lr ...' for every key whose value differs."""
+    parts = []
+    for key in per_rank[0]:
+        ranks_by_value: dict[str, list[int]] = {}
+        for rank, values in enumerate(per_rank):
+            ranks_by_value.setdefault(str(values.get(key)), []).append(rank)
+        if len(ranks_by_value) > 1:
+            parts.append(f"{key} " + " but ".join(
+                f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                for value, ranks in ranks_by_value.items()))
+    return "; ".join(parts)
 
 
 _joined = 0  # TorchrunWorlds this process has made: the same count on every rank of the job
@@ -210,6 +228,18 @@ class TorchrunWorld(World):
         if error is not None and (self.rank == first or messages[self.rank] != messages[first]):
             raise error
         raise SharedError(str(error) if error else f"rank {first}: {messages[first]}", printed_by=first)
+
+    def agree(self, values: dict, what: str) -> None:
+        # Through the store, before any collective: ranks that disagree (on the epochs, the model)
+        # would otherwise fail in a collective much later, or train different things in silence.
+        self.agreements += 1
+        keys = [self.prefix + f"same/{self.agreements}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], pickle.dumps(values))
+        self._wait_for(keys, lambda: "ranks " + ", ".join(str(r) for r, k in enumerate(keys) if not self.store.check([k])))
+        differences = differing_values([pickle.loads(self.store.get(k)) for k in keys])
+        if differences:
+            raise SharedError(f"the ranks were started with different {what}: {differences}; start every rank "
+                              "with the same ones", printed_by=0)
 
     def _wait_for(self, keys: list[str], who: Callable[[], str]) -> None:
         """Wait for other ranks' keys in short slices, so that signals (torchrun's SIGTERM) get

@@ -177,6 +177,16 @@ class CheckedLoss:
         return loss
 
 
+# Options that may differ between machines: where the data and the run directory are, which
+# local devices, whether this machine's ranks are profiled. Every other option must be equal.
+PER_MACHINE_OPTIONS = ("data_dir", "devices", "out", "profile", "input_shape")
+
+
+def options_to_agree_on(cfg: TrainConfig) -> dict[str, str]:
+    return {"--" + k.replace("_", "-"): "(default)" if v is None else str(v)
+            for k, v in cfg.to_dict().items() if k not in PER_MACHINE_OPTIONS}
+
+
 def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_data=None,
           model: torch.nn.Module | None = None, loss_fn=None, optimizer=None) -> Run:
     """Everything a run needs. `train_data`/`test_data`: a Dataset or DataLoader of (input, label)
@@ -189,6 +199,7 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     if model is not None:
         check_own_model(model)
         cfg = dataclasses.replace(cfg, model=models.OBJECT)  # the run's config must not claim LeNet
+    world.agree(options_to_agree_on(cfg), "gpulab train options")
     # Every check that needs no data runs before the first collective, on every rank together.
     devices = world.all_or_none(lambda: choose_devices(cfg, world))
     replicas = len(devices) * world.world_size
