@@ -42,4 +42,4 @@ def test_the_finding_points_at_the_first_waiting_rank_s_line():
     hang = {"idle_s": 61.0, "after_s": 60.0, "ranks": ranks, "mismatch": mismatch(ranks, [])}
     f = hang_finding(hang)
     assert f["cause"] == "hang" and f["where"] == "train.py:40"
-    assert f["evidence"].startswith("no process of the job finished a step or a collective for 61 s (the limit: 60 s): ")
+    assert f["evidence"].startswith("no process of the job finished a step, a collective or a module call for 61 s (the limit: 60 s): ")

@@ -119,3 +119,22 @@ def test_a_hang_is_found_named_rank_by_rank_and_stopped(tmp_path, monkeypatch, c
     # returned to Python to flush
     assert {p["rank"]: p["steps"] for p in report["processes"] if p["rank"] is not None} == {0: 21, 1: 21}
     assert took < 60, took
+
+
+def test_long_work_outside_collectives_is_no_hang(tmp_path, monkeypatch, capfd):
+    """Rank 0 evaluates alone for 8 s (forward calls, no step) while rank 1 waits in a barrier;
+    a single process pauses 6 s between steps: with --hang-after 3 neither is called a hang nor
+    stopped (the watch counts finished module calls as progress, and calls a job hung only with
+    a rank inside a collective)."""
+    monkeypatch.setenv("FAULT_DIR", str(tmp_path))
+    code = main(["profile", "--hang-after", "3", "--out", str(tmp_path / "ddp"), "--",
+                 *TORCHRUN, str(SCRIPTS / "ddp_faults.py"), "eval"])
+    assert code == 0, capfd.readouterr().err[-3000:]
+    pause = ("import time, torch\nm = torch.nn.Linear(4, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+             "for i in range(20):\n    m(torch.randn(2, 4)).sum().backward(); o.step()\n    if i == 10: time.sleep(6)\n")
+    code = main(["profile", "--hang-after", "3", "--out", str(tmp_path / "one"), "--", sys.executable, "-c", pause])
+    assert code == 0
+    for out in ("ddp", "one"):
+        report = json.loads((tmp_path / out / "report.json").read_text())
+        assert "hang" not in report and all(f["cause"] != "hang" for f in report["findings"])
+    assert "the job hangs" not in capfd.readouterr().err

@@ -1,11 +1,14 @@
 """The parent's hang watch: once a second, is any process of the job still making progress?
 
 Each recorded process keeps `status-<pid>.json` (record/heartbeat.py): its steps and when it last
-finished a step or a collective. When none has for `hang_after_s` (default max(60 s, 100 x the
-slowest median step)), the watch asks every process where it is blocked (`hang-request`), waits
-up to ANSWER_S for the answers, says so on stderr at once, and hands the hang to the runner, which
-stops the job or leaves it (--on-hang). The watch starts once a process has finished a step:
-before that there is no step time to judge by (a slow start is not a hang).
+finished a step, a collective or an outermost module call. When none has for `hang_after_s`
+(default max(60 s, 100 x the slowest median step)), the watch asks every process where it is
+blocked (`hang-request`) and waits up to ANSWER_S for the answers. A hang is a job with a rank
+inside a collective: then the watch says so on stderr at once and hands the hang to the runner,
+which stops the job or leaves it (--on-hang). Otherwise (no rank in a collective: one process
+saving a large checkpoint, say) it is no hang of the job's communication, and the watch looks
+again after another `hang_after_s`. The watch starts once a process has finished a step: before
+that there is no step time to judge by (a slow start is not a hang).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class HangWatch:
         self.cfg = cfg
         self.hang: dict | None = None
         self._next_poll = 0.0
+        self._requests = 0
 
     def poll(self) -> dict | None:
         """The hang, the first time it is found (then None: it is said once)."""
@@ -48,6 +52,9 @@ class HangWatch:
         if idle < after:
             return None
         ranks, unanswered = self._ask(trained)
+        if not any(r.get("collective") for r in ranks):
+            self._next_poll = now + after
+            return None
         self.hang = {"after_s": after, "idle_s": idle, "ranks": ranks, "unanswered": unanswered,
                      "mismatch": mismatch(ranks, unanswered), "action": self.cfg.on_hang}
         self.hang["lines"] = describe(self.hang)
@@ -56,13 +63,16 @@ class HangWatch:
 
     def _ask(self, trained: list[dict]) -> tuple[list[dict], list[str]]:
         """Every trained process's answer: where it is blocked; and who did not answer in time."""
-        (self.folder / HANG_REQUEST).touch()
+        self._requests += 1
+        asked = str(self._requests)
+        (self.folder / HANG_REQUEST).write_text(asked)
         wanted = {s["pid"]: s for s in trained}
         deadline = time.monotonic() + ANSWER_S
         answers: dict[int, dict] = {}
         while len(answers) < len(wanted) and time.monotonic() < deadline:
             time.sleep(0.1)
-            answers = {a["pid"]: a for a in _read_all(self.folder, HANG_PREFIX) if a.get("pid") in wanted}
+            answers = {a["pid"]: a for a in _read_all(self.folder, HANG_PREFIX)
+                       if a.get("pid") in wanted and a.get("request") == asked}
         ranks = sorted(answers.values(), key=lambda a: (a.get("rank") is None, a.get("rank") or 0, a["pid"]))
         unanswered = [who(s) for pid, s in wanted.items() if pid not in answers]
         return ranks, unanswered

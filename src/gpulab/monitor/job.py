@@ -106,7 +106,7 @@ class Job:
 
     def stop(self) -> None:
         """End the job now: SIGTERM to every process, SIGKILL KILL_GRACE_S later."""
-        self._term_at = min(self._term_at or time.monotonic(), time.monotonic())
+        self._term_at = time.monotonic()
 
     def _pass_on(self, signum: int) -> None:
         _signal_group(self.proc.pid, signum)

@@ -1,8 +1,10 @@
 """Planted faults in a 2-rank DDP job (gloo) of 60 steps; each fault happens on rank 1 at step 20.
 
-usage (under torchrun): ddp_faults.py hang
+usage (under torchrun): ddp_faults.py hang | eval
   hang   rank 1 skips one all_reduce: rank 0 waits in it, rank 1 goes on to the final barrier;
          both block inside gloo, where a Python signal handler never runs
+  eval   no fault: after step 20 rank 0 alone evaluates for EVAL_S (forward calls, no step, no
+         collective) while rank 1 waits in a barrier - a common pattern, and no hang
 
 Each rank writes `<FAULT_DIR>/rank<r>-at-fault` as it reaches the fault, so a test knows when the
 job is in it.
@@ -10,6 +12,7 @@ job is in it.
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 MODE = sys.argv[1]
 RANK = int(os.environ.get("RANK", "0"))
 FAULT_STEP = 20
+EVAL_S = 8.0
 
 
 def at_fault() -> None:
@@ -46,6 +50,14 @@ def main():
             if MODE == "hang" and RANK == 1:
                 break  # planted: rank 1 skips the all_reduce below and waits in the barrier
         dist.all_reduce(total)
+        if MODE == "eval" and step == FAULT_STEP:
+            if RANK == 0:
+                with torch.no_grad():
+                    until = time.monotonic() + EVAL_S
+                    while time.monotonic() < until:
+                        model.module(torch.randn(8, 64))
+                        time.sleep(0.01)
+            dist.barrier()  # rank 1 waits here while rank 0 evaluates
     dist.barrier()
     dist.destroy_process_group()
     print(f"ddp_faults: rank {RANK} done")

@@ -46,7 +46,8 @@ def rank_line(forensics: dict) -> str:
 
 
 def mismatch(ranks: list[dict], unanswered: list[str]) -> str:
-    """What does not match between the ranks: the likely cause of the hang."""
+    """What does not match between the ranks: the likely cause of the hang (at least one rank
+    waits in a collective: hangwatch.py calls nothing else a hang)."""
     waiting = [r for r in ranks if r.get("collective")]
     outside = [r for r in ranks if not r.get("collective")]
     if unanswered:
@@ -55,8 +56,6 @@ def mismatch(ranks: list[dict], unanswered: list[str]) -> str:
     if waiting and outside:
         return (f"{', '.join(who(r) for r in outside)} never reached the collective the others wait in "
                 f"(#{waiting[0]['collective']['seq']}): stuck in its own code, or it skipped the call")
-    if not waiting:
-        return "no rank is inside a collective: every rank is stuck in its own code (see each line)"
     by_seq = {r["collective"]["seq"] for r in waiting}
     ops = {(r["collective"]["op"], _sizes(r["collective"])) for r in waiting}
     if len(by_seq) > 1:
@@ -73,7 +72,7 @@ def mismatch(ranks: list[dict], unanswered: list[str]) -> str:
 
 def describe(hang: dict) -> list[str]:
     """The lines gpulab prints at once (stderr) and keeps in the report."""
-    return [f"no process of the job finished a step or a collective for {hang['idle_s']:.0f} s "
+    return [f"no process of the job finished a step, a collective or a module call for {hang['idle_s']:.0f} s "
             f"(the limit: {hang['after_s']:.0f} s)",
             *[rank_line(r) for r in hang["ranks"]],
             hang["mismatch"]]

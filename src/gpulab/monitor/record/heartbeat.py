@@ -1,9 +1,9 @@
 """What `gpulab profile` needs to see a hang, from inside each recorded process.
 
-Progress: the training thread notes each step and each finished collective (a few attribute
-writes). The writer's helper thread calls Heartbeat.tick() every quarter second: it keeps
+Progress: the training thread notes each step, each finished collective and each finished
+outermost module call (an evaluation loop makes progress too; a few attribute writes). The writer's helper thread calls Heartbeat.tick() every quarter second: it keeps
 `status-<pid>.json` up to date (steps, when this process last made progress, its median step), and
-when the parent asks (it creates `hang-request` beside the events files) it writes
+when the parent asks (it writes a new number to `hang-request` beside the events files) it writes
 `hang-<pid>.json`: where the training thread is blocked - the collective it waits in, from torch's
 flight recorder (op, sequence number, sizes; gloo and NCCL), and its Python stack, whose innermost
 user frame is the line that called it. The helper thread can do this because a thread blocked in
@@ -46,7 +46,8 @@ class Progress:
         self._last_step_unix = self.last_unix = now
         self.steps = steps
 
-    def collective_done(self) -> None:
+    def made(self) -> None:
+        """A collective or an outermost module call finished."""
         self.last_unix = time.time()
 
     def median_step_s(self) -> float | None:
@@ -63,17 +64,24 @@ class Heartbeat:
         self.progress = progress
         self._training_thread = training_thread
         self._last_status: dict | None = None
-        self._answered = False
+        self._answered = ""  # the parent's last request answered (it numbers them)
 
     def tick(self) -> None:
+        try:
+            self._tick()
+        except OSError:  # the folder is gone (gpulab ended) or the disk is full: the recording goes on
+            pass
+
+    def _tick(self) -> None:
         status = {"pid": self.pid, "rank": self.rank, "steps": self.progress.steps,
                   "progress_unix": round(self.progress.last_unix, 3), "median_step_s": self.progress.median_step_s()}
         if status != self._last_status:
             _write_json(self.folder / f"{STATUS_PREFIX}{self.pid}.json", status)
             self._last_status = status
-        if not self._answered and (self.folder / HANG_REQUEST).exists():
-            self._answered = True
-            _write_json(self.folder / f"{HANG_PREFIX}{self.pid}.json", self.where_blocked())
+        request = self.folder / HANG_REQUEST
+        if request.exists() and (asked := request.read_text()) != self._answered:
+            self._answered = asked
+            _write_json(self.folder / f"{HANG_PREFIX}{self.pid}.json", {**self.where_blocked(), "request": asked})
 
     def where_blocked(self) -> dict:
         """The collective the training thread waits in (flight recorder) and its Python stack."""

@@ -267,6 +267,7 @@ def _hook_module_calls(rec, p: Patches, nesting: _Nesting) -> None:
         else:
             nesting.in_forward = False
             rec.steps.exit(token)
+            rec.progress.made()  # for the hang watch: an evaluation loop is no hang
 
     for handle in (register_module_forward_pre_hook(before), register_module_forward_hook(after, always_call=True)):
         p.on_undo(handle.remove)
@@ -325,7 +326,7 @@ def _hook_distributed(rec, p: Patches) -> None:
 
 def _collective_done(rec):
     """Progress, for the hang watch: a collective finished."""
-    return lambda result: rec.progress.collective_done()
+    return lambda result: rec.progress.made()
 
 
 # ----------------------------------------------------------------------------- processes
