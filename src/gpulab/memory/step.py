@@ -106,10 +106,10 @@ class StepMemoryProbe:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.live_start = torch.cuda.memory_allocated(self.device)
-            self.how = "CUDA caching allocator (memory_allocated) + torch.profiler's allocation events"
+            self.how = "CUDA caching allocator (memory_allocated) + the autograd profiler's allocation events"
         else:
             self.live_start = reachable_tensors(self.device).nbytes
-            self.how = ("tensors reachable at the step's start + torch.profiler's allocation events "
+            self.how = ("tensors reachable at the step's start + the autograd profiler's allocation events "
                         "(the CPU allocator keeps no count)")
         self._anchor = (time.time_ns(), time.perf_counter())
         self.t_begin = time.perf_counter()

@@ -7,6 +7,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from gpulab import models
 from gpulab.devices import format_devices
+from gpulab.memory.categories import size
 from gpulab.parallel.strategy import Strategy
 from gpulab.train.build import Run
 from gpulab.train.rundir import RunDir
@@ -64,12 +65,8 @@ def peak_memory_text(history: list[dict]) -> str | None:
     if not peaks:
         return None
     cpu = all(where.split()[-1] == "cpu" for where in peaks)
-    listing = ", ".join(f"{_mib(n)} {where}" for where, n in peaks.items())
+    listing = ", ".join(f"{size(n)} on {where}" for where, n in peaks.items())
     return f"peak resident memory {listing} (the whole process)" if cpu else f"peak memory {listing}"
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB on" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB on"
 
 
 def progress_bar(console: Console, show: bool) -> Progress:

@@ -65,7 +65,7 @@ def memory_line(summary: dict) -> str:
     if top and summary["sizes"]["activations"]:
         line += (f"; forward saves {size(summary['sizes']['activations'])} of activations"
                  + (f" ({size(summary['per_sample']['activations'])} per sample)" if summary.get("per_sample") else "")
-                 + ", most in " + ", ".join(f"{name} ({cls}) {size(n)}" for name, cls, n in top))
+                 + ", most in " + ", ".join(f"{name}{f' ({cls})' if cls else ''} {size(n)}" for name, cls, n in top))
     return line
 
 

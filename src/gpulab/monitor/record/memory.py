@@ -1,7 +1,7 @@
 """The memory window: one step after warm-up (and after the kernel window) measured for memory
 by gpulab.memory.step - the peak and what it is made of - emitted as one "memory" record.
 
-Two steps: the one before is where torch.profiler starts (it reports a free only for a block it
+Two steps: the one before is where torch's autograd profiler starts (it reports a free only for a block it
 saw allocated), the second is measured. Both are marked profiled, so their time is left out of
 the statistics, as the kernel window's are. What the step holds is found from what the recorder
 already sees: the outermost modules the loop calls, the optimizers it steps, and the batch (the
@@ -79,7 +79,7 @@ class MemoryWindow:
             self._probe.note_inputs(batch)
 
     def finish(self) -> None:
-        """The run ends: a window still open leaves no record (and no hooks)."""
+        """The run ends: a window still open leaves a record saying so (and no hooks)."""
         if self._probe is not None:
             self._probe.close()
             self._finish()
