@@ -270,7 +270,7 @@ def profile_with(m: dict) -> StepProfile:
 
 def test_memory_per_configuration_and_the_largest_batch():
     m = memory(64, 1000)
-    assert replicated_peak(m) == 1000 and replicated_peak(m, sync="ddp") == 1100  # DDP copies the gradients once
+    assert replicated_peak(m, sync="gpulab") == 1000 and replicated_peak(m, sync="ddp") == 1100  # DDP copies the gradients once
     # Sharded over 4: parameters, gradients and optimizer state (400) / 4, plus the largest unit twice.
     assert sharded_peak(m, 4) == 1000 - 300 + 60
     line = fit_line([profile_with(memory(64, 1000)), profile_with(memory(32, 600))])

@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -279,6 +280,22 @@ class StepMemoryProbe:
             live += nbytes
             curve.append([perf0 + (ns - wall0) / 1e9, live])
         return curve
+
+
+def measure_step(one_step: Callable[..., object], device: torch.device, modules: list[torch.nn.Module],
+                 optimizers: list[torch.optim.Optimizer]) -> StepMemory:
+    """One training step's memory, outside the profiler (gpulab plan's children): the probe starts
+    in one call of `one_step()` and measures the next, `one_step(note_batch=...)`, which tells it
+    the step's batch."""
+    probe = StepMemoryProbe(device)
+    try:
+        probe.prepare()
+        one_step()
+        probe.begin(modules, optimizers)
+        one_step(note_batch=probe.note_inputs)
+        return probe.end()
+    finally:
+        probe.close()
 
 
 def _named(root: torch.nn.Module):

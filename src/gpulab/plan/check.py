@@ -131,12 +131,14 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
         steps = max(8, min(200, round(2 * profile_seconds / first.step_s)))
         data_dir = small_copy(cfg, tmp, steps)
         cfg = {**cfg, "data_dir": str(data_dir)}  # profiles and runs on the same data, in the same state
+        profiles: dict[str, StepProfile] = {}  # each setup's first profile, for the memory check
         for r in range(rounds):
             for s in chosen:
                 say(f"round {r + 1}/{rounds}: {s.name}")
-                results[s.name].append(one_round(s, r, cfg, data_dir, tmp, profile_seconds, say))
-        profiles = {s.name: results[s.name][0]["profile"] for s in chosen if s.name in MEMORY_SETUPS}
-        memory = check_memory(cfg, data_dir, tmp, profiles, say)
+                row, profile = one_round(s, r, cfg, data_dir, tmp, profile_seconds, say)
+                results[s.name].append(row)
+                profiles.setdefault(s.name, profile)
+        memory = check_memory(cfg, data_dir, tmp, {k: v for k, v in profiles.items() if k in MEMORY_SETUPS}, say)
     return [summarize(s, results[s.name]) for s in chosen], memory
 
 
@@ -154,9 +156,9 @@ def check_memory(cfg: dict, data_dir: Path, tmp: Path, profiles: dict[str, StepP
     its measured step, on rank 0), then the largest-batch verdict: for a budget the line through
     those profiles says fits FITS_SCALE x the batch, the step at that largest batch and at 25%
     more, each measured (and on CUDA run under the budget: gpulab.plan.fits)."""
-    from gpulab.plan.memory import fit_line, replicated_peak
+    from gpulab.plan.memory import fit_line, replicated_peak, sync_of
 
-    sync = cfg.get("sync") or "gpulab"
+    sync = sync_of(cfg)
     rows = []
     for name, ranks in MEMORY_SETUPS.items():
         say(f"memory: {name}")
@@ -190,10 +192,11 @@ def fits(cfg: dict, batch: int, budget: int, tmp: Path, timeout_s: float = 900.0
     return json.loads(out.read_text())
 
 
-def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_seconds: float, say) -> dict:
+def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_seconds: float,
+              say) -> tuple[dict, StepProfile]:
     """Profile, measure the link, run for real, profile again: the prediction is made from the
     two profiles that bracket the run (this machine's speed drifts between them). On test hosts
-    all of it runs across their link."""
+    all of it runs across their link. The round's record, and its first profile."""
     from contextlib import nullcontext
 
     from gpulab.plan import collective, netns, step
@@ -236,8 +239,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
         "link": link.__dict__ if link else None, "allreduce_timings": timings,  # raw, so that a fit can be redone
         "nominal_predicted": nominal, "command": measured.command,
         "profile_step_s": [before.step_s, after.step_s], "overlap": [before.overlap, after.overlap],
-        "profile": before,
-    }
+    }, before
 
 
 def summarize(s: Setup, rounds: list[dict]) -> dict:
@@ -253,5 +255,5 @@ def summarize(s: Setup, rounds: list[dict]) -> dict:
         "round_errors": [r["predicted"] / r["measured"] - 1 for r in rounds],
         "ideal_samples_per_s": median(r["ideal"] for r in rounds),
         "nominal_link_predicted_samples_per_s": median(nominal) if nominal else None,
-        "rounds": [{k: v for k, v in r.items() if k != "profile"} for r in rounds],
+        "rounds": rounds,
     }

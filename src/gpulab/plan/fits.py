@@ -25,7 +25,7 @@ def main(spec: dict) -> None:
     from gpulab.config import TrainConfig
     from gpulab.io import atomic_write_json
     from gpulab.memory.oom import is_out_of_memory
-    from gpulab.memory.step import StepMemoryProbe
+    from gpulab.memory.step import measure_step
     from gpulab.parallel.world import World
     from gpulab.train.build import build
 
@@ -38,21 +38,19 @@ def main(spec: dict) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["budget"] / total), device)
     result = {"batch": spec["batch"], "budget": spec["budget"], "peak": None, "fits": False, "error": None,
               "enforced": device.type == "cuda"}
-    probe = StepMemoryProbe(device)
+
+    def one_step(note_batch=None):
+        if note_batch is not None:
+            note_batch((X, y))
+        strategy.train_step(X, y, run.loss_fn)
+
     try:
-        probe.prepare()
-        strategy.train_step(X, y, run.loss_fn)
-        probe.begin(strategy.replicas, strategy.optimizers)
-        probe.note_inputs((X, y))
-        strategy.train_step(X, y, run.loss_fn)
-        result["peak"] = probe.end()["peak"]
+        result["peak"] = measure_step(one_step, device, strategy.replicas, strategy.optimizers)["peak"]
         result["fits"] = result["peak"] <= spec["budget"]
     except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):
             raise
         result["error"] = str(e).splitlines()[0][:300]
-    finally:
-        probe.close()
     atomic_write_json(Path(spec["out"]), result)
 
 

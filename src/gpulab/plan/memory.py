@@ -46,7 +46,13 @@ def state_bytes(memory: dict) -> int:
     return sizes["parameters"] + sizes["gradients"] + sizes["optimizer_state"]
 
 
-def replicated_peak(memory: dict, sync: str = "gpulab") -> int:
+def sync_of(train: dict) -> str:
+    """The gradient sync a plan's training config uses (gpulab train's default: gpulab)."""
+    return train.get("sync") or "gpulab"
+
+
+def replicated_peak(memory: dict, sync: str) -> int:
+    """The measured step's peak, plus DDP's copy of the gradients (its buckets) under --sync ddp."""
     return memory["peak"] + (memory["sizes"]["gradients"] if sync == "ddp" else 0)
 
 

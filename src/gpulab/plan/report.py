@@ -9,7 +9,7 @@ from pathlib import Path
 from gpulab.io import atomic_write_bytes, atomic_write_json, git_commit
 from gpulab.plan.planner import TARGET_EFFICIENCY, Plan
 from gpulab.memory.categories import CATEGORY_NAMES, size
-from gpulab.plan.memory import replicated_peak, sharded_peak
+from gpulab.plan.memory import replicated_peak, sharded_peak, sync_of
 from gpulab.plan.predict import ASSUMPTIONS
 
 
@@ -39,34 +39,49 @@ def table(plan: Plan):
 
 
 def sync(plan: Plan) -> str:
-    return plan.config.train.get("sync") or "gpulab"
+    return sync_of(plan.config.train)
+
+
+def memory_rows(plan: Plan) -> list[dict]:
+    """Per configuration with a measured step: its peak per device replicated and sharded, the
+    budget, and the largest batch per device that fits it each way (None without a fitted line)."""
+    line, rows = plan.memory_line, []
+    for row in plan.rows:
+        if not row.memory:
+            continue
+        budget, source = plan.memory_budget(row.devices // row.nodes)
+        replicated = replicated_peak(row.memory, sync(plan))
+        sharded = sharded_peak(row.memory, row.devices) if row.devices > 1 else None
+        rows.append({
+            "devices": row.devices, "nodes": row.nodes, "per_device_batch": row.per_device_batch,
+            "measured": row.memory, "replicated_peak": replicated, "sharded_peak": sharded,
+            "budget": budget, "budget_source": source,
+            "largest_batch": line.largest_batch(budget, replicated - row.memory["peak"]) if line else None,
+            "sharded_largest_batch": (line.largest_batch(budget, sharded - row.memory["peak"])
+                                      if line and sharded is not None else None),
+        })
+    return rows
 
 
 def memory_verdict(plan: Plan) -> list[str]:
     """Per configuration: the peak per device, what it is made of, the largest batch that fits
     the budget, and what sharding would free."""
     lines = []
-    for row in plan.rows:
-        if not row.memory:
-            continue
-        per_node = row.devices // row.nodes
-        budget, source = plan.memory_budget(per_node)
-        replicated = replicated_peak(row.memory, sync(plan))
-        parts = sorted(row.memory["at_peak"].items(), key=lambda kv: kv[1], reverse=True)[:3]
-        what = "one device" if row.devices == 1 else f"{row.devices} devices ({'DDP' if sync(plan) == 'ddp' else 'gpulab sync'})"
-        text = (f"memory, {what}: {size(replicated)} per device at batch {row.per_device_batch} ("
+    for r in memory_rows(plan):
+        parts = sorted(r["measured"]["at_peak"].items(), key=lambda kv: kv[1], reverse=True)[:3]
+        what = ("one device" if r["devices"] == 1
+                else f"{r['devices']} devices ({'DDP' if sync(plan) == 'ddp' else 'gpulab sync'})")
+        text = (f"memory, {what}: {size(r['replicated_peak'])} per device at batch {r['per_device_batch']} ("
                 + ", ".join(f"{CATEGORY_NAMES[k]} {size(v)}" for k, v in parts) + ")")
-        line = plan.memory_line
-        if line is not None:
-            extra = replicated - row.memory["peak"]
-            largest = line.largest_batch(budget, extra)
-            text += (f"; within {size(budget)} ({source}) it fits up to batch {largest:,} per device" if largest
-                     else f"; it does not fit in {size(budget)} ({source}) at any batch")
-        if row.devices > 1:
-            sharded = sharded_peak(row.memory, row.devices)
-            text += f"; sharded over {row.devices} (FSDP / ZeRO-3) {size(sharded)}: frees {size(replicated - sharded)}"
-            if line is not None:
-                text += f", fits up to batch {line.largest_batch(budget, sharded - row.memory['peak']):,}"
+        within = f"{size(r['budget'])} ({r['budget_source']})"
+        if plan.memory_line is not None:
+            text += (f"; within {within} it fits up to batch {r['largest_batch']:,} per device" if r["largest_batch"]
+                     else f"; it does not fit in {within} at any batch")
+        if r["sharded_peak"] is not None:
+            text += (f"; sharded over {r['devices']} (FSDP / ZeRO-3) {size(r['sharded_peak'])}: frees "
+                     f"{size(r['replicated_peak'] - r['sharded_peak'])}")
+            if plan.memory_line is not None:
+                text += f", fits up to batch {r['sharded_largest_batch']:,}"
         lines.append(text + ".")
     if plan.memory_line is not None:
         lines.append(f"memory grows by {size(plan.memory_line.per_sample)} per sample per device (fitted through "
@@ -78,17 +93,8 @@ def memory_json(plan: Plan) -> dict | None:
     line = plan.memory_line
     if line is None:
         return None
-    rows = []
-    for row in plan.rows:
-        if not row.memory:
-            continue
-        budget, source = plan.memory_budget(row.devices // row.nodes)
-        rows.append({"devices": row.devices, "nodes": row.nodes, "per_device_batch": row.per_device_batch,
-                     "measured": row.memory, "replicated_peak": replicated_peak(row.memory, sync(plan)),
-                     "sharded_peak": sharded_peak(row.memory, row.devices) if row.devices > 1 else None,
-                     "budget": budget, "budget_source": source,
-                     "largest_batch": line.largest_batch(budget, replicated_peak(row.memory, sync(plan)) - row.memory["peak"])})
-    return {"fixed_bytes": line.fixed, "bytes_per_sample": line.per_sample, "fitted_points": line.points, "rows": rows}
+    return {"fixed_bytes": line.fixed, "bytes_per_sample": line.per_sample, "fitted_points": line.points,
+            "rows": memory_rows(plan)}
 
 
 def last_swept(plan: Plan, row) -> int:

@@ -182,7 +182,7 @@ def _profile_main(spec: dict) -> None:
     )
     profile.memory = _measure_memory(one_step, strategy, device)
     if spec["copies"] > 1:
-        profile.overlap = _measure_overlap(one_step, exchange, buckets.buffers[0], profile)
+        profile.overlap = _measure_overlap(one_step, exchange, profile)
     remove_listener()
     atomic_write_json(Path(spec["out"]), profile.to_dict())
 
@@ -196,7 +196,6 @@ class _Exchange:
     def __init__(self, buckets):
         self.buckets = buckets
         self.grad_sync = None  # made by connect()
-        self.on = False
 
     def connect(self, group) -> None:
         from gpulab.parallel.distributed import GradSync
@@ -205,13 +204,12 @@ class _Exchange:
 
     def begin_step(self, on: bool) -> None:
         """Before a step's backward (the profile's steps are one micro-batch each)."""
-        self.on = on
         if self.grad_sync is not None:
             self.grad_sync.begin_backward(communicate=on)
 
     @contextmanager
     def in_phase(self, name: str):
-        if self.on and name == "allreduce":
+        if name == "allreduce" and self.grad_sync is not None and self.grad_sync.communicate:
             self.grad_sync.finish()
         yield
 
@@ -219,17 +217,9 @@ class _Exchange:
 def _measure_memory(one_step, strategy, device) -> dict:
     """One step's memory (gpulab.memory.step): the probe starts in one step and measures the
     next (copies in step take both steps together, as they take every step)."""
-    from gpulab.memory.step import StepMemoryProbe  # torch: the child's, as every import of it here
+    from gpulab.memory.step import measure_step  # torch: the child's, as every import of it here
 
-    probe = StepMemoryProbe(device)
-    try:
-        probe.prepare()
-        one_step()
-        probe.begin(strategy.replicas, strategy.optimizers)
-        one_step(note_batch=probe.note_inputs)
-        measured = probe.end()
-    finally:
-        probe.close()
+    measured = measure_step(one_step, device, strategy.replicas, strategy.optimizers)
     return {**{k: measured[k] for k in ("peak", "at_peak", "sizes", "batch")},
             "largest_unit": largest_unit_bytes(strategy.replicas[0])}
 
@@ -251,7 +241,7 @@ OVERLAP_MAX_PAIRS = 100
 OVERLAP_SECONDS = 2.0
 
 
-def _measure_overlap(one_step, exchange: _Exchange, flats, profile: StepProfile) -> float:
+def _measure_overlap(one_step, exchange: _Exchange, profile: StepProfile) -> float:
     """How fast an allreduce progresses during backward, as a share of its idle speed, measured
     with the copies' own gradient buckets exchanged as a run exchanges them: pairs of steps
     without and with the exchange (alternated, so that drift hits both alike) give what it adds
@@ -272,7 +262,7 @@ def _measure_overlap(one_step, exchange: _Exchange, flats, profile: StepProfile)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    idle_s = [idle_allreduce_s(flat) for flat in flats]
+    idle_s = [idle_allreduce_s(flat) for flat in exchange.buckets.buffers[0]]
     added, started = [], time.perf_counter()
     while True:
         (plain, *_), _ = one_step()

@@ -14,6 +14,7 @@ from gpulab.config import TrainConfig
 from gpulab.devices import for_rank, resolve
 from gpulab.errors import UserError
 from gpulab.host import fix_malloc_thresholds
+from gpulab.options import flag, train_fields
 from gpulab.parallel import DataParallel, World
 from gpulab.parallel.distributed import Distributed
 from gpulab.parallel.meter import classifies
@@ -179,12 +180,13 @@ class CheckedLoss:
 
 # Options that may differ between machines: where the data and the run directory are, which
 # local devices, whether this machine's ranks are profiled. Every other option must be equal.
-PER_MACHINE_OPTIONS = ("data_dir", "devices", "out", "profile", "input_shape")
+PER_MACHINE_OPTIONS = ("data_dir", "devices", "out", "profile")
 
 
 def options_to_agree_on(cfg: TrainConfig) -> dict[str, str]:
-    return {"--" + k.replace("_", "-"): "(default)" if v is None else str(v)
-            for k, v in cfg.to_dict().items() if k not in PER_MACHINE_OPTIONS}
+    values = cfg.to_dict()
+    return {flag(name): "(default)" if values[name] is None else str(values[name])
+            for name in train_fields() if name not in PER_MACHINE_OPTIONS}
 
 
 def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_data=None,
