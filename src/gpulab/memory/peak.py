@@ -11,10 +11,6 @@ import resource
 
 import torch
 
-CPU_KIND = "process peak resident memory"
-CUDA_KIND = "torch's peak allocated memory"
-
-
 def reset_peaks(devices: list[torch.device]) -> bool:
     """Start counting the peak anew on every device; False when the CPU's could not be reset."""
     reset = True

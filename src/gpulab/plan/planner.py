@@ -145,7 +145,9 @@ class Plan:
         if self.kind == "cuda":
             import torch
 
-            return torch.cuda.get_device_properties(0).total_memory, "this GPU's memory"
+            # every device of a configuration holds the same replica: the smallest GPU bounds it
+            smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+            return smallest, "this GPU's memory" if torch.cuda.device_count() == 1 else "the smallest GPU's memory"
         import psutil
 
         total = psutil.virtual_memory().total
