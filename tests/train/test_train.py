@@ -467,6 +467,7 @@ def test_each_epoch_records_its_peak_memory(tiny_data, tmp_path, capsys):
 
 PEAK_AFTER_RESET = """
 import torch
+from gpulab.memory.peak import peak_memory, reset_peaks
 cpu = [torch.device("cpu")]
 x = torch.ones(50_000_000)  # 200 MB, touched, then given back (an mmap of its own)
 del x
