@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -91,3 +93,18 @@ def assert_one_line_error(code: int, err: str, *fragments: str, exit_code: int =
     assert "Traceback" not in err
     for fragment in fragments:
         assert fragment in err, f"{fragment!r} not in {err!r}"
+
+
+def disk_full_for(monkeypatch, *names: str) -> None:
+    """From here on, gpulab.io's atomic writer meets a full disk when it writes a file called one of
+    `names`: ENOSPC once the data is in its temporary file, so the writer's own clean-up is what
+    leaves nothing behind. Other files (and child processes) write as usual."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        written = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if any(written.startswith(f".{name}.") for name in names):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr("gpulab.io.os.fsync", fsync)

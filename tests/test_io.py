@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpulab import io
+from tests.conftest import disk_full_for
 
 
 def test_atomic_write_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
@@ -49,6 +51,17 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
         io.atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_a_failed_write_names_the_file_and_not_its_temporary(tmp_path, monkeypatch):
+    """ENOSPC from write() or fsync() names no file; the error must, for the one line that says it."""
+    target = tmp_path / "plan.png"
+    disk_full_for(monkeypatch, "plan.png")
+    with pytest.raises(OSError) as failed:
+        io.atomic_write_bytes(target, b"png")
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(target)
+    assert str(io.CannotWrite(failed.value)) == f"cannot write {target}: No space left on device; free space or use --out DIR"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_git_commit_names_this_checkout_and_marks_a_dirty_one(tmp_path, monkeypatch):

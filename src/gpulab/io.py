@@ -25,6 +25,18 @@ from gpulab.errors import UserError
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
+    try:
+        _replace_with(path, data)
+    except OSError as e:
+        # Name the file being written, not its temporary (nor no file at all: a full disk's ENOSPC
+        # from write() names none), so that a caller's one line can say which file failed.
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+    fsync_dir(path.parent)
+
+
+def _replace_with(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path`, then rename it to `path`; on any failure
+    the temporary file is removed."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp creates 0600; give the file the mode a plain open() would (0666 minus umask).
@@ -39,7 +51,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
 
 
 def fsync_dir(folder: Path) -> None:
@@ -60,6 +71,29 @@ def fsync_dir(folder: Path) -> None:
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+class CannotWrite(UserError):
+    """A result file could not be written: a full disk, a folder gone or made read-only. One line
+    that names the file and the fix; the atomic writers left nothing of it."""
+
+    def __init__(self, error: OSError, option: str = "--out"):
+        self.path = error.filename
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"free space or use {option} DIR"
+        else:
+            fix = f"use {option} DIR, a folder you can write to"
+        super().__init__(f"cannot write {error.filename or 'the results'}: {error.strerror or error}; {fix}")
+
+
+@contextmanager
+def writing_results(option: str = "--out"):
+    """Around the writes of a command's results: an OSError becomes CannotWrite (one line, exit 2)
+    instead of a traceback. `option` is the command's option for the output folder."""
+    try:
+        yield
+    except OSError as e:
+        raise CannotWrite(e, option) from None
 
 
 def check_writable(out: Path, option: str = "--out") -> None:

@@ -11,6 +11,7 @@ import torch
 
 from gpulab import bench
 from gpulab.cli import main
+from tests.conftest import assert_one_line_error, disk_full_for, run_cli
 
 ENV_KEYS = {"date", "torch", "torch_cuda_build", "driver", "gpus", "cpu", "torch_threads", "python", "cpu_busy_pct"}
 TIMING_KEYS = {"median_s", "iqr_s", "min_s", "max_s", "repeats", "inner", "clock"}
@@ -121,6 +122,14 @@ def test_out_that_is_a_file_is_a_user_error(tmp_path, capsys):
     f.write_text("x")
     assert main(["bench", "matmul", "--preset", "tiny", "--out", str(f)]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
+    disk_full_for(monkeypatch, "matmul.json")
+    code, _, err = run_cli(["bench", "matmul", "--preset", "tiny", "--out", str(tmp_path)], capsys)
+    assert_one_line_error(code, err, f"cannot write {tmp_path / 'matmul.json'}: No space left on device; "
+                                     f"free space or use --out DIR")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failed_equality_check_fails_the_run(tmp_path, monkeypatch, capsys):

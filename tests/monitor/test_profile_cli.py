@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpulab.cli import main
+from tests.conftest import disk_full_for
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPORT_KEYS = {"steps", "step_time_s", "phases", "devices", "findings"}
@@ -145,6 +146,35 @@ def test_bad_command_lines_are_one_line_errors(argv, message, capsys):
     assert main(["profile", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and err.count("\n") == 0 and err.startswith("gpulab: error:")
+
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+@pytest.mark.parametrize("launcher", [[TORCHRUN], [sys.executable, "-m", "torch.distributed.run"]],
+                         ids=["torchrun", "python -m torch.distributed.run"])
+def test_a_launcher_whose_script_is_missing_is_refused_before_anything_runs(launcher, tmp_path, capsys):
+    out = tmp_path / "prof"
+    argv = ["profile", "--out", str(out), "--", *launcher, "--standalone", "--nproc-per-node", "2", "nosuch.py"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"gpulab: error: script nosuch.py not found: check the path (relative to {Path.cwd()})"
+    assert not out.exists()
+
+
+def test_a_full_disk_is_one_line_and_the_script_keeps_its_exit_code(tmp_path, capfd, monkeypatch):
+    """The job ran: its exit code stays the answer; the report that could not be written is one
+    line, and no file is left half-written (the ones before it are whole)."""
+    disk_full_for(monkeypatch, "timeline.png")
+    out = tmp_path / "prof"
+    code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / "failing.py"), "--exit", "3"])
+    err = capfd.readouterr().err
+    assert code == 3
+    assert err.splitlines()[-1] == (f"gpulab profile: cannot write {out / 'timeline.png'}: No space left on device; "
+                                    f"free space or use --out DIR")
+    assert "Traceback" not in err and "wrote" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+    assert json.loads((out / "report.json").read_text())["exit_code"] == 3
 
 
 def test_output_path_that_is_a_file_is_refused(tmp_path, capsys):

@@ -416,3 +416,57 @@ def test_two_agents_started_with_different_options_are_refused_at_once(tiny_data
             "--lr (default) on rank 0 but 0.05 on rank 1; start every rank with the same ones") in lines[0]
     assert not (tmp_path / "run").exists()  # nothing written
     assert took < 60, took  # start-up included (torch imported by 2 agents and 2 ranks on 2 cores)
+
+
+def test_a_full_disk_at_the_first_checkpoint_is_said_truly_by_every_rank(tiny_data, tmp_path):
+    """Rank 0 cannot write the first checkpoint. Before, rank 1 said "Last checkpoint: epoch 1 ...
+    --resume" while rank 0 rightly said there was none (issue 27): rank 1 cannot know whether rank 0
+    wrote it, and says both ways on."""
+    result = torchrun_script(FULL_DISK_JOB, tmp_path)
+    run = tmp_path / "run"
+    assert result.returncode != 0
+    lines = error_lines(result.stderr)
+    assert [line[:len("gpulab: error: [rank 0]")] for line in lines] == ["gpulab: error: [rank 0]",
+                                                                          "gpulab: error: [rank 1]"], result.stderr[-3000:]
+    assert lines[0].endswith("(No space left on device); no checkpoint was saved yet: free space, then start over with "
+                             "the same torchrun command")
+    assert lines[1].endswith(f"Rank 0 was writing the first checkpoint (epoch 1): if {run / CHECKPOINT} exists, continue "
+                             f"with the same torchrun command with gpulab train --resume {run}; if not, start over with "
+                             f"the same torchrun command")
+    assert "Last checkpoint" not in result.stderr and not (run / CHECKPOINT).exists()
+
+
+FULL_DISK_JOB = '''
+import errno, os, sys
+from gpulab.cli import main
+from gpulab.train import rundir
+
+def full(path, data):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+if os.environ["RANK"] == "0":  # the rank that writes the checkpoint meets a full disk
+    rundir.atomic_write_bytes = full
+sys.exit(main(["train", "--devices", "cpu", "--epochs", "1", "--precision", "fp32", "--batch-size", "32",
+               "--out", sys.argv[1]]))
+'''
+
+
+def test_under_launch_a_dead_rank_is_named_in_launch_s_words(long_epochs, tmp_path):
+    """gpulab launch prints its own one-line summary, not torchrun's, and is what the user runs again."""
+    run = tmp_path / "run"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "gpulab", "launch", "-n", "2", "--", "--epochs", "3", "--batch-size", "16", "--out", str(run)],
+        cwd=tmp_path, env=env_for(long_epochs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    wait_for(run / "curves.png")
+    rank_1 = worker_with_rank(job, 1)
+    assert rank_1.environ().get("GPULAB_LAUNCH") == "1"
+    rank_1.kill()
+    out, err = job.communicate(timeout=90)
+    lines = error_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    assert re.search(rf"{WHERE}: rank 1 stopped answering \(gpulab launch's last line shows how it exited\)\. "
+                     rf"Last checkpoint: epoch \d, in {re.escape(str(run))}; continue with gpulab launch \(the same "
+                     rf"options\) -- --resume {re.escape(str(run))}$", lines[0]), lines[0]
+    assert "torchrun" not in lines[0]
+    assert "gpulab launch: rank 1 was killed by SIGKILL" in out

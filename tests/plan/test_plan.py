@@ -16,7 +16,7 @@ from gpulab.plan.links import LINKS, LinkCost, parse_link
 from gpulab.plan.memory import fit_line, parse_memory, replicated_peak, sharded_peak
 from gpulab.plan.predict import bucket_schedule, exposed_communication, fit_overlap, predict
 from gpulab.plan.profile import StepProfile
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, disk_full_for, run_cli
 
 
 def ring_seconds(nbytes: float, k: int, alpha: float, beta: float) -> float:
@@ -228,6 +228,16 @@ def test_a_real_plan_end_to_end(tiny_data, tmp_path, capsys):
     assert plan["memory"]["bytes_per_sample"] > 0 and plan["memory"]["fitted_points"] == 2
     assert plan["memory_verdict"][0].startswith("memory, one device: ") and "fits up to batch" in plan["memory_verdict"][0]
     assert "sharded over 2" in plan["memory_verdict"][1]
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tiny_data, tmp_path, capsys, monkeypatch):
+    disk_full_for(monkeypatch, "plan.png")
+    out = tmp_path / "plan"
+    code, _, err = run_cli(["plan", "--devices", "cpu", "--batch-size", "32", "--seconds", "0.2", "--no-sweep",
+                            "--devices-per-node", "1", "--out", str(out)], capsys)
+    assert_one_line_error(code, err, f"cannot write {out / 'plan.png'}: No space left on device; "
+                                     f"free space or use --out DIR")
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json"]  # whole; no temporary file of plan.png
 
 
 def test_test_hosts_limit_the_link_and_leave_nothing_behind():

@@ -18,8 +18,10 @@ import torch
 from tests.conftest import assert_one_line_error, run_cli
 from gpulab.errors import UserError
 from gpulab.parallel import DataParallel
+from gpulab.parallel.launch import LAUNCHED_BY_GPULAB
 from gpulab.train import TrainConfig, train
 from gpulab.train import loop, rundir
+from gpulab.train.resume import resume_hint
 from gpulab.train.rundir import CHECKPOINT
 
 
@@ -286,6 +288,28 @@ def test_a_full_disk_at_the_first_checkpoint_says_there_is_none(tiny_data, tmp_p
     assert_one_line_error(code, err, "No space left on device", "no checkpoint", f"--out {out}")
     disk["full"] = False
     assert run_cli([*TRAIN, "--out", str(out)], capsys)[0] == 0  # starts over in place
+
+
+@pytest.mark.parametrize("saved, unconfirmed, said", [
+    (0, None, "No checkpoint yet in {run}; start over with the same {launcher} command"),
+    (2, None, "Last checkpoint: epoch 2, in {run}; continue with {resume}"),
+    (2, 3, "Last checkpoint: epoch 2, or 3 if rank 0 finished writing it, in {run}; continue with {resume}"),
+    (0, 1, "Rank 0 was writing the first checkpoint (epoch 1): if {run}/checkpoint.pt exists, continue with {resume}; "
+           "if not, start over with the same {launcher} command"),
+])
+@pytest.mark.parametrize("launcher", ["torchrun", "gpulab launch"])
+def test_a_rank_s_resume_hint_says_what_it_knows_in_its_launcher_s_words(tmp_path, monkeypatch, saved, unconfirmed,
+                                                                          said, launcher):
+    """A rank other than 0 learns that rank 0 wrote a checkpoint only at the barrier after it."""
+    class TwoRanks:
+        world_size = 2
+
+    monkeypatch.setenv(LAUNCHED_BY_GPULAB, "1" if launcher == "gpulab launch" else "0")
+    run = tmp_path / "run"
+    resume = (f"gpulab launch (the same options) -- --resume {run}" if launcher == "gpulab launch"
+              else f"the same torchrun command with gpulab train --resume {run}")
+    hint = resume_hint(rundir.RunDir(run), saved, unconfirmed, TwoRanks())
+    assert hint == said.format(run=run, launcher=launcher, resume=resume)
 
 
 def test_resuming_with_another_models_checkpoint_is_one_line(tiny_data, tmp_path, capsys):

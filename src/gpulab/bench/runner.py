@@ -16,6 +16,7 @@ from gpulab.bench.environment import OtherLoad, contention_warning, environment
 from gpulab.bench.harness import ResultMismatch
 from gpulab.bench.report import Result, render, write_json, write_png
 from gpulab.devices import cpu, format_devices, num_gpus
+from gpulab.io import writing_results
 
 OTHER_LOAD_WARN_PCT = 10.0
 """Note in a benchmark's output when other processes used more of the CPU than this meanwhile."""
@@ -90,8 +91,9 @@ def run_benchmark(name: str, ctx: Context, out_dir: Path, command: str | None = 
     render(result, ctx.console)
     if result.error:
         ctx.console.print(f"[bold red]FAILED[/] {escape(result.error)}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(result, out_dir / f"{name}.json")
-    write_png(module.plot(result), out_dir / f"{name}.png")
+    with writing_results():  # a full disk: one line; each file is whole or absent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json(result, out_dir / f"{name}.json")
+        write_png(module.plot(result), out_dir / f"{name}.png")
     ctx.console.print(f"wrote {out_dir / name}.json, .png ({result.wall_s:.0f} s)", style="dim")
     return result

@@ -20,6 +20,8 @@ import sys
 import threading
 from datetime import timedelta
 
+from gpulab.parallel.launch import exit_summary
+
 CHECK_IN_S = 2.0  # how long survivors of a failure wait for each other in the store
 WATCHDOG_POLL_S = 0.5  # how often each rank's watchdog looks for a failure flag
 
@@ -134,7 +136,7 @@ class FailureProtocol:
                 f"rank {r} failed: {reasons[r]}" if r in reasons else f"rank {r} stopped answering"
                 for r in failed
             )
-            cause = f"{named} (torchrun's summary shows how it exited)"
+            cause = f"{named} ({exit_summary()} shows how it exited)"
         elif isinstance(error, Terminated):
             cause = "stopped by SIGTERM (from the launcher, after another rank failed, or from a job scheduler)"
         else:

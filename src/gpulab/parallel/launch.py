@@ -18,6 +18,20 @@ import socket
 from gpulab.errors import UserError
 
 DEFAULT_PORT = 29500
+LAUNCHED_BY_GPULAB = "GPULAB_LAUNCH"
+"""Set to 1 in the environment of the ranks `gpulab launch` starts: their messages then name the
+command the user typed (gpulab launch, its one-line summary), not torchrun under it."""
+
+
+def launcher() -> str:
+    """The command that started this rank, as its messages name it."""
+    return "gpulab launch" if os.environ.get(LAUNCHED_BY_GPULAB) == "1" else "torchrun"
+
+
+def exit_summary() -> str:
+    """Where the user reads how a failed rank exited: torchrun's summary, or the one line that
+    gpulab launch prints in its place."""
+    return "gpulab launch's last line" if launcher() == "gpulab launch" else "torchrun's summary"
 
 
 def parse_master(master: str) -> tuple[str, int]:
@@ -74,6 +88,7 @@ def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None =
     from gpulab.host import usable_cores
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nproc)))
+    os.environ[LAUNCHED_BY_GPULAB] = "1"  # torchrun passes this process's environment on to every rank
     try:
         run(get_args_parser().parse_args(args))
     except ChildFailedError as e:
@@ -90,6 +105,8 @@ def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None =
                 f"same --nnodes on every machine, node ranks 0..{nnodes - 1}, and --master pointing at node 0"
             ) from None
         raise UserError(f"torchrun could not start: {first}") from None
+    finally:
+        os.environ.pop(LAUNCHED_BY_GPULAB, None)  # a job this process starts later is not launch's
     return 0
 
 

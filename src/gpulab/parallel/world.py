@@ -30,6 +30,7 @@ import torch
 
 from gpulab.errors import UserError
 from gpulab.parallel.failures import FailureProtocol, JobFailed, PeerLost, is_communication_error, one_line
+from gpulab.parallel.launch import exit_summary
 
 T = TypeVar("T")
 STARTUP_TIMEOUT = timedelta(minutes=10)
@@ -257,7 +258,7 @@ class TorchrunWorld(World):
                 if time.monotonic() > deadline:
                     raise UserError(
                         f"rank {self.rank} waited {STARTUP_TIMEOUT.total_seconds():g} s during set-up for {who()}, "
-                        "which never answered: see their output (or torchrun's summary)"
+                        f"which never answered: see their output (or {exit_summary()})"
                     ) from None
 
     def local_main_first(self, fn: Callable[[], T]) -> T:

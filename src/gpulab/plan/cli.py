@@ -43,7 +43,7 @@ def run_plan(args) -> int:
     from rich.console import Console
 
     from gpulab.options import STEP_FIELDS, given_options
-    from gpulab.io import check_writable
+    from gpulab.io import check_writable, writing_results
     from gpulab.plan import report
     from gpulab.plan.memory import parse_memory
     from gpulab.plan.planner import PlanConfig, device_kind, make_plan
@@ -76,8 +76,9 @@ def run_plan(args) -> int:
         checked, memory_checked = check(train, rates, rounds=args.rounds, profile_seconds=args.seconds, say=say)
         console.print(check_table(checked))
         console.print(memory_check_table(memory_checked))
-    out.mkdir(parents=True, exist_ok=True)
-    report.write(plan, out, checked, memory_checked)
+    with writing_results():  # a full disk: one line; each file is whole or absent
+        out.mkdir(parents=True, exist_ok=True)
+        report.write(plan, out, checked, memory_checked)
     console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
 

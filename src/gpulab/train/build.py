@@ -43,6 +43,11 @@ class Run:
     """The recipe's schedule sets the learning rate each step; a caller's own optimizer keeps its own."""
     position: str = "set-up"
     """Where the loop is ("epoch 2, step 37"), for the message when another rank fails."""
+    saved_epoch: int = 0
+    """The last epoch whose checkpoint this rank knows is written (0: none), for the same message."""
+    unconfirmed_epoch: int | None = None
+    """On the other ranks, while rank 0 writes this epoch's checkpoint: whether it did, they learn at
+    the barrier after it (a failure before then leaves them unsure)."""
 
     @property
     def devices(self) -> list[torch.device]:

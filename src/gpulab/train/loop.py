@@ -36,7 +36,8 @@ from gpulab.parallel.world import SharedError, from_environment
 from gpulab.train.build import Run, build
 from gpulab.train.display import banner, epoch_line, progress_bar, result_line
 from gpulab.train.recipe import lr_at
-from gpulab.train.resume import extension_line, interrupted_line, restore, resume_hint, saved_config
+from gpulab.train.resume import (extension_line, interrupted_line, restore, resume_command, resume_hint, saved_config,
+                                 start_over_command)
 from gpulab.train.rundir import RunDir, check_writable, claims, default_run_dir
 
 CHECK_EVERY = 50
@@ -158,7 +159,7 @@ def divergence(row: dict, history: list[dict]) -> str | None:
     return None
 
 
-def save_epoch(run_dir: RunDir, state: dict, history: list[dict]) -> None:
+def save_epoch(run_dir: RunDir, state: dict, history: list[dict], world: World) -> None:
     """The checkpoint, then the metrics. A write that fails (a full disk, a folder gone) is one
     line that says what is intact: the file being replaced is, by atomic_write_bytes."""
     epoch = history[-1]["epoch"]
@@ -166,16 +167,16 @@ def save_epoch(run_dir: RunDir, state: dict, history: list[dict]) -> None:
         run_dir.save_checkpoint({"strategy": state, "history": history, "epoch": epoch})
     except OSError as e:
         if len(history) > 1:
-            kept = (f"the checkpoint of epoch {history[-2]['epoch']} is intact: free space, then gpulab train "
-                    f"--resume {run_dir.path}")
+            kept = (f"the checkpoint of epoch {history[-2]['epoch']} is intact: free space, then "
+                    f"{resume_command(run_dir, world)}")
         else:
-            kept = f"no checkpoint was saved yet: free space, then start over with gpulab train --out {run_dir.path}"
+            kept = f"no checkpoint was saved yet: free space, then start over with {start_over_command(run_dir, world)}"
         raise UserError(f"could not write epoch {epoch}'s checkpoint to {run_dir.path} ({e.strerror or e}); {kept}") from None
     try:
         run_dir.write_metrics(history)
     except OSError as e:
         raise UserError(f"epoch {epoch}'s checkpoint is saved in {run_dir.path} but its metrics could not be written "
-                        f"({e.strerror or e}): free space, then gpulab train --resume {run_dir.path}") from None
+                        f"({e.strerror or e}): free space, then {resume_command(run_dir, world)}") from None
 
 
 def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, history: list[dict]) -> dict:
@@ -202,10 +203,14 @@ def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, his
     history.append(row)
     state = run.strategy.state_dict()  # collective: every rank takes part, rank 0 writes
     if run.world.is_main:
-        save_epoch(run_dir, state, history)
+        save_epoch(run_dir, state, history, run.world)
+        run.saved_epoch = epoch + 1
+    else:
+        run.unconfirmed_epoch = epoch + 1
     # The others wait here for rank 0's writes (within --timeout), so a failure meanwhile is
     # reported at the epoch's end, not as step 1 of the next.
     run.world.barrier()
+    run.saved_epoch, run.unconfirmed_epoch = epoch + 1, None
     return row
 
 
@@ -307,10 +312,11 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
                 if on_epoch_end:
                     on_epoch_end(row)
         except KeyboardInterrupt:
-            console.print(escape(interrupted_line(run_dir, history)))
+            console.print(escape(interrupted_line(run_dir, run.saved_epoch)))
             raise
         except (PeerLost, Terminated) as e:  # another rank failed: say which, where, and how to go on
-            raise world.failure(e, f"{run.position}", resume_hint(run_dir, history, world)) from None
+            hint = resume_hint(run_dir, run.saved_epoch, run.unconfirmed_epoch, world)
+            raise world.failure(e, f"{run.position}", hint) from None
         except BaseException as e:
             world.report_failure(e)  # so the surviving ranks can name this rank and its reason
             raise

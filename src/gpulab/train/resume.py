@@ -7,6 +7,7 @@ from __future__ import annotations
 from gpulab.config import TrainConfig
 from gpulab.errors import UserError
 from gpulab.parallel import World
+from gpulab.parallel.launch import launcher
 from gpulab.parallel.world import SharedError
 from gpulab.train.build import Run
 from gpulab.train.recipe import lr_at
@@ -54,6 +55,7 @@ def restore(run: Run, run_dir: RunDir, checkpoint: dict | None, config_changed: 
         except OSError as e:
             raise UserError(f"--resume {run_dir.path}: cannot write there ({e.strerror or e}); free space or "
                             "fix the folder's permissions, then resume again") from None
+    run.saved_epoch = checkpoint["epoch"]
     return history, checkpoint["epoch"]
 
 
@@ -97,16 +99,38 @@ def check_resumable(cfg: TrainConfig, history: list[dict], replicas: int) -> Non
         )
 
 
-def interrupted_line(run_dir: RunDir, history: list[dict]) -> str:
-    if history:
-        return f"interrupted after epoch {history[-1]['epoch']}: continue with gpulab train --resume {run_dir.path}"
+def interrupted_line(run_dir: RunDir, saved_epoch: int) -> str:
+    if saved_epoch:
+        return f"interrupted after epoch {saved_epoch}: continue with gpulab train --resume {run_dir.path}"
     # no checkpoint: nothing to resume, but the same --out starts over in place
     return f"interrupted before the first checkpoint: start over with gpulab train --out {run_dir.path} (and the same options)"
 
 
-def resume_hint(run_dir: RunDir, history: list[dict], world: World) -> str:
-    launcher = "the same torchrun command with " if world.world_size > 1 else ""
-    if not history:  # nothing to resume: the same --out starts the run over in place
-        again = "the same torchrun command" if world.world_size > 1 else f"gpulab train --out {run_dir.path}"
+def resume_hint(run_dir: RunDir, saved_epoch: int, unconfirmed_epoch: int | None, world: World) -> str:
+    """How to go on after another rank failed, as far as this rank knows: the last checkpoint it
+    knows is written (`saved_epoch`, 0: none) and, while rank 0 was writing the next one when the
+    job broke (`unconfirmed_epoch`), both possibilities."""
+    resume, again = resume_command(run_dir, world), start_over_command(run_dir, world)
+    if unconfirmed_epoch is not None and saved_epoch:
+        return (f"Last checkpoint: epoch {saved_epoch}, or {unconfirmed_epoch} if rank 0 finished writing it, in "
+                f"{run_dir.path}; continue with {resume}")
+    if unconfirmed_epoch is not None:
+        return (f"Rank 0 was writing the first checkpoint (epoch {unconfirmed_epoch}): if {run_dir.path / CHECKPOINT} "
+                f"exists, continue with {resume}; if not, start over with {again}")
+    if not saved_epoch:  # nothing to resume: the same --out starts the run over in place
         return f"No checkpoint yet in {run_dir.path}; start over with {again}"
-    return f"Last checkpoint: epoch {history[-1]['epoch']}, in {run_dir.path}; continue with {launcher}gpulab train --resume {run_dir.path}"
+    return f"Last checkpoint: epoch {saved_epoch}, in {run_dir.path}; continue with {resume}"
+
+
+def resume_command(run_dir: RunDir, world: World) -> str:
+    """The command that continues this run from its checkpoint, as the user started it."""
+    if world.world_size == 1:
+        return f"gpulab train --resume {run_dir.path}"
+    if launcher() == "gpulab launch":
+        return f"gpulab launch (the same options) -- --resume {run_dir.path}"
+    return f"the same torchrun command with gpulab train --resume {run_dir.path}"
+
+
+def start_over_command(run_dir: RunDir, world: World) -> str:
+    """The command that starts this run over in place (no checkpoint: its --out is free again)."""
+    return f"gpulab train --out {run_dir.path}" if world.world_size == 1 else f"the same {launcher()} command"

@@ -1,0 +1,77 @@
+"""`gpulab profile --try`: changes that cannot be measured are refused in one line, not measured.
+
+Most tests here stop before any job runs; one runs the script as it is (a few seconds) to learn
+that its DataLoader has no workers.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpulab.cli import main
+from gpulab.errors import UserError
+from gpulab.monitor import trial
+from tests.conftest import assert_one_line_error, run_cli
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    monkeypatch.setattr(trial, "usable_cores", lambda: 2)
+
+
+def test_more_workers_than_the_cores_can_run_is_refused_before_anything_runs(two_cores, tmp_path, capsys):
+    out = tmp_path / "try"
+    code, _, err = run_cli(["profile", "--out", str(out), "--try", "num_workers=100000", "--",
+                            sys.executable, "no_such_script.py"], capsys)
+    assert_one_line_error(code, err, "--try num_workers=100000: this machine has 2 usable cores, and more than 8 "
+                                     "workers (4 per core) only compete for them: try num_workers=1")
+    assert not out.exists()
+
+
+def test_up_to_four_workers_per_core_may_be_tried(two_cores):
+    assert trial.parse_overrides(["num_workers=8"]) == {"num_workers": 8}
+    with pytest.raises(UserError, match="num_workers=9"):
+        trial.parse_overrides(["num_workers=9"])
+
+
+@pytest.mark.parametrize("item", ["prefetch_factor=4", "persistent_workers=true"])
+def test_a_worker_setting_with_no_workers_tried_is_refused_at_once(two_cores, item):
+    key = item.partition("=")[0]
+    with pytest.raises(UserError, match=f"--try {item} with num_workers=0: {key} only acts with num_workers > 0: "
+                                        f"try it with --try num_workers=1"):
+        trial.parse_overrides(["num_workers=0", item])
+
+
+def loader(num_workers: int) -> dict:
+    return {"type": "loader", "where": "train.py:12", "dataset": "Images", "batch_size": 32,
+            "num_workers": num_workers, "pin_memory": False, "persistent_workers": False}
+
+
+def test_a_worker_setting_acts_where_a_loader_has_workers_or_workers_are_tried_with_it(two_cores):
+    trial.check_change_acts({"prefetch_factor": 4}, [loader(0), loader(2)])
+    trial.check_change_acts({"prefetch_factor": 4, "num_workers": 2}, [loader(0)])
+    trial.check_change_acts({"pin_memory": True}, [loader(0)])  # needs no workers
+    with pytest.raises(UserError, match="the DataLoader at train.py:12 has num_workers=0"):
+        trial.check_change_acts({"prefetch_factor": 4}, [loader(0)])
+
+
+def test_prefetch_factor_on_a_loader_without_workers_is_refused_not_measured(two_cores, tmp_path, capfd):
+    """slow_dataset.py's DataLoader has num_workers=0: DataLoader ignores prefetch_factor there, so a
+    ratio of the two runs would only measure noise."""
+    out = tmp_path / "try"
+    code = main(["profile", "--out", str(out), "--try", "prefetch_factor=4", "--steps", "3", "--",
+                 sys.executable, str(SCRIPTS / "slow_dataset.py")])
+    err = capfd.readouterr().err
+    assert code == 2
+    line = err.splitlines()[-1]
+    assert line.startswith("gpulab: error: --try prefetch_factor=4: prefetch_factor only acts with num_workers > 0, "
+                           "and the DataLoader at ")
+    assert "slow_dataset.py:" in line
+    assert line.endswith("has num_workers=0: try both, --try num_workers=1 --try prefetch_factor=4")
+    assert "the change makes each step" not in err
+    assert not out.exists()  # refused part-way: nothing written, no empty folder left
