@@ -125,7 +125,8 @@ def test_ranks_with_unequal_step_counts_are_called_unbalanced():
         steps = [{"type": "step", "i": i, "t0": float(i), "t1": i + 1.0, "counts": {}, "data": [],
                   "excl": {"data_wait": 0.1, "h2d": 0.0, "compute": 0.8, "sync": 0.0, "other": 0.1}} for i in range(n)]
         return Recording([{"type": "process", "pid": 10 + r}, {"type": "start", "pid": 10 + r, "rank": r, "t": 0.0},
-                          *steps, {"type": "facts", "step_rule": "optimizer"}])
+                          *steps, {"type": "facts", "step_rule": "optimizer"},
+                          {"type": "end", "t": n + 1.0, "exit_code": None, "error": None}])
 
     report, lanes = build_job_report([rank(0, 8), rank(1, 6)], 99, [], [], {}, ProfileConfig(), exit_code=1)
     assert report["findings"][0]["cause"] == "unbalanced_data" and report["findings"][0]["share"] == 0.25

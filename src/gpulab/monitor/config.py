@@ -27,6 +27,11 @@ class ProfileConfig:
     """Steps whose individual spans (forward, backward, syncs, ...) go into trace.json; later steps
     appear as whole steps only, so the trace of a long run stays small."""
 
+    detail_steps: int = 10_000
+    """Steps recorded one by one (the window the per-step findings judge); later steps are recorded
+    in aggregate blocks (times per phase, a step-time histogram, the longest step), so a run of any
+    length keeps a small recording and report."""
+
     hang_after_s: float = 0.0
     """No process of the job finishing a step or a collective for this long is a hang: gpulab says
     where each rank is blocked (collective, sequence number, line) at once; 0: max(60 s, 100 x the
@@ -53,6 +58,8 @@ class ProfileConfig:
             raise UserError(f"--hang-after {self.hang_after_s}: use seconds (e.g. 300), or 0 for max(60 s, 100 steps)")
         if self.on_hang not in ("stop", "wait"):
             raise UserError(f"--on-hang {self.on_hang}: use stop (end the job, write the report) or wait")
+        if self.detail_steps < 1:
+            raise UserError(f"detail_steps {self.detail_steps}: use 1 or more")
         if self.trace_steps < 0:
             raise UserError(f"trace_steps {self.trace_steps}: use 0 or more")
 

@@ -6,8 +6,10 @@ pay for it (2-3 s) and must not change the script's environment.
 
 A process's file holds, in order of writing, the records typed below (TypedDicts: the JSON
 objects themselves, so writing and reading cost nothing extra): process, start, loader*, then
-step*/fold*, kernels (CUDA), memory, tail, oom (if it ran out of memory), end; and the whole-run
-tallies sites, hot, spans, facts, rewritten at every flush (the last one wins).
+step*/fold*, kernels (CUDA), memory, block* (the steps after the detailed window, summed), tail,
+oom (if it ran out of memory), end; and the whole-run tallies sites, hot, spans, facts,
+rewritten at every flush (the last one wins). The file is read line by line and the blocks
+merged down to MAX_BLOCKS, so reading a recording of any length takes a bounded memory.
 
 perf_counter() is CLOCK_MONOTONIC on Linux and macOS: one clock for every process of a machine,
 so lanes line up without translation.
@@ -16,6 +18,8 @@ so lanes line up without translation.
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal, NotRequired, TypedDict
 
@@ -81,6 +85,28 @@ class StepRecord(TypedDict):
     spans: NotRequired[list[list]]  # [name, category, t0, t1] of the first trace_steps steps
 
 
+class LongestStep(TypedDict):
+    i: int
+    t0: float
+    t1: float
+    excl: dict[str, float]
+
+
+class BlockRecord(TypedDict):
+    """Steps after the detailed window, summed (record/blocks.py): steps i0..i1, n of them."""
+    type: Literal["block"]
+    i0: int
+    i1: int
+    n: int
+    t0: float  # the first step's start
+    t1: float  # the last step's end
+    excl: dict[str, float]  # seconds per category, summed
+    counts: dict[str, float]  # summed
+    profiled: int  # steps inside a measurement window
+    durations: dict[str, int]  # step-time histogram: bin floor(8 log2(seconds)) -> steps
+    longest: LongestStep | None
+
+
 class FoldRecord(TypedDict):
     """The steps before it belong to the first step after it (a stronger step rule took over)."""
     type: Literal["fold"]
@@ -119,7 +145,9 @@ class EndRecord(TypedDict):
     type: Literal["end"]
     t: float
     exit_code: int | None
-    error: str | None
+    error: str | None  # the uncaught exception ("RuntimeError: ..."), or "stopped by SIGTERM"
+    where: NotRequired[str | None]  # the user's line the exception came from
+    steps: NotRequired[int]  # steps done when it ended
     cuda: dict  # CudaHooks.usage(): did the script use CUDA, which devices
 
 
@@ -131,37 +159,92 @@ def events_file(directory: Path | str, pid: int) -> Path:
 STATUS_PREFIX = "status-"  # status-<pid>.json: steps, when the process last made progress
 HANG_REQUEST = "hang-request"  # the parent asks every process where it is blocked
 HANG_PREFIX = "hang-"  # hang-<pid>.json: the answer
+# ... and kept for the report (a process that dies without a word leaves these behind):
+TALLY = struct.Struct("<qd")  # tally-<pid>.bin: steps done, when the last one ended (perf_counter)
+CRASH_PREFIX = "crash-"  # crash-<pid>.txt: faulthandler's traceback of a fatal signal (SIGSEGV, SIGABRT, ...)
 
 
-def read_events(path: Path) -> list[dict]:
-    """The records of an events file; a line cut short by a crash is skipped."""
-    records = []
+def tally_file(directory: Path | str, pid: int) -> Path:
+    return Path(directory) / f"tally-{pid}.bin"
+
+
+def crash_file(directory: Path | str, pid: int) -> Path:
+    return Path(directory) / f"{CRASH_PREFIX}{pid}.txt"
+
+
+def read_tally(path: Path) -> tuple[int, float] | None:
     try:
-        text = Path(path).read_text()
+        steps, t = TALLY.unpack(Path(path).read_bytes()[:TALLY.size])
+    except (OSError, struct.error):
+        return None
+    return steps, t
+
+
+def iter_events(path: Path) -> Iterator[dict]:
+    """The records of an events file, one at a time (a long run's file is never held whole); a
+    line cut short by a crash is skipped."""
+    try:
+        f = open(path)
     except FileNotFoundError:
-        return records
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+        return
+    with f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+MAX_BLOCKS = 2048  # blocks kept per process: neighbours are merged beyond it
+BINS_PER_OCTAVE = 8  # a block's step-time histogram: bin floor(8 log2(seconds)), 9% wide
+
+
+def merge_blocks(a: dict, b: dict) -> dict:
+    """Two consecutive blocks as one."""
+    merged = {**a, "i1": b["i1"], "t1": b["t1"], "n": a["n"] + b["n"], "profiled": a["profiled"] + b["profiled"],
+              "excl": _added(a["excl"], b["excl"]), "counts": _added(a["counts"], b["counts"]),
+              "durations": _added(a["durations"], b["durations"])}
+    la, lb = a.get("longest"), b.get("longest")
+    merged["longest"] = max((x for x in (la, lb) if x), key=lambda x: x["t1"] - x["t0"], default=None)
+    return merged
+
+
+def _added(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out
 
 
 def read_lanes(directory: Path) -> list["Recording"]:
-    """One Recording per process that wrote an events file, in order of start."""
-    lanes = [Recording(read_events(p)) for p in Path(directory).glob(f"{EVENTS_PREFIX}*.jsonl")]
+    """One Recording per process that wrote an events file, in order of start, with what it left
+    beside it: its step tally and, if it crashed, faulthandler's traceback."""
+    lanes = []
+    for path in Path(directory).glob(f"{EVENTS_PREFIX}*.jsonl"):
+        lane = Recording(iter_events(path))
+        if lane.pid is not None:
+            lane.tally = read_tally(tally_file(directory, lane.pid))
+            lane.crash = _read_text(crash_file(directory, lane.pid))
+        lanes.append(lane)
     return sorted(lanes, key=lambda r: (r.process.get("t") or r.start.get("t") or 0.0, r.pid or 0))
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return Path(path).read_text(errors="replace").strip() or None
+    except OSError:
+        return None
 
 
 class Recording:
     """The records of one process, sorted by kind (the reading side of the format above)."""
 
-    def __init__(self, records: list[dict]):
+    def __init__(self, records: Iterable[dict]):
         self.process: dict = {}
         self.start: dict = {}
         self.end: dict | None = None
         self.steps: list[dict] = []
+        self.blocks: list[dict] = []  # the steps after the detailed window, in aggregate
         self.tail: dict | None = None
         self.loaders: list[dict] = []
         self.sites: list[dict] = []
@@ -173,6 +256,8 @@ class Recording:
         self.memory: dict | None = None
         self.oom: dict | None = None
         self.exit_code: int | None = None  # set by whoever knows it (the parent, for its own child)
+        self.tally: tuple[int, float] | None = None  # (steps, t of the last) from tally-<pid>.bin
+        self.crash: str | None = None  # faulthandler's report of a fatal signal
         folded: list[dict] = []
         for r in records:
             kind = r.get("type")
@@ -187,6 +272,8 @@ class Recording:
             elif kind == "step":
                 self.steps.append(_merged(folded, r) if folded else r)
                 folded = []
+            elif kind == "block":
+                self._add_block(r)
             elif kind == "tail":
                 self.tail = r
             elif kind == "loader":
@@ -205,6 +292,12 @@ class Recording:
                 self.memory = r
             elif kind == "oom":
                 self.oom = r
+
+    def _add_block(self, block: dict) -> None:
+        self.blocks.append(block)
+        if len(self.blocks) > MAX_BLOCKS:  # half as many, each twice as long
+            pairs = zip(self.blocks[0::2], self.blocks[1::2])
+            self.blocks = [merge_blocks(a, b) for a, b in pairs] + self.blocks[len(self.blocks) // 2 * 2:]
 
     @property
     def t_start(self) -> float | None:
@@ -226,7 +319,14 @@ class Recording:
 
     @property
     def trained(self) -> bool:
-        return bool(self.steps)
+        return self.steps_done > 0
+
+    @property
+    def steps_done(self) -> int:
+        """Steps this process finished: the durable tally's count where the events file lost the
+        last ones (a process killed by SIGKILL)."""
+        recorded = len(self.steps) + sum(b["n"] for b in self.blocks)
+        return max(recorded, self.tally[0] if self.tally else 0)
 
     @property
     def step_rule(self) -> str | None:

@@ -18,12 +18,19 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from gpulab.monitor.analyze.hang import describe, mismatch, who
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import HANG_PREFIX, HANG_REQUEST, STATUS_PREFIX
 
 MIN_HANG_S = 60.0
 STEPS_OF_SILENCE = 100
+# A shorter silence is a stall (a rank stops for seconds inside a step, then goes on): the watch
+# asks once where everyone is, and keeps the answers for the report (analyze/failure.py).
+MIN_STALL_S = 5.0
+STEPS_OF_STALL = 20
+MAX_STALLS = 20  # kept for the report; a job that stalls more often says so with the first ones
 ANSWER_S = 3.0
 _POLL_S = 1.0
 
@@ -33,7 +40,10 @@ class HangWatch:
         self.folder = folder
         self.cfg = cfg
         self.hang: dict | None = None
+        self.stalls: list[dict] = []  # silences that ended: where each process was during them
+        self._stall: dict | None = None  # the silence going on, with the answers asked for it
         self._next_poll = 0.0
+        self._next_hang_check = 0.0  # a silence with no rank in a collective: look again later
         self._requests = 0
 
     def poll(self) -> dict | None:
@@ -43,26 +53,55 @@ class HangWatch:
             return None
         self._next_poll = now + _POLL_S
         statuses = _read_all(self.folder, STATUS_PREFIX)
-        trained = [s for s in statuses if s.get("steps", 0) > 0]
-        if not trained:
+        if not any(s.get("steps", 0) > 0 for s in statuses):
             return None
-        after = self.cfg.hang_after_s or max(MIN_HANG_S, STEPS_OF_SILENCE * max(
-            (s.get("median_step_s") or 0.0) for s in trained))
-        idle = time.time() - max(s["progress_unix"] for s in statuses)
-        if idle < after:
+        # asked where they are: the processes that trained, and every rank (one stopped before its
+        # first step was written is the one that matters)
+        trained = [s for s in statuses if s.get("steps", 0) > 0 or s.get("rank") is not None]
+        slowest = max((s.get("median_step_s") or 0.0) for s in trained)
+        hang_after = self.cfg.hang_after_s or max(MIN_HANG_S, STEPS_OF_SILENCE * slowest)
+        stall_after = min(hang_after, max(MIN_STALL_S, STEPS_OF_STALL * slowest))
+        latest = max(statuses, key=lambda s: s["progress_unix"])
+        if self._stall is not None and latest["progress_unix"] > self._stall["since_unix"]:
+            self._end_stall(latest)
+        idle = time.time() - latest["progress_unix"]
+        if idle < stall_after:
+            return None
+        if self._stall is None:
+            ranks, unanswered = self._ask(trained)
+            self._stall = {"since_unix": latest["progress_unix"], "since_t": latest.get("progress_t"),
+                           "ranks": ranks, "unanswered": _states(unanswered)}
+        if idle < hang_after or now < self._next_hang_check:
             return None
         ranks, unanswered = self._ask(trained)
         if not any(r.get("collective") for r in ranks):
-            self._next_poll = now + after
+            self._next_hang_check = now + hang_after
             return None
-        self.hang = {"after_s": after, "idle_s": idle, "ranks": ranks, "unanswered": unanswered,
-                     "mismatch": mismatch(ranks, unanswered), "action": self.cfg.on_hang}
+        self._stall = None  # not a stall: it never ended
+        self.hang = {"after_s": hang_after, "idle_s": idle, "ranks": ranks, "unanswered": _states(unanswered),
+                     "action": self.cfg.on_hang}
+        self.hang["mismatch"] = mismatch(ranks, self.hang["unanswered"])
         self.hang["lines"] = describe(self.hang)
         self._say(self.hang)
         return self.hang
 
-    def _ask(self, trained: list[dict]) -> tuple[list[dict], list[str]]:
-        """Every trained process's answer: where it is blocked; and who did not answer in time."""
+    def finish(self) -> None:
+        """The job ended: a silence still open ended with it (the job may go on and end between
+        two polls)."""
+        if self._stall is not None and self.hang is None:
+            statuses = _read_all(self.folder, STATUS_PREFIX)
+            self._end_stall(max(statuses, key=lambda s: s["progress_unix"]) if statuses else {})
+
+    def _end_stall(self, latest: dict) -> None:
+        """Progress again: the silence was a stall. Its length comes from the steps (the report)."""
+        stall, self._stall = self._stall, None
+        stall["until_t"] = latest.get("progress_t")
+        if len(self.stalls) < MAX_STALLS:
+            self.stalls.append(stall)
+
+    def _ask(self, trained: list[dict]) -> tuple[list[dict], list[dict]]:
+        """Every trained process's answer: where it is blocked; and who did not answer in time
+        ({"who": "rank 1", "pid": ...})."""
         self._requests += 1
         asked = str(self._requests)
         (self.folder / HANG_REQUEST).write_text(asked)
@@ -74,7 +113,7 @@ class HangWatch:
             answers = {a["pid"]: a for a in _read_all(self.folder, HANG_PREFIX)
                        if a.get("pid") in wanted and a.get("request") == asked}
         ranks = sorted(answers.values(), key=lambda a: (a.get("rank") is None, a.get("rank") or 0, a["pid"]))
-        unanswered = [who(s) for pid, s in wanted.items() if pid not in answers]
+        unanswered = [{"who": who(s), "pid": pid} for pid, s in wanted.items() if pid not in answers]
         return ranks, unanswered
 
     @staticmethod
@@ -84,6 +123,30 @@ class HangWatch:
         lines = hang["lines"]
         print(f"gpulab profile: the job hangs - {lines[0]}:", *(f"  {line}" for line in lines[1:]),
               f"  {then}", sep="\n", file=sys.stderr, flush=True)
+
+
+def _states(unanswered: list[dict]) -> list[str]:
+    """Who did not answer, and why, where the process table says: stopped (SIGSTOP, Ctrl-Z, a
+    debugger), gone, or a zombie."""
+    said = []
+    for u in unanswered:
+        try:
+            status = psutil.Process(u["pid"]).status()
+        except psutil.NoSuchProcess:
+            status = "gone"
+        except psutil.Error:
+            status = None
+        state = _STATE_WORDS.get(status, "did not answer (its Python is blocked too: a C call holding the GIL)")
+        said.append(f"{u['who']} (pid {u['pid']}) {state.format(pid=u['pid'])}")
+    return said
+
+
+_STATE_WORDS = {
+    psutil.STATUS_STOPPED: "is stopped (SIGSTOP, Ctrl-Z or a debugger): `kill -CONT {pid}` lets it go on",
+    psutil.STATUS_TRACING_STOP: "is stopped by a debugger (ptrace)",
+    psutil.STATUS_ZOMBIE: "has exited (a zombie its parent has not collected)",
+    "gone": "has exited",
+}
 
 
 def _read_all(folder: Path, prefix: str) -> list[dict]:

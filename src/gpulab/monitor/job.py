@@ -104,6 +104,11 @@ class Job:
         else:  # the user insists
             self.stop()
 
+    @property
+    def stopping(self) -> bool:
+        """Whether gpulab is ending the job (a signal to gpulab, or stop()), not the job itself."""
+        return self._term_at is not None
+
     def stop(self) -> None:
         """End the job now: SIGTERM to every process, SIGKILL KILL_GRACE_S later."""
         self._term_at = time.monotonic()

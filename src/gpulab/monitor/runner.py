@@ -28,7 +28,7 @@ from pathlib import Path
 
 import gpulab
 from gpulab.errors import UserError
-from gpulab.io import check_writable
+from gpulab.io import CannotWrite, check_writable, writing_results
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording, read_lanes
 from gpulab.monitor.hangwatch import HangWatch
@@ -49,14 +49,21 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) ->
     name = training_target(interpreter, target)
     out = out or default_out_dir(name)
     check_writable(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with writing_results():
+        out.mkdir(parents=True, exist_ok=True)
     _import_in_background("gpulab.monitor.output.report")  # matplotlib: ~0.7 s, hidden behind the job
     job = run_job([interpreter, *options, *target], cfg, out)
     from gpulab.monitor.output.report import build_job_report, print_report, write_outputs
 
     report, lanes = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code,
-                                     hang=job.hang)
-    write_outputs(out, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
+                                     hang=job.hang, stalls=job.stalls, stopped=job.stopped)
+    try:
+        write_outputs(out, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
+    except OSError as e:
+        # The job ran: its exit code is still the answer; only the report is lost (each file is
+        # whole or absent, the atomic writers see to it).
+        print(f"gpulab profile: {CannotWrite(e)}", file=sys.stderr, flush=True)
+        return job.exit_code
     print_report(report, out)
     return job.exit_code
 
@@ -70,11 +77,14 @@ class JobRun:
     gpus: list[dict]
     sampler: dict
     hang: dict | None  # hangwatch.py: where each process was blocked, when the job hung
+    stalls: list[dict]  # hangwatch.py: where each process was while the job stood still, then went on
+    stopped: bool  # gpulab stopped the job (the hang, or a signal to gpulab)
 
 
 def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
     """Run the job to its end with every Python process recorded; its recordings and samples."""
-    events = Path(tempfile.mkdtemp(prefix=".events-", dir=out))
+    with writing_results():
+        events = Path(tempfile.mkdtemp(prefix=".events-", dir=out))
     try:
         with Job() as job:
             proc = job.start(argv, job_env(events, cfg))
@@ -89,10 +99,12 @@ def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
                 exit_code = job.wait(on_tick=watch)
             finally:
                 sampler.stop()
+                hangs.finish()
         lanes = read_lanes(events)
     finally:
         shutil.rmtree(events, ignore_errors=True)
-    return JobRun(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary(), hangs.hang)
+    return JobRun(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary(), hangs.hang,
+                  hangs.stalls, job.stopping)
 
 
 def _import_in_background(module: str) -> None:
@@ -115,7 +127,13 @@ def job_env(events: Path, cfg: ProfileConfig) -> dict[str, str]:
 
 def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]:
     """`python [options] (script.py | -m module | -c code) [args]` -> interpreter, options, target;
-    `torchrun [args]` as it is."""
+    `torchrun [args]` as it is. The script, also the one a launcher would start, must exist."""
+    interpreter, options, target = _split(command)
+    check_launched_script(interpreter, target)
+    return interpreter, options, target
+
+
+def _split(command: list[str]) -> tuple[str, list[str], list[str]]:
     if not command:
         raise UserError(f"nothing to profile: give the command after --, e.g. {_USAGE}")
     interpreter = command[0]
@@ -152,28 +170,56 @@ def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]
             options.append(token)
             i += 1
         else:
-            script = Path(token)
-            if not script.is_file():
-                raise UserError(f"script {token} not found: check the path (relative to {Path.cwd()})")
+            _check_script(token)
             return interpreter, options, command[i:]
     raise UserError(f"no script given: {_USAGE}")
+
+
+def _check_script(path: str) -> None:
+    if not Path(path).is_file():
+        raise UserError(f"script {path} not found: check the path (relative to {Path.cwd()})")
+
+
+def check_launched_script(interpreter: str, target: list[str]) -> None:
+    """Under torchrun, the script it would start exists: else every rank would start, fail at once,
+    and leave a report of nothing."""
+    launcher_args = _launcher_args(interpreter, target) or []
+    for i, token in enumerate(launcher_args):
+        if token in ("-m", "--module", "--no-python", "--no_python"):
+            return  # a module, or a program (which may be on PATH)
+        if _is_launched_script(launcher_args, i):
+            _check_script(token)
+            return
+
+
+def _launcher_args(interpreter: str, target: list[str]) -> list[str] | None:
+    """The arguments of torchrun (`torchrun ...` or `-m torch.distributed.run ...`), or None when
+    the command runs no launcher."""
+    if os.path.basename(interpreter) == "torchrun":
+        return target
+    if target[:2] == ["-m", "torch.distributed.run"]:
+        return target[2:]
+    return None
 
 
 def training_target(interpreter: str, target: list[str]) -> list[str]:
     """What the job runs, for its name: under torchrun (`torchrun ...` or `-m torch.distributed.run
     ...`) the script or module after the launcher's own options, else the target itself."""
-    if os.path.basename(interpreter) == "torchrun":
-        launcher_args = target
-    elif target[:2] == ["-m", "torch.distributed.run"]:
-        launcher_args = target[2:]
-    else:
+    launcher_args = _launcher_args(interpreter, target)
+    if launcher_args is None:
         return target
     for i, token in enumerate(launcher_args):
         if token in ("-m", "--module") and i + 1 < len(launcher_args):
             return ["-m", *launcher_args[i + 1:]]
-        if not token.startswith("-") and (token.endswith(".py") or i > 0 and launcher_args[i - 1] == "--"):
+        if _is_launched_script(launcher_args, i):
             return launcher_args[i:]
     return target
+
+
+def _is_launched_script(launcher_args: list[str], i: int) -> bool:
+    """Whether torchrun's argument i is the script it starts: the first .py file, or what follows --."""
+    token = launcher_args[i]
+    return not token.startswith("-") and (token.endswith(".py") or i > 0 and launcher_args[i - 1] == "--")
 
 
 def default_out_dir(target: list[str]) -> Path:

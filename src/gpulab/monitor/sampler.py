@@ -331,6 +331,9 @@ class ProcessReader:
 # ----------------------------------------------------------------------------- the sampler
 
 
+MAX_SAMPLES = 20_000  # ~35 minutes at 0.1 s; beyond it, every other one is dropped and the interval doubled
+
+
 class Sampler:
     """Samples the GPUs and process `pid` every `interval_s` seconds on a daemon thread.
 
@@ -385,12 +388,21 @@ class Sampler:
         next_t = time.perf_counter()
         while True:
             self.samples.append(self.sample())
+            if len(self.samples) >= MAX_SAMPLES:
+                self._thin_out()
             next_t += self.interval_s
             now = time.perf_counter()
             if next_t < now:  # a sample took longer than the interval: skip, don't bunch up
                 next_t = now + self.interval_s
             if self._stop.wait(next_t - now):
                 return
+
+    def _thin_out(self) -> None:
+        """A long run: keep every other sample and sample half as often from now on, so the samples
+        (and the report's memory) stay bounded whatever the run's length."""
+        self.samples = self.samples[::2]
+        self.cost_s = self.cost_s[::2]
+        self.interval_s *= 2
 
     def summary(self) -> dict:
         """Facts about the sampler itself for the report: interval, count, its own cost."""

@@ -14,7 +14,8 @@ import statistics
 
 from gpulab.monitor.analyze.devices import device_busy, summarize_devices, used_gpu_indices
 from gpulab.monitor.analyze.findings import finding
-from gpulab.monitor.analyze.phases import StepCosts, percentile, select_steady, step_seconds, steps_found
+from gpulab.monitor.analyze.phases import (StepCosts, aggregate_summary, percentile, select_steady, step_seconds,
+                                           steps_found)
 from gpulab.monitor.analyze.process import costly_transforms, process_findings
 from gpulab.monitor.events import Recording
 
@@ -29,7 +30,7 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     used = used_gpu_indices(rec, gpus)
     window = (steady[0]["t0"], steady[-1]["t1"]) if steady else None
     report = {
-        "steps": len(rec.steps),
+        "steps": rec.steps_done,
         "steps_found": steps_found(rec),
         "step_time_s": {"median": 0.0, "p90": 0.0},
         "phases": dict.fromkeys(("data_wait", "compute", "collective", "sync", "h2d", "other"), 0.0),
@@ -48,6 +49,9 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         report["step_time_s"] = {"median": round(median, 6), "p90": round(p90, 6)}
     step = StepCosts(steady, rec.facts.get("ddp"))
     report["phases"] = step.shares()
+    later = aggregate_summary(rec)
+    if later is not None:  # the shares and findings above are of the detailed window
+        report["later_steps"] = later
     if step.K > 0:
         report["collectives"] = collectives_summary(step, rec.facts.get("ddp"))
     busy, busy_source = device_busy(rec, step, samples, gpus, used, window)

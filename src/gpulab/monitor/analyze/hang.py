@@ -50,9 +50,8 @@ def mismatch(ranks: list[dict], unanswered: list[str]) -> str:
     waits in a collective: hangwatch.py calls nothing else a hang)."""
     waiting = [r for r in ranks if r.get("collective")]
     outside = [r for r in ranks if not r.get("collective")]
-    if unanswered:
-        return (f"{', '.join(unanswered)} did not answer (its Python is blocked too: a C call holding "
-                f"the GIL, or it is stopped)")
+    if unanswered:  # each already says why, where the process table tells (hangwatch.py)
+        return "; ".join(unanswered)
     if waiting and outside:
         return (f"{', '.join(who(r) for r in outside)} never reached the collective the others wait in "
                 f"(#{waiting[0]['collective']['seq']}): stuck in its own code, or it skipped the call")
@@ -62,6 +61,12 @@ def mismatch(ranks: list[dict], unanswered: list[str]) -> str:
         behind = min(waiting, key=lambda r: r["collective"]["seq"] or 0)
         return (f"the ranks are at different collectives: {who(behind)} is at #{behind['collective']['seq']}, "
                 f"others further on - one rank made more collective calls than another")
+    if len(ops) > 1 and len({op for op, _ in ops}) == 1:
+        op = next(iter(ops))[0]
+        return (f"the ranks called {op} #{next(iter(by_seq))} with different sizes ("
+                + "; ".join(f"{who(r)}{_sizes(r['collective'])}" for r in waiting)
+                + "): a tensor whose shape differs between ranks (a last batch of another size, a shape that "
+                  "depends on the rank), or one rank skipped or added a collective of the same kind")
     if len(ops) > 1:
         return (f"at collective #{next(iter(by_seq))} the ranks called different things ("
                 + "; ".join(f"{who(r)} {r['collective']['op']}{_sizes(r['collective'])}" for r in waiting)

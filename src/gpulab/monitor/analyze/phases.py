@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from gpulab.monitor.events import CATEGORIES, Recording
+from gpulab.monitor.events import BINS_PER_OCTAVE, CATEGORIES, Recording
 
 PHASE_NAMES = {
     "data_wait": "data wait", "compute": "compute", "collective": "collectives", "sync": "host syncs", "h2d": "copies", "other": "other Python",
@@ -40,6 +40,38 @@ def select_steady(steps: list[dict], warmup_steps: int) -> tuple[list[dict], dic
         "profiler_window": len(steps) - len(unprofiled),
         "outliers": len(candidates) - len(steady),
     }
+
+
+def aggregate_summary(rec: Recording) -> dict | None:
+    """The steps after the detailed window (record/blocks.py), summed: how many, their median and
+    p90 step time (from the histogram: within 5%), and what they were made of."""
+    blocks = [b for b in rec.blocks if b["n"] > b["profiled"]]
+    if not blocks:
+        return None
+    n = sum(b["n"] for b in blocks)
+    histogram: dict[int, int] = {}
+    for b in blocks:
+        for k, v in b["durations"].items():
+            histogram[int(k)] = histogram.get(int(k), 0) + v
+    excl = {c: sum(b["excl"].get(c, 0.0) for b in blocks) for c in CATEGORIES}
+    total = sum(excl.values())
+    return {
+        "steps": n, "from_step": blocks[0]["i0"], "to_step": blocks[-1]["i1"],
+        "median_step_s": round(_histogram_quantile(histogram, 0.5), 6),
+        "p90_step_s": round(_histogram_quantile(histogram, 0.9), 6),
+        "phases": {c: round(v / total, 4) if total > 0 else 0.0 for c, v in excl.items()},
+        "source": "summed per block of >= 1000 steps; step times from a histogram with bins 9% wide",
+    }
+
+
+def _histogram_quantile(histogram: dict[int, int], q: float) -> float:
+    """The q-quantile of a step-time histogram, as its bin's geometric middle."""
+    total, seen = sum(histogram.values()), 0
+    for k in sorted(histogram):
+        seen += histogram[k]
+        if seen >= q * total:
+            return 2 ** ((k + 0.5) / BINS_PER_OCTAVE)
+    return 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -108,7 +140,7 @@ def lane_summary(rec: Recording, warmup_steps: int) -> dict:
     """One process of the job in a few numbers: steps, how they were found, step time, phase shares."""
     steady, _ = select_steady(rec.steps, warmup_steps)
     summary = {"pid": rec.pid, "ppid": rec.start.get("ppid") or rec.process.get("ppid"), "rank": rec.rank,
-               "steps": len(rec.steps), "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
+               "steps": rec.steps_done, "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
     if steady:
         summary["median_step_s"] = round(statistics.median(step_seconds(s) for s in steady), 6)
         summary["phases"] = StepCosts(steady, rec.facts.get("ddp")).shares()

@@ -3,6 +3,7 @@ unequal numbers of steps, a job bound by communication."""
 
 from __future__ import annotations
 
+import copy
 import statistics
 
 from gpulab.monitor.analyze.findings import MIN_SHARE, add_support, finding, hottest
@@ -18,19 +19,24 @@ RANK_FIXES = {
 }
 
 
-def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
+def rank_findings(lanes: list[Recording], warmup_steps: int, until: float | None = None) -> list[dict]:
     """Findings about a multi-rank job as a whole: a straggler, and ranks that ran unequal steps.
+    `until`: when a process failed; only the steps before it are judged (after it the survivors
+    wait for the dead, and their counts differ by the failure, not by their data).
 
     With synchronous data parallelism every rank waits for the slowest at each collective (for
     DDP: inside backward, where the allreduce is waited for), so step times come out equal and
     the straggler shows in *what* its step is made of: more time than the other ranks in one
     host-side phase, while theirs grows in compute (waiting)."""
     ranks = [r for r in trainers(lanes) if r.rank is not None]
+    if until is not None:
+        ranks = [_before(r, until) for r in ranks]
+    ranks = [r for r in ranks if r.steps]
     if len(ranks) < 2:
         return []
     findings = []
-    counts = {r.rank: len(r.steps) for r in ranks}
-    if len(set(counts.values())) > 1:
+    counts = {r.rank: r.steps_done for r in ranks}
+    if len(set(counts.values())) > 1 and until is None:
         listing = ", ".join(f"rank {k}: {v}" for k, v in counts.items())
         most, least = max(counts.values()), min(counts.values())
         unequal = finding(
@@ -76,6 +82,13 @@ def rank_findings(lanes: list[Recording], warmup_steps: int) -> list[dict]:
     add_support(lane, steps[rank], straggler)
     findings.append(straggler)
     return findings
+
+
+def _before(rec: Recording, until: float) -> Recording:
+    """The process as recorded up to `until`: its steps that ended by then."""
+    early = copy.copy(rec)
+    early.steps = [s for s in rec.steps if s["t1"] <= until]
+    return early
 
 
 # Every rank spends at least this share of its step in collectives, and none is late: the job is

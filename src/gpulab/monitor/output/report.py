@@ -11,10 +11,12 @@ from rich.markup import escape
 from gpulab.monitor.output import timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.diagnose import diagnose
+from gpulab.monitor.analyze.failure import failure_finding, job_failure
 from gpulab.monitor.analyze.hang import hang_finding
 from gpulab.monitor.analyze.memory import memory_line, memory_summary, oom_finding
-from gpulab.monitor.analyze.phases import PHASE_NAMES, lane_summary, shown_phases
+from gpulab.monitor.analyze.phases import PHASE_NAMES, lane_summary, shown_phases, step_seconds
 from gpulab.monitor.analyze.ranks import rank_findings
+from gpulab.monitor.analyze.stall import find_stalls, stall_finding
 from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
 from gpulab.io import atomic_write_bytes, atomic_write_json
 
@@ -51,9 +53,11 @@ def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler:
 
 
 def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict], gpus: list[dict], sampler: dict,
-                     cfg: ProfileConfig, exit_code: int | None, hang: dict | None = None) -> tuple[dict, list[Recording]]:
+                     cfg: ProfileConfig, exit_code: int | None, hang: dict | None = None,
+                     stalls: list[dict] | None = None, stopped: bool = False) -> tuple[dict, list[Recording]]:
     """The report of a job of one or more processes, and the processes to draw (the diagnosed
-    one first, then the other processes that trained).
+    one first, then the other processes that trained). `hang`, `stalls`: what the parent's hang
+    watch saw; `stopped`: gpulab stopped the job (a hang, or the user's signal to gpulab).
 
     That is the script's own process when it trained, else the child that trained most (a
     trainer started with multiprocessing): the parent's evaluation loop is not the verdict.
@@ -66,9 +70,14 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
     report["diagnosed_pid"] = shown.pid
     report["processes"] = [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
                            for r in by_rank(lanes) if r.recorded and not r.is_dataloader_worker]
-    across = rank_findings(lanes, cfg.warmup_steps)
+    failure = job_failure(lanes, stopped)
+    # a failure ends the steps worth judging across ranks: the survivors' last steps wait for the dead
+    across = rank_findings(lanes, cfg.warmup_steps, until=failure["first"]["t"] if failure else None)
     if not any(f["cause"] == "out_of_memory" for f in report["findings"]):  # another process ran out
         across += [f for r in lanes if r is not shown and (f := oom_finding(r, who=_who(r, main_pid))) is not None]
+    found_stalls = find_stalls(lanes, cfg.warmup_steps, stalls or [], timeline.time_origin(lanes, samples))
+    run_seconds = sum(step_seconds(s) for s in shown.steps)
+    across += [stall_finding(s, run_seconds) for s in found_stalls]
     if across:
         report["findings"] = sorted(across + [f for f in report["findings"] if f["cause"] != "none"],
                                     key=lambda f: f["share"], reverse=True)
@@ -81,9 +90,15 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
                           f"{shown.pid} ({len(shown.steps)} steps), the others are listed under processes")
     elif not shown.recorded:
         report["findings"][0]["evidence"], report["findings"][0]["fix"] = _why_nothing_was_recorded(main)
+    report["stalls"] = found_stalls
+    if failure is not None:
+        report["failure"] = failure
+        report["error"] = failure["first"]["message"]
+        if len(trained) > 1 and not any(f["cause"] == "out_of_memory" for f in report["findings"]):
+            report["findings"] = [failure_finding(failure)] + [f for f in report["findings"] if f["cause"] != "none"]
     if hang is not None:
         report["hang"] = hang
-        report["findings"] = [hang_finding(hang)] + [f for f in report["findings"] if f["cause"] != "none"]
+        report["findings"] = [hang_finding(hang)] + [f for f in report["findings"] if f["cause"] not in ("none", "failure")]
     return report, [shown] + [r for r in trained if r is not shown]
 
 
@@ -157,6 +172,12 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
     if busy:
         phases += f"   device busy {busy['share']:.0%} ({escape(busy['source'])})"
     lines.append(f"  step time: {phases}")
+    later = report.get("later_steps")
+    if later:
+        shares = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in shown_phases(later["phases"]))
+        lines.append(f"  [dim]the {later['steps']} steps after the first {later['from_step']} (summed, not judged step "
+                     f"by step): median {later['median_step_s'] * 1e3:.2f} ms, p90 {later['p90_step_s'] * 1e3:.2f} ms  "
+                     f"{shares}[/]")
     if report.get("memory"):
         lines.append(f"  {escape(memory_line(report['memory']))}")
     for n, f in enumerate(report["findings"], 1):

@@ -58,11 +58,13 @@ def figure(lanes: list[Recording], samples: list[dict], gpus: list[dict], report
     on_gpu = bool(gpus and any(s["gpus"] for s in samples))
 
     names = [f"rank {r.rank}" if r.rank is not None else f"pid {r.pid}" for r in lanes]
-    _plot_steps(ax_steps, [steps] + [r.steps for r in lanes[1:]], names, origin, on_gpu)
+    _plot_steps(ax_steps, [steps + rec.blocks] + [r.steps + r.blocks for r in lanes[1:]], names, origin, on_gpu)
+    _mark_waiting(ax_steps, report.get("stalls") or [], names, origin)
     if on_gpu:
         _plot_gpu_activity(ax_device, samples, gpus, origin)
     else:
-        _plot_cpu_compute(ax_device, rec.steps, origin)
+        waited = [(x["t0"], x["t1"]) for x in report.get("stalls") or [] if names[0] in x["waiting"]]
+        _plot_cpu_compute(ax_device, rec.steps + rec.blocks, origin, waited)
     _plot_memory(ax_memory, samples, gpus, origin, rec.memory)
     _plot_cpu(ax_cpu, samples, rec.start.get("cpu_count"), origin)
 
@@ -142,12 +144,14 @@ def _headline(report: dict, title: str) -> str:
     line = f"{title}: {report['steps']} steps, median {step['median'] * 1e3:.1f} ms"
     if top:
         found = top["cause"] != "none"
-        line += f"  |  {top['cause']} {top['share']:.0%} of step time" if found else "  |  nothing stands out"
+        line += (f"  |  {top['cause']} {top['share']:.0%} of {top.get('share_of', 'step time')}" if found
+                 else "  |  nothing stands out")
     return line
 
 
 def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float, on_gpu: bool) -> None:
-    """Each step as a bar from its start, split into its phases in a fixed order; one row per
+    """Each step as a bar from its start, split into its phases in a fixed order (after the
+    detailed window, each block of steps as one bar, its phases summed); one row per
     training process (the ranks of a torchrun job: a straggler's row looks different). Without a
     GPU there is no host-to-device copy: a `.to()` on the CPU is Python time ("other")."""
     for row, steps in enumerate(reversed(lanes)):
@@ -176,6 +180,24 @@ def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float, on
         ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
 
 
+def _mark_waiting(ax, stalls: list[dict], names: list[str], origin: float) -> None:
+    """A stall: the ranks that waited for the stalled one spent that time inside a collective (or
+    inside DDP's backward, which the recorder counts as compute): draw it as waiting, hatched over
+    their bars. Legend sits with the step row's."""
+    rows = {name: len(names) - 1 - i for i, name in enumerate(names)}
+    labelled = False
+    for stall in stalls:
+        for name in stall["waiting"]:
+            if name not in rows:
+                continue
+            ax.broken_barh([(stall["t0"] - origin, stall["t1"] - stall["t0"])], (rows[name] + 0.05, 0.9),
+                           facecolors="white", edgecolors=COLORS["collective"], hatch="///", linewidth=0.6,
+                           label=None if labelled else f"waiting for {stall['who']} (a stall)")
+            labelled = True
+    if labelled:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+
+
 def _plot_gpu_activity(ax, samples: list[dict], gpus: list[dict], origin: float) -> None:
     for position, info in enumerate(gpus):
         t = [s["t"] - origin for s in samples if len(s["gpus"]) > position]
@@ -188,10 +210,16 @@ def _plot_gpu_activity(ax, samples: list[dict], gpus: list[dict], origin: float)
     ax.set_ylabel("GPU %", fontsize=8)
 
 
-def _plot_cpu_compute(ax, steps: list[dict], origin: float) -> None:
-    """No GPU: the CPU is the device, so show how much of each step was torch compute."""
+def _plot_cpu_compute(ax, steps: list[dict], origin: float, waited: list[tuple[float, float]]) -> None:
+    """No GPU: the CPU is the device, so show how much of each step was torch compute - less the
+    time it waited for a stalled rank (inside DDP's backward that wait counts as compute)."""
     t = [s["t1"] - origin for s in steps]
-    share = [100 * s["excl"].get("compute", 0.0) / max(s["t1"] - s["t0"], 1e-12) for s in steps]
+
+    def computed(s: dict) -> float:
+        wait = sum(max(0.0, min(s["t1"], b) - max(s["t0"], a)) for a, b in waited)
+        return max(0.0, s["excl"].get("compute", 0.0) - wait)
+
+    share = [100 * computed(s) / max(s["t1"] - s["t0"], 1e-12) for s in steps]
     if t:
         ax.step(t, share, where="pre", color=COLORS["compute"], label="compute % of each step (CPU run, no GPU)")
     ax.set_ylim(0, 105)

@@ -5,6 +5,8 @@ that trained (steps; the spans inside each step: data waits, transforms, forward
 optimizer, syncs and copies) - and one for the sampled devices, whose readings are counter
 tracks (GPU utilization, memory, CPU %). Times are microseconds since the script started, on the
 same clock as timeline.png (every process's perf_counter is the machine's monotonic clock).
+Bounded whatever the run's length: spans for the first trace_steps steps, whole steps up to the
+detailed window (detail_steps), then one event per block of summed steps.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def _lane_events(rec: Recording, track: int, origin: float) -> list[dict]:
             "name": f"step {s['i']}", "cat": "step", "ph": "X", "pid": track, "tid": _STEPS_TID,
             "ts": us(s["t0"]), "dur": round((s["t1"] - s["t0"]) * 1e6, 1),
             "args": {f"{k} ms": round(v * 1e3, 3) for k, v in s["excl"].items()} | {"excluded": bool(s.get("profiled"))},
+        })
+    for b in rec.blocks:
+        events.append({
+            "name": f"steps {b['i0']}-{b['i1']} (summed)", "cat": "steps", "ph": "X", "pid": track, "tid": _STEPS_TID,
+            "ts": us(b["t0"]), "dur": round((b["t1"] - b["t0"]) * 1e6, 1),
+            "args": {f"{k} ms per step": round(v * 1e3 / b["n"], 4) for k, v in b["excl"].items()} | {"steps": b["n"]},
         })
     if rec.tail:
         events.append({

@@ -16,6 +16,7 @@ SIGHUP when the script has no handler of its own (flush, then die of the signal 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import threading
 import time
 
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.events import events_file
+from gpulab.monitor.events import crash_file, events_file
 from gpulab.monitor.record.interpreter import after_import, block_signals_in_this_thread
 
 _PARENT_POLL_S = 0.5
@@ -46,8 +47,26 @@ def _start_recording(cfg: ProfileConfig, directory: str) -> None:
     recorder = Recorder(cfg, events_path=events_file(directory, os.getpid()))
     recorder.start(command=list(getattr(sys, "orig_argv", sys.argv)))
     atexit.register(recorder.stop_in_any_process)
+    _write_crashes_to(crash_file(directory, os.getpid()))
     _note_uncaught_exceptions(recorder)
     _flush_on_termination(recorder)
+
+
+def _write_crashes_to(path) -> None:
+    """A fatal signal (SIGSEGV in an extension, SIGABRT from a C++ check, SIGBUS) kills the process
+    before any Python handler runs: faulthandler writes its Python stack to a file for the report.
+    A script that turned faulthandler on itself (-X faulthandler, PYTHONFAULTHANDLER) keeps its own."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        crashes = open(path, "w")  # kept open: faulthandler writes to its descriptor when it fires
+    except OSError:
+        return
+    faulthandler.enable(file=crashes, all_threads=False)
+    _KEPT_OPEN.append(crashes)
+
+
+_KEPT_OPEN: list = []
 
 
 def _note_uncaught_exceptions(recorder) -> None:

@@ -1,7 +1,11 @@
 """What `gpulab profile` needs to see a hang, from inside each recorded process.
 
 Progress: the training thread notes each step, each finished collective and each finished
-outermost module call (an evaluation loop makes progress too; a few attribute writes). The writer's helper thread calls Heartbeat.tick() every quarter second: it keeps
+outermost module call (an evaluation loop makes progress too; a few attribute writes). Each
+step also goes into `tally-<pid>.bin`, a file mapped into memory: what is stored there is in
+the kernel's page cache at once, so a process killed by SIGKILL still tells its exact number of
+steps and when its last one ended (the events file may lack its last quarter second).
+The writer's helper thread calls Heartbeat.tick() every quarter second: it keeps
 `status-<pid>.json` up to date (steps, when this process last made progress, its median step), and
 when the parent asks (it writes a new number to `hang-request` beside the events files) it writes
 `hang-<pid>.json`: where the training thread is blocked - the collective it waits in, from torch's
@@ -13,6 +17,7 @@ a collective has released the GIL.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 import threading
@@ -24,31 +29,38 @@ from statistics import median
 
 import torch
 
-from gpulab.monitor.events import HANG_PREFIX, HANG_REQUEST, STATUS_PREFIX
+from gpulab.monitor.events import HANG_PREFIX, HANG_REQUEST, STATUS_PREFIX, TALLY, tally_file
 from gpulab.monitor.record.frames import format_site, is_user_file
 
 _STACK_DEPTH = 12  # user frames kept, innermost first
 
 
 class Progress:
-    """Written by the training thread only; read by the helper thread."""
+    """Written by the training thread only; read by the helper thread. `folder`: where the
+    durable step tally goes (None: in-process sessions keep none)."""
 
-    def __init__(self):
+    def __init__(self, folder: Path | None = None, pid: int | None = None):
         self.steps = 0
         self.last_unix = time.time()
+        self.last_t = time.perf_counter()  # the same moment on the recording's clock
         self._step_durations: deque[float] = deque(maxlen=101)
         self._last_step_unix: float | None = None
+        self._tally = _map_tally(tally_file(folder, pid or os.getpid())) if folder is not None else None
 
     def step_done(self, steps: int) -> None:
         now = time.time()
         if self._last_step_unix is not None:
             self._step_durations.append(now - self._last_step_unix)
         self._last_step_unix = self.last_unix = now
+        self.last_t = time.perf_counter()
         self.steps = steps
+        if self._tally is not None:
+            TALLY.pack_into(self._tally, 0, steps, self.last_t)
 
     def made(self) -> None:
         """A collective or an outermost module call finished."""
         self.last_unix = time.time()
+        self.last_t = time.perf_counter()
 
     def median_step_s(self) -> float | None:
         durations = list(self._step_durations)
@@ -74,7 +86,8 @@ class Heartbeat:
 
     def _tick(self) -> None:
         status = {"pid": self.pid, "rank": self.rank, "steps": self.progress.steps,
-                  "progress_unix": round(self.progress.last_unix, 3), "median_step_s": self.progress.median_step_s()}
+                  "progress_unix": round(self.progress.last_unix, 3), "progress_t": round(self.progress.last_t, 4),
+                  "median_step_s": self.progress.median_step_s()}
         if status != self._last_status:
             _write_json(self.folder / f"{STATUS_PREFIX}{self.pid}.json", status)
             self._last_status = status
@@ -119,6 +132,16 @@ def _pending_collective() -> dict | None:
     op = str(e.get("profiling_name", "?")).split(":")[-1]
     return {"op": op, "seq": e.get("collective_seq_id"), "group": (e.get("process_group") or ["?", "?"])[1],
             "sizes": e.get("input_sizes"), "dtypes": e.get("input_dtypes"), "state": e.get("state")}
+
+
+def _map_tally(path: Path) -> mmap.mmap | None:
+    """The step tally's file, mapped (None where it cannot be made: the recording goes on)."""
+    try:
+        with open(path, "w+b") as f:
+            f.truncate(TALLY.size)
+            return mmap.mmap(f.fileno(), TALLY.size)
+    except (OSError, ValueError):
+        return None
 
 
 def _write_json(path: Path, record: dict) -> None:

@@ -37,7 +37,7 @@ from gpulab.monitor.events import EndRecord, LoaderRecord, OomRecord, ProcessRec
 from gpulab.monitor.record import patches
 from gpulab.monitor.record.cuda import CudaHooks
 from gpulab.monitor.record.ddp import DdpTimers
-from gpulab.monitor.record.frames import user_site
+from gpulab.monitor.record.frames import format_site, is_user_file, user_site
 from gpulab.monitor.record.heartbeat import Heartbeat, Progress
 from gpulab.monitor.record.memory import MemoryWindow
 from gpulab.monitor.record.sites import SyncSites
@@ -56,11 +56,12 @@ _SWITCH_INTERVAL_S = 0.001
 class Recorder:
     def __init__(self, cfg: ProfileConfig, events_path: Path | None = None):
         self.cfg = cfg
-        self.writer = EventWriter(events_path, self._snapshots)
+        self.writer = EventWriter(events_path, self._snapshots, cfg.detail_steps)
         self.cuda = CudaHooks(self, window_after_step=cfg.warmup_steps, window_steps=cfg.kernel_window_steps)
         self.ddp = DdpTimers()
         self.memory = MemoryWindow(self.writer.emit, cfg.memory_window)
         self.error: str | None = None  # an uncaught exception (note_exception)
+        self.error_where: str | None = None  # the innermost user line of its traceback
         self._ident: int | None = None
         self._stopping = False
         self._patches: patches.Patches | None = None  # in place while recording
@@ -75,7 +76,8 @@ class Recorder:
         self._loaders: set[int] = set()
         self._optimizer_tokens: dict[int, int] = {}
         self._stacks: StackSampler | None = None
-        self.progress = Progress()
+        folder = self.writer.path.parent if self.writer.path is not None else None
+        self.progress = Progress(folder, self._pid)
         if self.writer.path is not None:
             heartbeat = Heartbeat(self.writer.path.parent, self._pid, _env_int("RANK"), lambda: self._ident, self.progress)
             self.writer.on_tick = heartbeat.tick
@@ -173,6 +175,7 @@ class Recorder:
             self.cuda.finish(self.steps.index)
         self._patches.undo()
         end: EndRecord = {"type": "end", "t": now, "exit_code": exit_code, "error": error or self.error,
+                          "where": self.error_where if not error else None, "steps": self.progress.steps,
                           "cuda": self.cuda.usage()}
         self.writer.emit(end)
         self.writer.flush(final=True)
@@ -230,6 +233,7 @@ class Recorder:
         """The exception that ends the script (attach.py's excepthook, or the session's block). Out
         of memory: what was in use, and where, while the failing frames still hold it."""
         self.error = f"{type(error).__name__}: {error}"
+        self.error_where = _innermost_user_line(tb)
         if not (self.recording() and is_out_of_memory(error)):
             return
         try:
@@ -324,6 +328,16 @@ class Recorder:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _innermost_user_line(tb) -> str | None:
+    """The user's line where an exception was raised (or called into torch that raised it)."""
+    where = None
+    while tb is not None:
+        if is_user_file(tb.tb_frame.f_code.co_filename):
+            where = format_site(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return where
 
 
 def _env_int(name: str) -> int | None:

@@ -4,7 +4,8 @@ To a file, a helper thread writes the new records every FLUSH_EVERY_S, so what a
 recorded survives it however it ends: a rank blocked inside a collective (whose main thread never
 comes back to Python) is written in full, one killed by SIGKILL loses at most its last quarter
 second. The whole-run tallies (snapshots) are appended every SNAPSHOT_EVERY_S and at the end;
-the reader keeps the last one of each kind.
+the reader keeps the last one of each kind. Steps after the detailed window go out summed in
+blocks (blocks.py), on the helper thread.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from gpulab.monitor.record.blocks import StepBlocks
 from gpulab.monitor.record.interpreter import block_signals_in_this_thread
 
 FLUSH_EVERY_S = 0.25
@@ -26,8 +28,9 @@ SNAPSHOT_EVERY_S = 2.0  # snapshots are whole tallies, rewritten each time: not 
 class EventWriter:
     """`path` None: every record stays in memory (the snapshots are added at the final flush)."""
 
-    def __init__(self, path: Path | None, snapshots: Callable[[], list[dict]]):
+    def __init__(self, path: Path | None, snapshots: Callable[[], list[dict]], detail_steps: int):
         self.path = Path(path) if path else None
+        self._detail_steps = detail_steps
         # appended by the training thread, drained by the flushing one (deque: both are atomic)
         self._pending: deque[dict] = deque()
         self._snapshots = snapshots
@@ -41,7 +44,18 @@ class EventWriter:
         return list(self._pending)
 
     def emit(self, record: dict) -> None:
-        self._pending.append(record)
+        if self.path is None:  # in memory: nothing drains it, so the steps are summed here
+            self._pending.extend(self._aggregated(record))
+        else:
+            self._pending.append(record)
+
+    def _aggregated(self, record: dict) -> list[dict]:
+        """What goes out for `record`: itself, or (a step after the detailed window) nothing until
+        its block is complete."""
+        if self._blocks.detailed(record):
+            return [record]
+        block = self._blocks.add(record)
+        return [block] if block else []
 
     def new_lane(self, path: Path) -> None:
         """In a forked child: its own file, from scratch (the parent's thread and lock stay behind)."""
@@ -51,6 +65,7 @@ class EventWriter:
 
     def _start_lane(self) -> None:
         self._pid = os.getpid()
+        self._blocks = StepBlocks(self._detail_steps)
         self._lock = threading.RLock()  # the flushing thread and the final flush (a signal handler)
         self._closed = False
         self._last_snapshot = 0.0
@@ -74,9 +89,13 @@ class EventWriter:
         """Write what is pending, with the whole-run tallies; the final one ends the lane."""
         if self.path is None:
             if final:
-                self._pending.extend(self._snapshots())
+                self._pending.extend(self._closed_block() + self._snapshots())
             return
         self._write(with_snapshots=True, final=final)
+
+    def _closed_block(self) -> list[dict]:
+        block = self._blocks.close()
+        return [block] if block else []
 
     def _write(self, with_snapshots: bool, final: bool = False) -> None:
         with self._lock:
@@ -87,7 +106,9 @@ class EventWriter:
             snapshots = [json.dumps(r) for r in self._snapshots()] if with_snapshots else []
             lines = []
             while self._pending:
-                lines.append(json.dumps(self._pending.popleft()))
+                lines.extend(json.dumps(r) for r in self._aggregated(self._pending.popleft()))
+            if final:
+                lines.extend(json.dumps(r) for r in self._closed_block())
             lines.extend(snapshots)
             if with_snapshots:
                 self._last_snapshot = time.monotonic()

@@ -1,0 +1,148 @@
+"""How a job ended, process by process, and which one failed first.
+
+When one rank of a synchronous job fails, the others fail too - a moment later, with errors that
+only say they lost their peer ("Connection closed by peer", a timeout) or with the SIGTERM
+torchrun sends them. The report is about the first real failure: the rank, how it ended
+(its exception and line, a crash in native code, a signal Python cannot catch), and after how
+many steps. Each process tells how it ended in its events file's end record; a process killed by
+SIGKILL writes none, and says with its durable step tally (tally-<pid>.bin) how far it got; one
+killed by a fatal signal leaves faulthandler's traceback (crash-<pid>.txt).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from gpulab.monitor.analyze.findings import finding
+from gpulab.monitor.events import Recording, trainers
+
+# What a process says when it failed because another one did: gloo's and torch's words for a
+# peer that went away or never answered, and gpulab train's own failure protocol.
+_LOST_PEER = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|timed out|Timeout|"
+    r"DistNetworkError|DistStoreError|PeerLost|JobFailed|stopped answering", re.IGNORECASE)
+_CRASH_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+@dataclass
+class Ending:
+    """How one process ended. `how`: "ok", "exception", "signal" (a catchable one: SIGTERM,
+    SIGHUP), "crash" (a fatal signal: faulthandler wrote its stack), "killed" (no word at all:
+    SIGKILL), "stopped" (gpulab stopped the job)."""
+    who: str
+    pid: int | None
+    rank: int | None
+    how: str
+    message: str | None
+    where: str | None
+    steps: int
+    t: float | None  # when it ended (the recording's clock); for "killed", its last sign of life
+    lost_peer: bool = False  # its error says it failed because another process did
+
+    @property
+    def failed(self) -> bool:
+        return self.how not in ("ok", "stopped")
+
+    @property
+    def first_cause(self) -> bool:
+        """A failure of its own, not a consequence of another one's."""
+        return self.failed and self.how != "signal" and not self.lost_peer
+
+
+def ending(rec: Recording, stopped_by_gpulab: bool) -> Ending:
+    who = f"rank {rec.rank}" if rec.rank is not None else f"pid {rec.pid}"
+    steps = rec.steps_done
+    end = rec.end
+    if end is not None:
+        error = end.get("error")
+        if not error:
+            return Ending(who, rec.pid, rec.rank, "ok", None, None, steps, end["t"])
+        if error.startswith("stopped by SIG"):
+            return Ending(who, rec.pid, rec.rank, "stopped" if stopped_by_gpulab else "signal", error, None, steps,
+                          end["t"])
+        return Ending(who, rec.pid, rec.rank, "exception", _one_line(error), end.get("where"), steps, end["t"],
+                      lost_peer=bool(_LOST_PEER.search(error)))
+    last = last_sign_of_life(rec)
+    if rec.crash:
+        return Ending(who, rec.pid, rec.rank, "crash", _crash_message(rec.crash), _crash_where(rec.crash), steps, last)
+    if stopped_by_gpulab:
+        return Ending(who, rec.pid, rec.rank, "stopped", "stopped by gpulab (SIGKILL)", None, steps, last)
+    return Ending(who, rec.pid, rec.rank, "killed", "ended without a word: killed by a signal Python cannot catch "
+                  "(SIGKILL)", None, steps, last)
+
+
+def last_sign_of_life(rec: Recording) -> float | None:
+    """The latest moment the process is known to have run: its last step's end (from the durable
+    tally, which outlives SIGKILL), else the last record it wrote."""
+    times = [rec.tally[1]] if rec.tally and rec.tally[0] > 0 else []
+    times += [s["t1"] for s in rec.steps[-1:]] + ([rec.tail["t1"]] if rec.tail else [])
+    times += [rec.start.get("t") or 0.0]
+    return max(times)
+
+
+def job_failure(lanes: list[Recording], stopped_by_gpulab: bool) -> dict | None:
+    """The job's first failure and how every other process ended; None when no process failed.
+    The processes that trained count: a launcher's failure (torchrun's ChildFailedError) and a
+    DataLoader worker's follow from theirs."""
+    endings = [ending(r, stopped_by_gpulab) for r in trainers(lanes)]
+    failed = [e for e in endings if e.failed]
+    if not failed:
+        return None
+    causes = [e for e in failed if e.first_cause] or failed
+    first = min(causes, key=lambda e: (e.t is None, e.t or 0.0))
+    others = [e for e in endings if e is not first]
+    return {"first": asdict(first), "others": [asdict(e) for e in others]}
+
+
+_FIXES = {
+    "exception": "fix the error {who} raised (its traceback is in the job's output above); the errors of the "
+                 "other processes follow from it",
+    "crash": "a crash in native code (an extension, a driver, a C++ check that aborted): run {who}'s step alone "
+             "with the same input and `python -X faulthandler`, and look at the library the stack ends in",
+    "killed": "SIGKILL comes from outside Python: the kernel's out-of-memory killer (`dmesg | grep -i oom`, or "
+              "the job's memory limit: a smaller batch, fewer DataLoader workers), a scheduler's limit, or "
+              "`kill -9`; torchrun's summary above gives the exit code",
+    "signal": "something outside the job sent it that signal (a scheduler's time limit, `kill`): see who, or "
+              "give the job more time",
+}
+
+
+def failure_finding(failure: dict) -> dict:
+    first = failure["first"]
+    evidence = f"{first['who']} (pid {first['pid']}) failed first, after {first['steps']} steps: {first['message']}"
+    if first["where"]:
+        evidence += f" (at {first['where']})"
+    then = [f"{e['who']} after {e['steps']} steps: {e['message'] or 'ended normally'}" for e in failure["others"]]
+    if then:
+        evidence += "; then " + "; ".join(then)
+    f = finding("failure", 1.0, evidence, first["where"], fix=_FIXES[first["how"]].format(who=first["who"]))
+    f["share_of"] = "the run (it ended it)"
+    if first["rank"] is not None:
+        f["rank"] = first["rank"]
+    return f
+
+
+_MESSAGE_CHARS = 240
+
+
+def _one_line(error: str) -> str:
+    """An error message as one line, cut to a length a report line can carry."""
+    line = error.strip().splitlines()[0] if error.strip() else error
+    return line if len(line) <= _MESSAGE_CHARS else line[:_MESSAGE_CHARS - 3] + "..."
+
+
+def _crash_message(text: str) -> str:
+    """faulthandler's first line: 'Fatal Python error: Segmentation fault'."""
+    return text.splitlines()[0].strip()
+
+
+def _crash_where(text: str) -> str | None:
+    """The innermost frame of the user's faulthandler printed (it prints the innermost first): not
+    an installed package's, not the standard library's."""
+    frames = _CRASH_LINE.findall(text)
+    mine = [f for f in frames if not _LIBRARY.search(f[0])] or frames
+    return f"{mine[0][0]}:{mine[0][1]}" if mine else None
+
+
+_LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python3[.\d]*[/\\]")
