@@ -194,6 +194,18 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_exact_step_count(tmp_path, m
     assert not {"straggler", "unbalanced_data"} & {f["cause"] for f in report["findings"]}
 
 
+def test_a_rank_that_crashes_in_native_code_is_named_with_its_python_line(tmp_path, monkeypatch):
+    """A segmentation fault kills the rank before any Python handler runs: faulthandler's file
+    still names the signal and the line."""
+    code, report = profile_fault(tmp_path, monkeypatch, "crash")
+    assert code != 0
+    failure = report["findings"][0]
+    assert failure["cause"] == "failure" and failure["rank"] == 1, report["findings"]
+    assert "failed first, after 21 steps: Fatal Python error: Segmentation fault" in failure["evidence"]
+    assert failure["where"].endswith(f"ddp_faults.py:{planted_line('ctypes.string_at(0)')}")
+    assert report["failure"]["first"]["how"] == "crash"
+
+
 def test_a_stopped_rank_is_named_as_stopped(tmp_path, monkeypatch):
     """Rank 1 sends itself SIGSTOP: it cannot answer where it is; the process table says it is stopped."""
     code, report = profile_fault(tmp_path, monkeypatch, "stop", "--hang-after", "5")

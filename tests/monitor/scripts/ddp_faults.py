@@ -8,6 +8,7 @@ usage (under torchrun): ddp_faults.py hang | eval | mismatch | raise | kill | st
   mismatch  rank 1's all_reduce is of 2 elements, rank 0's of 1 (gloo aborts the collective)
   raise     rank 1 raises a RuntimeError
   kill      rank 1 sends itself SIGKILL (as the kernel's out-of-memory killer would)
+  crash     rank 1 reads address 0 (a segmentation fault, as a broken extension would)
   stop      rank 1 sends itself SIGSTOP (Ctrl-Z, a debugger): alive, but never comes back
   stall     rank 1 sleeps STALL_S inside step 20 (before backward), then the job goes on
 
@@ -15,6 +16,7 @@ Each rank writes `<FAULT_DIR>/rank<r>-at-fault` as it reaches the fault, so a te
 job is in it.
 """
 
+import ctypes
 import os
 import signal
 import sys
@@ -48,6 +50,8 @@ def plant(mode: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if mode == "crash":
+        ctypes.string_at(0)
 
 
 def main():
