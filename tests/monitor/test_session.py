@@ -16,9 +16,11 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import gpulab.monitor
 from gpulab.errors import UserError
+from gpulab.io import CannotWrite
 from gpulab.monitor.record import patches
 from gpulab.parallel import phases
 from gpulab.parallel.phases import PhaseTimer
+from tests.conftest import disk_full_for
 
 
 def train_steps(model, optimizer, batches, on_step=None):
@@ -84,6 +86,21 @@ def test_an_exception_still_writes_a_partial_report_and_propagates(tmp_path):
     assert report["steps"] == 4
     assert report["error"] == "RuntimeError: boom" and report["complete"] is False
     assert nn.Module.__call__.__name__ == "_wrapped_call_impl"  # unpatched despite the exception
+
+
+def test_a_full_disk_is_one_line_and_the_block_s_own_error_goes_on(tmp_path, monkeypatch, capsys):
+    model, optimizer = tiny()
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,)))] * 4
+    disk_full_for(monkeypatch, "timeline.png")
+    with pytest.raises(CannotWrite, match="cannot write .*timeline.png: No space left on device; free space"):
+        with gpulab.monitor.profile(out=tmp_path / "a", quiet=True):
+            train_steps(model, optimizer, batches)
+    with pytest.raises(RuntimeError, match="boom"):
+        with gpulab.monitor.profile(out=tmp_path / "b", quiet=True):
+            train_steps(model, optimizer, batches)
+            raise RuntimeError("boom")
+    assert "cannot write" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.tmp")) and not (tmp_path / "a" / "timeline.png").exists()
 
 
 def test_one_session_at_a_time(tmp_path):

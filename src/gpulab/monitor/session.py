@@ -10,7 +10,8 @@
 
 On leaving the block, report.json, timeline.png and trace.json are written to `out`, the short
 report is printed (stderr), and `p.report` holds the report dict. An exception inside the block
-still writes a partial report, then propagates.
+still writes a partial report, then propagates. A full disk while writing is one line: a
+CannotWrite (a UserError), or on stderr when the block raised its own exception, which goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gpulab.monitor.events import Recording
 from gpulab.monitor.output.report import build_report, print_report, write_outputs
 from gpulab.monitor.record.recorder import Recorder
 from gpulab.monitor.sampler import Sampler
-from gpulab.io import check_writable
+from gpulab.io import CannotWrite, check_writable
 
 
 class Profile:
@@ -62,7 +63,13 @@ class Profile:
         rec = Recording(self._recorder.records)
         gpus = self._sampler.gpu.gpus
         self.report = build_report(rec, self._sampler.samples, gpus, self._sampler.summary(), self.cfg, exit_code)
-        write_outputs(self.out, self.report, [rec], self._sampler.samples, gpus, title=_program_name())
+        try:
+            write_outputs(self.out, self.report, [rec], self._sampler.samples, gpus, title=_program_name())
+        except OSError as e:  # a full disk: one line (each file is whole or absent)
+            if exc_type is None:
+                raise CannotWrite(e) from None
+            print(f"gpulab profile: {CannotWrite(e)}", file=sys.stderr, flush=True)
+            return False  # the block's own exception is the one that matters
         if not self.quiet:
             print_report(self.report, self.out, self.console)
         return False  # never swallow the exception
