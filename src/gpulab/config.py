@@ -19,6 +19,7 @@ Dataset = Literal["fashion-mnist", "custom"]
 RecipeName = Literal["modern", "textbook"]
 Allreduce = Literal["auto", "naive", "ring", "nccl"]
 Sync = Literal["gpulab", "ddp"]
+Shard = Literal["none", "fsdp"]
 Backend = Literal["auto", "gloo", "nccl"]
 ChannelsLast = Literal["auto", "on", "off"]
 Precision = Literal["auto", "fp32", "bf16"]
@@ -94,6 +95,9 @@ class TrainConfig:
     allreduce: Allreduce = option("auto", "gradient allreduce in one process over k devices")
     sync: Sync = option("gpulab", "under torchrun: gpulab (bucketed all-reduce overlapped with backward) or "
                         "ddp (PyTorch's DistributedDataParallel)")
+    shard: Shard = option("none", "under torchrun: none (every rank holds the whole model, gradients and optimizer "
+                          "state) or fsdp (each rank holds 1/k of them: torch's FSDP2, for a model that does "
+                          "not fit)")
     backend: Backend = option("auto", "under torchrun: auto (nccl when each rank has a GPU, else gloo), gloo or nccl")
     timeout: float = option(60.0, "under torchrun: seconds a training collective waits for the other ranks "
                             "before the job stops (it must cover rank 0 writing a checkpoint)")

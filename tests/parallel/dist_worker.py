@@ -1,5 +1,5 @@
 """Run under torchrun by test_distributed.py: train small models with gpulab's `Distributed`
-strategy on fixed global batches (each rank takes its part) and save every rank's parameters.
+(or, for cases with "shard": "fsdp", `Sharded`) strategy on fixed global batches (each rank takes its part) and save every rank's parameters.
 
 The models, batches and optimizers are defined here, in plain PyTorch, so that the test builds
 exactly the same ones for its reference: one model, `loss.backward(); opt.step()` per batch.
@@ -71,20 +71,25 @@ def make_batches(model: str, batch_size: int, steps: int) -> list[tuple[torch.Te
 
 def main(cases: list[dict], out: Path) -> None:
     from gpulab.parallel.distributed import Distributed
+    from gpulab.parallel.sharded import Sharded
     from gpulab.parallel.world import from_environment
 
     world = from_environment()
     world.connect(torch.device("cpu"), "gloo", timeout_s=60)
     for case in cases:
-        strategy = Distributed(
-            make_model(case["model"]), world, torch.device("cpu"), case["batch_size"], OPTIMIZERS[case["optimizer"]],
-            sync=case["sync"], accumulate=case.get("accumulate", 1), sync_bn=case.get("sync_bn", False),
-            bucket_bytes=case.get("bucket_bytes", 25 * 2**20), first_bucket_bytes=case.get("first_bucket_bytes", 2**20),
-        )
+        if case.get("shard") == "fsdp":
+            strategy = Sharded(make_model(case["model"]), world, torch.device("cpu"), case["batch_size"],
+                               OPTIMIZERS[case["optimizer"]], accumulate=case.get("accumulate", 1))
+        else:
+            strategy = Distributed(
+                make_model(case["model"]), world, torch.device("cpu"), case["batch_size"], OPTIMIZERS[case["optimizer"]],
+                sync=case["sync"], accumulate=case.get("accumulate", 1), sync_bn=case.get("sync_bn", False),
+                bucket_bytes=case.get("bucket_bytes", 25 * 2**20), first_bucket_bytes=case.get("first_bucket_bytes", 2**20),
+            )
         for X, y in make_batches(case["model"], case["batch_size"], case["steps"]):
             part = torch.tensor_split(torch.arange(len(y)), world.world_size)[world.rank]  # GlobalBatches' rule
             strategy.train_step(X[part], y[part], nn.functional.cross_entropy)
-        torch.save(strategy.module.state_dict(), out / f"{case['name']}-rank{world.rank}.pt")
+        torch.save(strategy.state_dict()["model"], out / f"{case['name']}-rank{world.rank}.pt")
     world.close()
 
 

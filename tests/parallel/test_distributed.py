@@ -42,6 +42,10 @@ CASES = [
     dict(name="frozen", model="frozen", optimizer="sgd", sync="gpulab", batch_size=24, steps=3, **SMALL_BUCKETS),
     # Plain PyTorch normalizes over the whole batch: across ranks that is sync BN.
     dict(name="sync-bn", model="bnnet", optimizer="sgd", sync="gpulab", batch_size=23, steps=4, sync_bn=True, **SMALL_BUCKETS),
+    # Sharded (FSDP2): each rank holds 1/k of parameters, gradients and optimizer state.
+    dict(name="sgd-fsdp", model="convnet", optimizer="sgd", shard="fsdp", batch_size=24, steps=4),
+    dict(name="adam-fsdp-uneven", model="convnet", optimizer="adam", shard="fsdp", batch_size=23, steps=4),
+    dict(name="accumulate-fsdp", model="convnet", optimizer="sgd", shard="fsdp", batch_size=23, steps=3, accumulate=2),
 ]
 
 

@@ -470,3 +470,79 @@ def test_under_launch_a_dead_rank_is_named_in_launch_s_words(long_epochs, tmp_pa
                      rf"options\) -- --resume {re.escape(str(run))}$", lines[0]), lines[0]
     assert "torchrun" not in lines[0]
     assert "gpulab launch: rank 1 was killed by SIGKILL" in out
+
+
+# ----------------------------------------------------------------------------- --shard fsdp
+
+
+def test_fsdp_trains_like_one_process_and_exports(tiny_data, tmp_path):
+    """Sharded over 2 ranks (FSDP2): the same losses, accuracy and weights as one process, up to
+    fp32 summation order; the run's checkpoint holds the whole model, so export works on it. (NCHW
+    in both: FSDP2 shards contiguous parameters only, and a layout's rounding flips near-ties in
+    a barely trained model's test accuracy.)"""
+    args = ["--epochs", "2", "--seed", "3", *FAST, "--channels-last", "off"]
+    assert main(["train", *args, "--devices", "cpu", "--out", str(tmp_path / "one")]) == 0
+    result = torchrun(2, [*args, "--shard", "fsdp", "--out", str(tmp_path / "fsdp")], tiny_data, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "shard fsdp over gloo" in result.stdout
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "fsdp")):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4)
+        assert a["test_acc"] == pytest.approx(b["test_acc"], abs=0.01)
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
+    assert main(["export", str(tmp_path / "fsdp")]) == 0
+
+
+def test_fsdp_check_parity_on_three_ranks(tiny_data, tmp_path):
+    result = torchrun(3, ["--check-parity", "--shard", "fsdp", "--batch-size", "31"], tiny_data, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("parity PASS") == 1 and "shard fsdp" in result.stdout
+    float64 = float(re.search(r"float64 +max \|param difference\| = (\S+)", result.stdout).group(1))
+    assert float64 <= 1e-9
+
+
+STOP_AFTER_EPOCH_1 = """
+import sys
+from gpulab.train import TrainConfig, train
+
+def stop(row):
+    if row["epoch"] == 1:
+        raise KeyboardInterrupt
+
+cfg = TrainConfig(epochs=2, seed=3, precision="fp32", batch_size=32, channels_last="off", shard="fsdp", out=sys.argv[1])
+try:
+    train(cfg, on_epoch_end=stop)
+except KeyboardInterrupt:
+    pass
+"""
+
+
+def test_fsdp_resumes_on_another_number_of_ranks(tiny_data, tmp_path):
+    """2 ranks for epoch 1 (SGD with momentum: optimizer state too), then 3 for epoch 2: the
+    shards are made again from the whole state, and the run ends as an uninterrupted one."""
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_AFTER_EPOCH_1)
+    first = subprocess.run([*torchrun_cmd(2, [])[:-3], str(script), str(tmp_path / "run")], cwd=tmp_path,
+                           env=env_for(tiny_data), capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [r["epoch"] for r in metrics(tmp_path / "run")] == [1]
+    resumed = torchrun(3, ["--resume", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert main(["train", "--epochs", "2", "--seed", "3", *FAST, "--channels-last", "off", "--devices", "cpu",
+                 "--out", str(tmp_path / "one")]) == 0
+    rows, expected = metrics(tmp_path / "run"), metrics(tmp_path / "one")
+    assert [r["replicas"] for r in rows] == [2, 3]
+    assert rows[1]["train_loss"] == pytest.approx(expected[1]["train_loss"], abs=1e-4)
+
+
+@pytest.mark.parametrize("ranks,extra,words", [
+    (1, [], "--shard fsdp shards the model over torchrun ranks"),
+    (2, ["--sync-bn"], "--sync-bn with --shard fsdp is not supported"),
+    (2, ["--sync", "ddp"], "--sync ddp replicates the model"),
+], ids=["outside-torchrun", "sync-bn", "sync-ddp"])
+def test_fsdp_refuses_what_it_cannot_do_in_one_line(tiny_data, tmp_path, ranks, extra, words):
+    result = torchrun(ranks, ["--shard", "fsdp", *extra, "--out", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
+    assert result.returncode != 0
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and words in lines[0], result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -17,6 +17,7 @@ from gpulab.host import fix_malloc_thresholds
 from gpulab.options import flag, train_fields
 from gpulab.parallel import DataParallel, World
 from gpulab.parallel.distributed import Distributed
+from gpulab.parallel.sharded import Sharded
 from gpulab.parallel.meter import classifies
 from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.strategy import Strategy
@@ -116,16 +117,38 @@ def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int,
         raise UserError("this run trains on the caller's own data: pass train_data and test_data to train()")
     if train_data is not None:
         check_image_shape(train_data, cfg.model)
+    if cfg.shard == "fsdp":
+        check_sharding(cfg, world)
     if cfg.sync_bn and world.world_size > 1 and cfg.sync == "ddp":
         raise UserError("--sync-bn with --sync ddp is not supported (gpulab's sync BN runs with --sync gpulab): drop one")
     if cfg.recipe_spec.init == "textbook" and cfg.model != "lenet":
         raise UserError("--recipe textbook initialises the textbook's LeNet only: use --model lenet")
 
 
+def check_sharding(cfg: TrainConfig, world: World) -> None:
+    """--shard fsdp shards over torchrun ranks, one device each, with FSDP's own gradient exchange."""
+    if world.world_size == 1:
+        raise UserError("--shard fsdp shards the model over torchrun ranks: start it with torchrun --nproc-per-node K "
+                        "-m gpulab train --shard fsdp (or gpulab launch); in one process, --devices cpu*K or "
+                        "cuda:0,cuda:1 replicates the model instead")
+    if cfg.sync_bn:
+        raise UserError("--sync-bn with --shard fsdp is not supported (gpulab's sync BN runs with replicated "
+                        "models): drop --sync-bn, and each rank's BatchNorm statistics are averaged at evaluation")
+    if cfg.sync == "ddp":
+        raise UserError("--sync ddp replicates the model; --shard fsdp exchanges gradients its own way "
+                        "(reduce-scatter): drop one")
+    if cfg.channels_last == "on":
+        raise UserError("--channels-last on with --shard fsdp: FSDP2 shards contiguous (NCHW) parameters only; "
+                        "drop --channels-last")
+
+
 def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, devices: list[torch.device],
                   batch_size: int, lr: float, timer: PhaseTimer | None = None, optimizer=None) -> Strategy:
     optimizer = optimizer or make_optimizer(cfg.recipe_spec, lr)
     autocast = autocast_dtype(cfg, devices)
+    if world.world_size > 1 and cfg.shard == "fsdp":
+        return Sharded(model, world, devices[0], batch_size, optimizer, accumulate=cfg.accumulate, timer=timer,
+                       autocast=autocast)
     if world.world_size > 1:
         return Distributed(
             model, world, devices[0], batch_size, optimizer, sync=cfg.sync, accumulate=cfg.accumulate,

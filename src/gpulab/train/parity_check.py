@@ -22,6 +22,7 @@ from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_
 from gpulab.parallel.failures import PeerLost, Terminated
 from gpulab.parallel.world import World, from_environment
 from gpulab.config import TrainConfig
+from gpulab.parallel.sharded import Sharded
 from gpulab.train.build import build, make_loaders, make_strategy
 from gpulab.train.precision import use_channels_last
 from gpulab.train.recipe import make_optimizer
@@ -65,7 +66,7 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
         strategy = make_strategy(cfg, world, model, run.devices, run.batch_size, run.peak_lr)
         for X, y in local:
             strategy.train_step(X.to(run.devices[0], dtype), y.to(run.devices[0]), run.loss_fn)
-        trained = world.gather([[p.detach().cpu() for p in r.parameters()] for r in strategy.replicas])
+        trained = world.gather(trained_parameters(strategy))
         if world.is_main:
             reference = reference_training(
                 initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, run.peak_lr), dtype, run.devices[0]
@@ -113,3 +114,11 @@ def one_process_batches(cfg: TrainConfig, run, num_steps: int) -> list[tuple[tor
     channels_last = use_channels_last(cfg, run.devices)
     loader, _ = make_loaders(cfg, World(), run.devices[0], run.batch_size, channels_last, train_split, test_split)
     return [(X.cpu(), y.cpu()) for _, (X, y) in zip(range(num_steps), loader)]
+
+
+def trained_parameters(strategy) -> list[list[torch.Tensor]]:
+    """Each of this process's replicas' parameters, whole, on the CPU (a sharded model's are
+    gathered from every rank: collective)."""
+    if isinstance(strategy, Sharded):
+        return [[p.detach().cpu() for p in strategy.full_parameters()]]
+    return [[p.detach().cpu() for p in r.parameters()] for r in strategy.replicas]

@@ -11,7 +11,8 @@ def use_channels_last(cfg: TrainConfig, devices: list[torch.device]) -> bool:
     # On CPU, oneDNN's LeNet convolutions ran 1.5x and 2.2x faster on NHWC than NCHW in two runs
     # of benchmarks/train_speed.py; on CUDA with fp32 the gain is not established, so auto = off.
     if cfg.channels_last == "auto":
-        return all(d.type == "cpu" for d in devices)
+        # FSDP2 shards contiguous parameters only: a sharded model keeps NCHW weights
+        return all(d.type == "cpu" for d in devices) and cfg.shard != "fsdp"
     return cfg.channels_last == "on"
 
 

@@ -1,0 +1,199 @@
+"""Sharded data parallelism (--shard fsdp): for a model that does not fit, on torch's FSDP2.
+
+Replicated strategies keep a whole model, its gradients and its optimizer state on every rank.
+Here each of the k ranks holds 1/k of each (ZeRO-3): `torch.distributed.fsdp.fully_shard` turns
+each parameter into a DTensor sharded over the ranks (dim 0), and for each unit of the model
+(a layer, a residual block) gathers the unit's parameters just before its forward and again for
+its backward, frees them after, and reduce-scatters its gradients so that each rank keeps the
+gradient of its own shard. The optimizer steps on the shards only. The price is communication:
+per step about 3x the model's bytes cross the link (all-gather in forward, again in backward,
+reduce-scatter), against 2x for an allreduce of the gradients.
+
+Units (`shard_units`): LeNet's layers, ResNet-18's residual blocks, a model's top-level children
+(the elements of a top-level Sequential/ModuleList of blocks), then the root, which holds what is
+left. The batch rule is gpulab's (GlobalBatches: each rank its part of every global batch); FSDP
+averages gradients over ranks, so each rank's loss is weighted by its part / global batch and
+multiplied by k, as for DDP: the result is the gradient of the global batch's mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                      get_optimizer_state_dict, set_model_state_dict,
+                                                      set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from gpulab.parallel.data_parallel import micro_batches
+from gpulab.parallel.meter import Meter, correct_count, summarize
+from gpulab.parallel.phases import PhaseTimer
+from gpulab.parallel.strategy import LossFn, eval_batch, set_lr
+from gpulab.parallel.world import World
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList)
+_FULL = StateDictOptions(full_state_dict=True)  # on every rank, as the replicated strategies' are
+
+
+def has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules wrapped one by one (each all-gathered as a whole, just before it runs): the
+    top-level children that hold parameters; a top-level Sequential/ModuleList of blocks (modules
+    made of layers, such as residual blocks) is split into its blocks."""
+    units = []
+    for child in model.children():
+        if not has_parameters(child):
+            continue
+        blocks = [m for m in child.children() if has_parameters(m)] if isinstance(child, _CONTAINERS) else []
+        if blocks and all(any(has_parameters(g) for g in b.children()) for b in blocks):
+            units += blocks
+        else:
+            units.append(child)
+    return units
+
+
+def mixed_precision(dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """bf16: parameters gathered and computed in bf16, gradients reduce-scattered in fp32, the
+    output in fp32 (so the loss is); the shards and the optimizer stay fp32. None: all fp32."""
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+
+
+class Sharded:
+    """The training strategy of one torchrun rank with a sharded model (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        world: World,
+        device: torch.device,
+        batch_size: int,
+        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.1),
+        accumulate: int = 1,
+        timer: PhaseTimer | None = None,
+        autocast: torch.dtype | None = None,
+    ):
+        """`batch_size`: the global batch (all ranks together) of every training step;
+        `autocast`: bf16 as FSDP's mixed-precision policy (mixed_precision())."""
+        self.world = world
+        self.devices = [device]
+        self.num_replicas = world.world_size
+        self.batch_size = batch_size
+        self.accumulate = accumulate
+        self.autocast = None  # the policy casts; evaluation and the loss see fp32 outputs
+        self.precision = autocast
+        self.buffers_stale = True
+        self.timer = timer or PhaseTimer([device], enabled=False)
+        self.module = module.to(device)
+        self._broadcast_from_main(self.module)  # the same start on every rank, then sharded
+        mesh = DeviceMesh.from_group(world.group, device.type)
+        policy = mixed_precision(autocast)
+        self.units = shard_units(self.module)
+        for unit in self.units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(self.module, mesh=mesh, mp_policy=policy)
+        self.model = self.module
+        self.replicas = [self.module]
+        self.optimizer = optimizer(self.module.parameters())
+        self.description = f"shard fsdp over {world.backend} ({len(self.units)} units + root)"
+        self.module.train(True)
+
+    def _broadcast_from_main(self, module: nn.Module) -> None:
+        import torch.distributed as dist
+
+        with torch.no_grad(), self.world.collectives():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0, group=self.world.group)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr([self.optimizer], lr)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, meter: Meter | None = None) -> torch.Tensor:
+        """One synchronized step on this rank's part (X, y) of a global batch of `batch_size`."""
+        self.buffers_stale = True
+        total = torch.zeros((), device=self.devices[0])
+        parts = micro_batches(X, y, self.accumulate)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.world.collectives():
+            for j, (X_micro, y_micro) in enumerate(parts):
+                # Gradients are reduce-scattered after the last micro-batch only (no_sync's role).
+                self.module.set_requires_gradient_sync(j == len(parts) - 1)
+                with self.timer.phase("forward_backward"):
+                    out = self.module(X_micro)
+                    loss = loss_fn(out, y_micro) * (len(y_micro) / self.batch_size)
+                    (loss * self.world.world_size).backward()  # FSDP averages over ranks; gpulab sums
+                total = total + loss.detach()
+                if meter is not None:
+                    meter.add(loss.detach() * self.batch_size, correct_count(out, y_micro), len(y_micro))
+            with self.timer.phase("optimizer"):
+                self.optimizer.step()
+        return total
+
+    # ------------------------------------------------------------------ metrics, evaluation, state
+
+    def reduce(self, meter: Meter) -> dict[str, float]:
+        import torch.distributed as dist
+
+        totals = torch.cat([meter.totals, meter.totals.new_tensor([meter.count])])
+        with self.world.collectives():
+            dist.all_reduce(totals, group=self.world.group)
+        return summarize(*totals.tolist())
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """BatchNorm running statistics are not sharded: each rank's drift apart; averaged here."""
+        import torch.distributed as dist
+
+        if not self.buffers_stale:
+            return
+        self.buffers_stale = False
+        with self.world.collectives():
+            for b in self.module.buffers():
+                if b.is_floating_point():
+                    dist.all_reduce(b, group=self.world.group)
+                    b.div_(self.world.world_size)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn | None = None) -> dict:
+        """Every rank evaluates its part of each batch (the same number of batches on every rank:
+        each forward all-gathers the units' parameters, a collective)."""
+        self.sync_buffers()
+        self.module.train(False)
+        meter = Meter(self.devices[0])
+        with self.world.collectives():
+            for X, y in batches:
+                meter.add(*eval_batch(self.module, X, y, loss_fn, None), len(y))
+        self.module.train(True)
+        return self.reduce(meter)
+
+    def state_dict(self) -> dict:
+        """The whole model and optimizer state, gathered on every rank (collective); the optimizer's
+        keyed by parameter name (torch.distributed.checkpoint's form), so it loads into any number
+        of ranks."""
+        self.sync_buffers()
+        with self.world.collectives():
+            model = get_model_state_dict(self.module, options=_FULL)
+            optimizer = get_optimizer_state_dict(self.module, self.optimizer, options=_FULL)
+        return {"model": model, "optimizer": optimizer}
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every parameter whole, in order (collective: each is all-gathered)."""
+        with self.world.collectives():
+            return [p.full_tensor() for p in self.module.parameters()]
+
+    def load_state_dict(self, state: dict) -> None:
+        """A whole state (as state_dict() gives it): each rank keeps its shards (collective)."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        with self.world.collectives():
+            set_model_state_dict(self.module, state["model"], options=options)
+            set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
+
