@@ -91,13 +91,19 @@ def check_out(out: Path) -> None:
 def load_run(run_dir: Path):
     """(TrainConfig, model state dict, epoch) of a run directory, with one-line errors."""
     from gpulab.config import TrainConfig
-    from gpulab.train.rundir import CHECKPOINT, RunDir
+    from gpulab.train.rundir import CHECKPOINT, RunDir, read_sharded_model
 
     run = RunDir(run_dir)  # named on its own: its errors start with the folder
     run.check_is_run()
     cfg = TrainConfig.from_dict(run.read_config())
     checkpoint = run.load_checkpoint()
     state = checkpoint.get("strategy")
+    if isinstance(state, dict) and isinstance(state.get("shards"), str):  # --shard fsdp: gathered here
+        if cfg.model == models.OBJECT:
+            raise UserError(f"{run_dir}: a sharded run of a model passed to train() as an object: its shards are "
+                            "read into the model's own shapes, which the run directory cannot rebuild")
+        weights = read_sharded_model(run.path / state["shards"], models.build(cfg.model).state_dict())
+        return cfg, weights, checkpoint.get("epoch")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise UserError(f"{run_dir}: {CHECKPOINT} holds no model weights; it is not a gpulab checkpoint")
     return cfg, state["model"], checkpoint.get("epoch")

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from gpulab.cli import main
+from gpulab.export import load_run
 from gpulab.train import TrainConfig, train
 from gpulab.train.rundir import CHECKPOINT
 
@@ -439,6 +440,7 @@ def test_a_full_disk_at_the_first_checkpoint_is_said_truly_by_every_rank(tiny_da
 FULL_DISK_JOB = '''
 import errno, os, sys
 from gpulab.cli import main
+from gpulab.export import load_run
 from gpulab.train import rundir
 
 def full(path, data):
@@ -477,7 +479,8 @@ def test_under_launch_a_dead_rank_is_named_in_launch_s_words(long_epochs, tmp_pa
 
 def test_fsdp_trains_like_one_process_and_exports(tiny_data, tmp_path):
     """Sharded over 2 ranks (FSDP2): the same losses, accuracy and weights as one process, up to
-    fp32 summation order; the run's checkpoint holds the whole model, so export works on it. (NCHW
+    fp32 summation order; each rank writes its shard of the checkpoint, and export gathers the
+    model from the shards in one process. (NCHW
     in both: FSDP2 shards contiguous parameters only, and a layout's rounding flips near-ties in
     a barely trained model's test accuracy.)"""
     args = ["--epochs", "2", "--seed", "3", *FAST, "--channels-last", "off"]
@@ -488,7 +491,11 @@ def test_fsdp_trains_like_one_process_and_exports(tiny_data, tmp_path):
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "fsdp")):
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4)
         assert a["test_acc"] == pytest.approx(b["test_acc"], abs=0.01)
-    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
+    # every rank wrote its shard of each epoch; checkpoint.pt names the last folder, the older is gone
+    assert torch.load(tmp_path / "fsdp" / CHECKPOINT, weights_only=False)["strategy"] == {"shards": "checkpoint-epoch2.dcp"}
+    assert sorted(p.name for p in (tmp_path / "fsdp").glob("checkpoint*")) == ["checkpoint-epoch2.dcp", CHECKPOINT]
+    assert len(list((tmp_path / "fsdp" / "checkpoint-epoch2.dcp").glob("*.distcp"))) == 2
+    w1, (_, w2, _) = weights(tmp_path / "one"), load_run(tmp_path / "fsdp")
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
     assert main(["export", str(tmp_path / "fsdp")]) == 0
 
@@ -546,3 +553,59 @@ def test_fsdp_refuses_what_it_cannot_do_in_one_line(tiny_data, tmp_path, ranks, 
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and words in lines[0], result.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_killed_rank_stops_the_others_then_the_run_resumes_on_three_ranks(long_epochs, tmp_path):
+    args = ["--epochs", "3", *FAST[:2], "--batch-size", "16", "--shard", "fsdp", "--timeout", "15"]
+    job = subprocess.Popen(torchrun_cmd(2, [*args, "--out", str(tmp_path / "run")]), cwd=tmp_path,
+                           env=env_for(long_epochs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path / "run" / "curves.png")  # epoch 1 is saved
+    time.sleep(0.5)
+    worker_with_rank(job, 1).kill()  # SIGKILL, in the middle of epoch 2
+    killed_at = time.monotonic()
+    _, err = job.communicate(timeout=90)
+    assert job.returncode != 0 and time.monotonic() - killed_at < 30
+    lines = error_lines(err)
+    assert len(lines) == 1 and re.search(rf"{WHERE}: rank 1 stopped answering", lines[0]), err[-2000:]
+    resumed = torchrun(3, ["--resume", str(tmp_path / "run")], long_epochs, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    uninterrupted = torchrun(2, [*args, "--out", str(tmp_path / "uninterrupted")], long_epochs, cwd=tmp_path)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    rows, expected = metrics(tmp_path / "run"), metrics(tmp_path / "uninterrupted")
+    assert [r["replicas"] for r in rows][-1] == 3 and len(rows) == 3
+    assert rows[-1]["train_loss"] == pytest.approx(expected[-1]["train_loss"], abs=1e-4)
+
+
+KILLED_DURING_THE_SECOND_SAVE = """
+import os, signal, sys, types
+from gpulab.parallel import sharded
+from gpulab.train import TrainConfig, train
+
+real_save = sharded.dcp.save
+
+
+def save(state, checkpoint_id, process_group):
+    if os.environ["RANK"] == "1" and checkpoint_id.endswith("checkpoint-epoch2.dcp"):
+        os.kill(os.getpid(), signal.SIGKILL)  # planted: rank 1 dies as epoch 2's checkpoint is saved
+    return real_save(state, checkpoint_id=checkpoint_id, process_group=process_group)
+
+
+sharded.dcp = types.SimpleNamespace(save=save, load=sharded.dcp.load)
+train(TrainConfig(epochs=3, seed=3, precision="fp32", batch_size=32, shard="fsdp", timeout=10, out=sys.argv[1]))
+"""
+
+
+def test_fsdp_killed_during_a_checkpoint_save_resumes_from_the_one_before(tiny_data, tmp_path):
+    result = torchrun_script(KILLED_DURING_THE_SECOND_SAVE, tmp_path)
+    assert result.returncode != 0
+    run = tmp_path / "run"
+    saved = torch.load(run / CHECKPOINT, weights_only=False)
+    assert saved["epoch"] == 1 and saved["strategy"] == {"shards": "checkpoint-epoch1.dcp"}
+    resumed = torchrun(2, ["--resume", str(run)], tiny_data, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["epoch"] for r in metrics(run)] == [1, 2, 3]
+    assert sorted(p.name for p in run.glob("checkpoint-epoch*")) == ["checkpoint-epoch3.dcp"]
+    uninterrupted = torchrun(2, ["--epochs", "3", "--seed", "3", *FAST, "--shard", "fsdp", "--out",
+                                 str(tmp_path / "uninterrupted")], tiny_data, cwd=tmp_path)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert metrics(run)[-1]["train_loss"] == pytest.approx(metrics(tmp_path / "uninterrupted")[-1]["train_loss"], abs=1e-6)

@@ -72,6 +72,8 @@ def micro_batches(X: torch.Tensor, y: torch.Tensor, accumulate: int):
 class DataParallel:
     """One process, k devices: the textbook's data parallelism (see the module docstring)."""
 
+    sharded_checkpoint = False  # its state_dict() is whole on every process; rank 0 writes it
+
     def __init__(
         self,
         module: nn.Module,

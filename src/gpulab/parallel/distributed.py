@@ -100,6 +100,8 @@ class GradSync:
 class Distributed:
     """The training strategy of one torchrun rank (see the module docstring)."""
 
+    sharded_checkpoint = False  # its state_dict() is whole on every process; rank 0 writes it
+
     def __init__(
         self,
         module: nn.Module,

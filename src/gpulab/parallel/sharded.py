@@ -11,7 +11,8 @@ reduce-scatter), against 2x for an allreduce of the gradients.
 
 Units (`shard_units`): LeNet's layers, ResNet-18's residual blocks, a model's top-level children
 (the elements of a top-level Sequential/ModuleList of blocks), then the root, which holds what is
-left. The batch rule is gpulab's (GlobalBatches: each rank its part of every global batch); FSDP
+left. Checkpoints are sharded too (save_shards: every rank writes its own shard with
+torch.distributed.checkpoint; load_shards reads them into any number of ranks). The batch rule is gpulab's (GlobalBatches: each rank its part of every global batch); FSDP
 averages gradients over ranks, so each rank's loss is weighted by its part / global batch and
 multiplied by k, as for DDP: the result is the gradient of the global batch's mean loss.
 """
@@ -20,11 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from pathlib import Path
+
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                      get_optimizer_state_dict, set_model_state_dict,
-                                                      set_optimizer_state_dict)
+                                                      get_optimizer_state_dict, get_state_dict,
+                                                      set_model_state_dict, set_optimizer_state_dict,
+                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -68,6 +73,8 @@ def mixed_precision(dtype: torch.dtype | None) -> MixedPrecisionPolicy:
 
 class Sharded:
     """The training strategy of one torchrun rank with a sharded model (see the module docstring)."""
+
+    sharded_checkpoint = True  # checkpoints through save_shards / load_shards, every rank writing
 
     def __init__(
         self,
@@ -184,6 +191,24 @@ class Sharded:
             model = get_model_state_dict(self.module, options=_FULL)
             optimizer = get_optimizer_state_dict(self.module, self.optimizer, options=_FULL)
         return {"model": model, "optimizer": optimizer}
+
+    def save_shards(self, folder: Path) -> None:
+        """This rank's shard of the model and optimizer state into `folder` (collective: every
+        rank writes its own file, rank 0 the metadata that ties them together)."""
+        self.sync_buffers()
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        with self.world.collectives():
+            dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(folder), process_group=self.world.group)
+
+    def load_shards(self, folder: Path) -> None:
+        """The state save_shards wrote, by any number of ranks: each reads the parts of the saved
+        shards that make up its own (collective)."""
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        state = {"model": model, "optimizer": optimizer}
+        with self.world.collectives():
+            dcp.load(state, checkpoint_id=str(folder), process_group=self.world.group)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter whole, in order (collective: each is all-gathered)."""

@@ -37,6 +37,9 @@ class Strategy(Protocol):
     """This process's copies of the model (identical after every step)."""
     description: str
     """How gradients are exchanged, for the banner ("allreduce ring", "sync gpulab over gloo")."""
+    sharded_checkpoint: bool
+    """False: state_dict() is whole on every process and rank 0 writes it; True (Sharded): every
+    rank writes its shard (save_shards / load_shards)."""
 
     def set_lr(self, lr: float) -> None: ...
 

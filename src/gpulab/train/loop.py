@@ -179,6 +179,20 @@ def save_epoch(run_dir: RunDir, state: dict, history: list[dict], world: World) 
                         f"({e.strerror or e}): free space, then {resume_command(run_dir, world)}") from None
 
 
+def checkpoint_state(run: Run, run_dir: RunDir, epoch: int) -> dict:
+    """What checkpoint.pt holds of the strategy: its whole state (rank 0 writes it), or for a
+    sharded run the folder every rank has just written its shard into."""
+    if not run.strategy.sharded_checkpoint:
+        return run.strategy.state_dict()
+    folder = run_dir.shards_folder(epoch)
+    try:
+        run.strategy.save_shards(folder)
+    except OSError as e:
+        raise UserError(f"could not write epoch {epoch}'s shard to {folder} ({e.strerror or e}); the checkpoint "
+                        f"before it is intact: free space, then {resume_command(run_dir, run.world)}") from None
+    return {"shards": folder.name}
+
+
 def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, history: list[dict]) -> dict:
     """Train and evaluate one epoch, then checkpoint and write the metrics (appends to `history`).
     An epoch that diverged (`divergence`) is not kept: the last good checkpoint stays."""
@@ -201,9 +215,11 @@ def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, his
     row["lr_peak"] = run.peak_lr
     row["replicas"] = run.strategy.num_replicas
     history.append(row)
-    state = run.strategy.state_dict()  # collective: every rank takes part, rank 0 writes
+    state = checkpoint_state(run, run_dir, epoch + 1)  # collective: every rank takes part
     if run.world.is_main:
         save_epoch(run_dir, state, history, run.world)
+        if "shards" in state:  # committed: the folders checkpoint.pt no longer names go
+            run_dir.remove_shards_but(state["shards"])
         run.saved_epoch = epoch + 1
     else:
         run.unconfirmed_epoch = epoch + 1

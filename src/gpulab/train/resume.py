@@ -69,8 +69,16 @@ def extension_line(run: Run, start_epoch: int) -> str:
 
 def load_weights(run: Run, checkpoint: dict, run_dir: RunDir) -> None:
     """The checkpoint's state into the run, or one line when it was saved by another model."""
+    state = checkpoint["strategy"]
+    if ("shards" in state) != run.strategy.sharded_checkpoint:
+        saved = "sharded (--shard fsdp)" if "shards" in state else "whole (replicated)"
+        raise SharedError(f"--resume {run_dir.path}: {CHECKPOINT} holds a {saved} checkpoint, which this run's "
+                          "strategy cannot read: resume it as it was saved (its config.json says how)")
     try:
-        run.strategy.load_state_dict(checkpoint["strategy"])
+        if "shards" in state:
+            run.strategy.load_shards(run_dir.path / state["shards"])
+        else:
+            run.strategy.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
         detail = " ".join(str(e).split()) or type(e).__name__
         detail = detail if len(detail) <= 200 else detail[:200] + "..."

@@ -14,7 +14,13 @@ any other non-empty folder (never writing over the user's files). The default di
 runs/<timestamp>-<model>, is created exclusively: runs started in the same second get -2, -3, ...
 
 Every file is written atomically (gpulab.io), so a crash or Ctrl-C never leaves a half-written
-file. Under torchrun only rank 0 writes here and holds the lock.
+file. Under torchrun only rank 0 writes here and holds the lock - except a sharded run's
+(--shard fsdp) checkpoint: every rank writes its shard of each epoch into its own folder,
+checkpoint-epoch<N>.dcp (torch.distributed.checkpoint), and checkpoint.pt, written by rank 0 once
+every shard is there, names the folder. That small file is the commit: a run killed during a save
+keeps the previous epoch's checkpoint.pt and folder; the folders it no longer names are removed.
+A sharded checkpoint is read by every rank: the run directory must be on a filesystem every
+machine of the job sees.
 """
 
 from __future__ import annotations
@@ -27,16 +33,20 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import socket
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from gpulab.errors import UserError
 from gpulab.io import atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable
 
 CHECKPOINT = "checkpoint.pt"
+SHARDS_GLOB = "checkpoint-epoch*.dcp"  # a sharded run's checkpoints (torch.distributed.checkpoint folders)
 LOCK = ".gpulab.lock"
 RESULTS = ("metrics.json", "metrics.csv", "curves.png")
 """What a finished epoch writes besides the checkpoint: stale when a run starts over in place."""
@@ -175,6 +185,7 @@ class RunDir:
         check_new_run(self.path, locked=True)  # owned now: what is here stays as seen
         for name in RESULTS:  # a run started over in place: its predecessor's results are not this run's
             (self.path / name).unlink(missing_ok=True)
+        self.remove_shards_but(None)  # ... nor its unfinished sharded checkpoint
 
     def claim_for_resume(self) -> None:
         """Own an existing run's directory to continue it (after read_config)."""
@@ -330,6 +341,16 @@ class RunDir:
         torch.save(state, buf)
         atomic_write_bytes(self.path / CHECKPOINT, buf.getvalue())
 
+    def shards_folder(self, epoch: int) -> Path:
+        """Where every rank of a sharded run writes its shard of epoch `epoch`'s checkpoint."""
+        return self.path / f"checkpoint-epoch{epoch}.dcp"
+
+    def remove_shards_but(self, keep: str | None) -> None:
+        """The sharded checkpoints checkpoint.pt no longer names (older epochs, a save cut short)."""
+        for folder in self.path.glob(SHARDS_GLOB):
+            if folder.name != keep:
+                shutil.rmtree(folder, ignore_errors=True)
+
     def has_checkpoint(self) -> bool:
         return (self.path / CHECKPOINT).is_file()
 
@@ -350,3 +371,13 @@ class RunDir:
         if not isinstance(checkpoint, dict) or not {"strategy", "history", "epoch"} <= checkpoint.keys():
             raise UserError(f"{self.label}: {CHECKPOINT} is not a gpulab checkpoint")
         return checkpoint
+
+
+def read_sharded_model(folder: Path, template: dict) -> dict:
+    """A sharded checkpoint's model weights, whole, in this one process (no process group): the
+    tensors of `template` (a model's state_dict) filled from the shards (`gpulab export`)."""
+    state = {"model": template}
+    with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state["model"]
