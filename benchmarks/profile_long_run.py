@@ -99,9 +99,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=300.0, help="how long the script trains")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
+    commit = git_commit()  # of the code that runs (the tree may change while it runs)
     with tempfile.TemporaryDirectory(prefix="gpulab-long-") as work:
         result = run(args.seconds, Path(work))
-    result["commit"] = git_commit()
+    result["commit"] = commit
     result["cores"] = os.cpu_count()
     text = json.dumps(result, indent=2)
     print(text)

@@ -94,8 +94,7 @@ class Sharded:
         self.num_replicas = world.world_size
         self.batch_size = batch_size
         self.accumulate = accumulate
-        self.autocast = None  # the policy casts; evaluation and the loss see fp32 outputs
-        self.precision = autocast
+        self.autocast = autocast  # applied by FSDP's policy, not by torch.autocast (mixed_precision())
         self.buffers_stale = True
         self.timer = timer or PhaseTimer([device], enabled=False)
         self.module = module.to(device)
@@ -110,6 +109,8 @@ class Sharded:
         self.replicas = [self.module]
         self.optimizer = optimizer(self.module.parameters())
         self.description = f"shard fsdp over {world.backend} ({len(self.units)} units + root)"
+        if autocast is not None:
+            self.description += f"; {str(autocast).removeprefix('torch.')} parameters gathered, fp32 gradients reduced"
         self.module.train(True)
 
     def _broadcast_from_main(self, module: nn.Module) -> None:
@@ -178,7 +179,7 @@ class Sharded:
         meter = Meter(self.devices[0])
         with self.world.collectives():
             for X, y in batches:
-                meter.add(*eval_batch(self.module, X, y, loss_fn, None), len(y))
+                meter.add(*eval_batch(self.module, X, y, loss_fn, None), len(y))  # the policy casts
         self.module.train(True)
         return self.reduce(meter)
 

@@ -8,6 +8,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gpulab import models
 from gpulab.devices import format_devices
 from gpulab.memory.categories import size
+from gpulab.parallel.sharded import Sharded
 from gpulab.parallel.strategy import Strategy
 from gpulab.train.build import Run
 from gpulab.train.rundir import RunDir
@@ -28,9 +29,15 @@ def banner(run: Run, run_dir: RunDir) -> str:
     return (
         f"training {model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
         f"(~{run.batch_size // strategy.num_replicas} per {per}), {schedule}, "
-        f"{'bf16 autocast' if strategy.autocast else 'fp32'}, {strategy.description} -> {run_dir.path}"
+        f"{precision(strategy)}, {strategy.description} -> {run_dir.path}"
         + ("\n--sync-bn has no effect here: this model has no BatchNorm layers" if no_batchnorm else "")
     )
+
+
+def precision(strategy: Strategy) -> str:
+    if strategy.autocast is None:
+        return "fp32"
+    return "bf16 (FSDP's mixed precision)" if isinstance(strategy, Sharded) else "bf16 autocast"
 
 
 def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:
@@ -40,7 +47,7 @@ def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:
         metrics = f"loss {row['train_loss']:.4f}  train acc {row['train_acc']:.3f}  test acc {row['test_acc']:.3f}"
     line = (f"epoch {row['epoch']:>2}/{epochs}  {metrics}  {row['train_seconds']:.1f} s  "
             f"{row['samples_per_s']:,.0f} samples/s")
-    if strategy.num_replicas > 1:
+    if strategy.num_replicas > 1 and not isinstance(strategy, Sharded):  # FSDP reduce-scatters inside backward
         shares = "/".join(f"{s:.0%}" for s in row["allreduce_share"])
         line += f"  waiting for gradients {shares}"
     return line
