@@ -1,5 +1,5 @@
 """Scale-out on one machine: 1 process x 2 threads vs 2 torchrun ranks x 1 thread each, and
-gpulab's gradient sync vs PyTorch's DDP, measured side by side in one run.
+gpulab's gradient sync vs PyTorch's DDP vs sharded (FSDP2), measured side by side in one run.
 
 For LeNet (Fashion-MNIST, 15,360 images, batch 256) and ResNet-18 (1,024 images, batch 64):
 
@@ -7,6 +7,12 @@ For LeNet (Fashion-MNIST, 15,360 images, batch 256) and ResNet-18 (1,024 images,
   2 ranks, sync gpulab         Distributed: buckets all-reduced as backward fills them
   2 ranks, gpulab no overlap   the same buckets, all sent after backward (overlap switched off)
   2 ranks, sync ddp            PyTorch's DistributedDataParallel on the same loop
+  2 ranks, shard fsdp          gpulab train --shard fsdp: FSDP2, each rank 1/2 of the state
+  3 ranks, sync gpulab / shard fsdp   the same at k = 3 (3 processes on 2 cores: for memory, not speed)
+
+Memory per rank, counted from the tensors themselves after the timed epochs (the sharded part:
+parameters + gradients + optimizer state, each rank's local shard for FSDP), and each rank's peak
+resident memory (the whole process: torch, the data, activations).
 
 Every row is gpulab's own `build` + `train_epoch` (the code `gpulab train` runs): one warm-up
 epoch, then timed epochs. The configurations run in rounds (A B C D, A B C D, ...) because this
@@ -52,6 +58,9 @@ CONFIGS = {
     "2 ranks, sync gpulab": (2, 1, "gpulab"),
     "2 ranks, gpulab no overlap": (2, 1, "gpulab-no-overlap"),
     "2 ranks, sync ddp": (2, 1, "ddp"),
+    "2 ranks, shard fsdp": (2, 1, "fsdp"),
+    "3 ranks, sync gpulab": (3, 1, "gpulab"),
+    "3 ranks, shard fsdp": (3, 1, "fsdp"),
 }
 BUSBW_SIZES = [4**i * 1024 for i in range(1, 9)]  # 4 KiB .. 64 MiB per rank
 
@@ -71,13 +80,14 @@ def worker(spec: dict) -> None:
     sync = spec["sync"] or "gpulab"
     cfg = TrainConfig(
         model=spec["model"], devices="cpu", epochs=1 + spec["epochs"], batch_size=spec["batch"], data_dir=spec["data_dir"],
-        sync="gpulab" if sync == "gpulab-no-overlap" else sync,
+        sync="ddp" if sync == "ddp" else "gpulab", shard="fsdp" if sync == "fsdp" else "none",
     )
     run = build(cfg, world)
     if sync == "gpulab-no-overlap":
         run.strategy.grad_sync.overlap = False
     train_epoch(run, 0)  # warm-up: allocations, oneDNN kernel choice
     epochs = [train_epoch(run, e) for e in range(1, 1 + spec["epochs"])]
+    memory = world.gather({"state": state_bytes(run.strategy), "peak_rss": peak_rss_bytes()})
     busbw = measure_gloo_busbw(world) if spec.get("busbw") and world.world_size > 1 else None
     if world.world_size == 1 and spec.get("busbw"):
         busbw = measure_ring_busbw()
@@ -91,11 +101,36 @@ def worker(spec: dict) -> None:
             "seconds": seconds,
             "phases_s": phases,
             "busbw": busbw,
+            "memory_per_rank": memory,
             "threads": torch.get_num_threads(),
             "description": run.strategy.description,
         }
         Path(spec["out"]).write_text(json.dumps(result))
     world.close()
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this process holds of `t`: its local shard for a DTensor (FSDP2), else all of it."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def state_bytes(strategy) -> dict[str, int]:
+    """What each rank holds of the model's training state, counted from the tensors."""
+    params = [p for r in strategy.replicas for p in r.parameters()]
+    optimizers = getattr(strategy, "optimizers", None) or [strategy.optimizer]
+    optimizer = sum(local_bytes(v) for opt in optimizers for state in opt.state.values()
+                    for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    counted = {"parameters": sum(local_bytes(p) for p in params),
+               "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+               "optimizer": optimizer}
+    return {**counted, "total": sum(counted.values())}
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def timed_collective(fn, world, calls: int = 10) -> float:
@@ -151,29 +186,53 @@ def run_config(name: str, spec: dict, workdir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def summarize(model: str, rounds: list[dict[str, dict]]) -> dict:
+def summarize(model: str, rounds: list[dict[str, dict]], configs: list[str]) -> dict:
     def spread(values: list[float]) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
-    rows = {name: spread([r[name]["samples_per_s"] for r in rounds]) for name in CONFIGS}
+    def ratio(a: str, b: str, of=lambda r, name: r[name]["samples_per_s"]) -> dict | None:
+        return spread([of(r, a) / of(r, b) for r in rounds]) if a in configs and b in configs else None
+
+    rows = {name: spread([r[name]["samples_per_s"] for r in rounds]) for name in configs}
     wait = lambda r, name: r[name]["phases_s"].get("allreduce", 0.0)  # noqa: E731
+    share = lambda r, name: wait(r, name) / r[name]["seconds"]  # noqa: E731
     ratios = {
-        "gpulab / ddp samples/s": spread([r["2 ranks, sync gpulab"]["samples_per_s"] / r["2 ranks, sync ddp"]["samples_per_s"] for r in rounds]),
-        "2 ranks gpulab / 1 process samples/s": spread([r["2 ranks, sync gpulab"]["samples_per_s"] / r["1 process x 2 threads"]["samples_per_s"] for r in rounds]),
-        "overlap / no overlap samples/s": spread([r["2 ranks, sync gpulab"]["samples_per_s"] / r["2 ranks, gpulab no overlap"]["samples_per_s"] for r in rounds]),
-        "hidden share": spread([1 - wait(r, "2 ranks, sync gpulab") / wait(r, "2 ranks, gpulab no overlap") for r in rounds]),
-        "wait after backward, no overlap (share of step time)": spread(
-            [wait(r, "2 ranks, gpulab no overlap") / r["2 ranks, gpulab no overlap"]["seconds"] for r in rounds]),
-        "wait after backward, overlapped (share of step time)": spread(
-            [wait(r, "2 ranks, sync gpulab") / r["2 ranks, sync gpulab"]["seconds"] for r in rounds]),
+        "gpulab / ddp samples/s": ratio("2 ranks, sync gpulab", "2 ranks, sync ddp"),
+        "fsdp / gpulab samples/s": ratio("2 ranks, shard fsdp", "2 ranks, sync gpulab"),
+        "fsdp / ddp samples/s": ratio("2 ranks, shard fsdp", "2 ranks, sync ddp"),
+        "2 ranks gpulab / 1 process samples/s": ratio("2 ranks, sync gpulab", "1 process x 2 threads"),
+        "overlap / no overlap samples/s": ratio("2 ranks, sync gpulab", "2 ranks, gpulab no overlap"),
+        "hidden share": None if "2 ranks, gpulab no overlap" not in configs else spread(
+            [1 - wait(r, "2 ranks, sync gpulab") / wait(r, "2 ranks, gpulab no overlap") for r in rounds]),
+        "wait after backward, no overlap (share of step time)": None if "2 ranks, gpulab no overlap" not in configs
+        else spread([share(r, "2 ranks, gpulab no overlap") for r in rounds]),
+        "wait after backward, overlapped (share of step time)": None if "2 ranks, sync gpulab" not in configs
+        else spread([share(r, "2 ranks, sync gpulab") for r in rounds]),
     }
-    return {"model": model, "samples_per_s": rows, "ratios": ratios, "rounds": rounds}
+    return {"model": model, "samples_per_s": rows, "ratios": {k: v for k, v in ratios.items() if v},
+            "memory": memory_table(rounds[-1], configs), "rounds": rounds}
+
+
+def memory_table(last_round: dict[str, dict], configs: list[str]) -> dict:
+    """Per configuration: rank 0's training state (exact: the tensors), the largest peak RSS of any
+    rank, and FSDP's training state as a share of the replicated one at the same k."""
+    table = {}
+    for name in configs:
+        ranks = last_round[name].get("memory_per_rank") or []
+        if ranks:
+            table[name] = {"state": ranks[0]["state"], "peak_rss_max": max(r["peak_rss"] for r in ranks)}
+    for k in (2, 3):
+        sharded, replicated = table.get(f"{k} ranks, shard fsdp"), table.get(f"{k} ranks, sync gpulab")
+        if sharded and replicated:
+            sharded["state_vs_replicated"] = sharded["state"]["total"] / replicated["state"]["total"]
+    return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="lenet,resnet18")
+    parser.add_argument("--configs", default=";".join(CONFIGS), help="which rows (names separated by ;)")
     parser.add_argument("--out", type=Path, default=None, help="folder for distributed.json and distributed.log")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -190,6 +249,10 @@ def main() -> None:
     from gpulab.data.fashion_mnist import write_subset
     from gpulab.hardware.describe import describe
 
+    configs = [c.strip() for c in args.configs.split(";")]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     cpu = describe()["cpu"]
     say(f"{cpu['model']}, {cpu['logical_cores']} cores, torch {torch.__version__}, {datetime.date.today()}, commit {git_commit()}")
     results = []
@@ -200,9 +263,9 @@ def main() -> None:
             spec = dict(model=model, batch=batch, epochs=epochs, data_dir=str(data_dir), busbw=model == "lenet")
             rounds = []
             for i in range(args.rounds):
-                rounds.append({name: run_config(name, spec, Path(tmp)) for name in CONFIGS})
+                rounds.append({name: run_config(name, spec, Path(tmp)) for name in configs})
                 say(f"{model} round {i + 1}: " + ", ".join(f"{n} {r['samples_per_s']:,.0f}" for n, r in rounds[-1].items()))
-            summary = summarize(model, rounds)
+            summary = summarize(model, rounds, configs)
             results.append(summary)
             say(f"\n{model}: {num_train:,} images, batch {batch}, {epochs} timed epoch(s) after 1 warm-up, {args.rounds} rounds")
             say(f"  {'configuration':32} {'samples/s (median)':>19} {'min':>8} {'max':>8}")
@@ -211,9 +274,18 @@ def main() -> None:
             for name, s in summary["ratios"].items():
                 fmt = ".0%" if "share" in name else ".2f"
                 say(f"  {name:55} {s['median']:{fmt}}  [{s['min']:{fmt}} .. {s['max']:{fmt}}]")
+            say(f"  memory per rank (last round; state = parameters + gradients + optimizer state, rank 0, counted "
+                f"from the tensors)")
+            for name, m in summary["memory"].items():
+                st = m["state"]
+                vs = f"  = {m['state_vs_replicated']:.2f}x the replicated state" if "state_vs_replicated" in m else ""
+                say(f"  {name:32} state {st['total'] / 2**20:7.1f} MiB (params {st['parameters'] / 2**20:.1f}, grads "
+                    f"{st['gradients'] / 2**20:.1f}, optimizer {st['optimizer'] / 2**20:.1f}); peak RSS "
+                    f"{m['peak_rss_max'] / 2**20:,.0f} MiB{vs}")
             say()
-    gloo = results[0]["rounds"][-1]["2 ranks, sync gpulab"]["busbw"]
-    ring = results[0]["rounds"][-1]["1 process x 2 threads"]["busbw"]
+    last = results[0]["rounds"][-1]
+    gloo = last.get("2 ranks, sync gpulab", {}).get("busbw")
+    ring = last.get("1 process x 2 threads", {}).get("busbw")
     if gloo and ring:
         say("all-reduce bus bandwidth, 2 ranks/replicas (last round):")
         say(f"  {'bytes per rank':>15} {'gloo, 2 processes':>18} {'gpulab ring, cpu*2':>19}")

@@ -609,3 +609,12 @@ def test_fsdp_killed_during_a_checkpoint_save_resumes_from_the_one_before(tiny_d
                                  str(tmp_path / "uninterrupted")], tiny_data, cwd=tmp_path)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     assert metrics(run)[-1]["train_loss"] == pytest.approx(metrics(tmp_path / "uninterrupted")[-1]["train_loss"], abs=1e-6)
+
+
+def test_fsdp_in_bf16_keeps_batchnorm_in_fp32(tiny_data, tmp_path):
+    """FSDP's bf16 policy casts parameters, not buffers: BatchNorm (ResNet-18's) is sharded on its
+    own in fp32, else batch_norm refuses bf16 weights beside fp32 running statistics."""
+    result = torchrun(2, ["--model", "resnet18", "--precision", "bf16", "--shard", "fsdp", "--epochs", "1",
+                          "--batch-size", "32", "--out", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bf16 (FSDP's mixed precision), shard fsdp over gloo (10 units + root); bfloat16 parameters gathered" in result.stdout

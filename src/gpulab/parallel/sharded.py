@@ -102,6 +102,11 @@ class Sharded:
         mesh = DeviceMesh.from_group(world.group, device.type)
         policy = mixed_precision(autocast)
         self.units = shard_units(self.module)
+        if autocast is not None:
+            # BatchNorm in fp32: its running statistics are buffers, which the policy leaves in fp32,
+            # and batch_norm refuses bf16 weights beside fp32 statistics (autocast runs it in fp32 too)
+            for bn in (m for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+                fully_shard(bn, mesh=mesh, mp_policy=mixed_precision(None))
         for unit in self.units:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(self.module, mesh=mesh, mp_policy=policy)
