@@ -12,7 +12,7 @@ from dataclasses import fields
 
 from gpulab.config import TrainConfig, literal_choices
 
-STEP_FIELDS = ("model", "data_dir", "devices", "batch_size", "recipe", "sync", "channels_last", "precision")
+STEP_FIELDS = ("model", "data_dir", "devices", "batch_size", "recipe", "sync", "shard", "channels_last", "precision")
 """What one training step is: the options gpulab plan shares with gpulab train."""
 
 

@@ -148,6 +148,24 @@ def test_prediction_adds_exposed_communication_to_one_device_s_step():
     assert p.communication_s == pytest.approx(0.015)
 
 
+def test_sharded_steps_send_each_unit_three_times_and_hide_all_but_the_first_gather():
+    """--shard fsdp: per unit, an all-gather in forward, another in backward, a reduce-scatter:
+    each (k-1) alpha + (k-1)/k S beta; all but the first gather hide behind forward + backward at
+    the measured share of idle speed."""
+    link = LinkCost(alpha_s=1e-3, beta_s_per_byte=1e-8, source="test")
+    units = [4_000_000, 2_000_000, 0]  # the root holds nothing of its own here
+    p = profile([30], [6_000_000], step_ms=60, backward_ms=30, overlap=0.5)  # forward 20 ms + backward 30 ms
+    p.unit_bytes = units
+    gather = lambda nbytes, k: (k - 1) * 1e-3 + (k - 1) / k * nbytes * 1e-8  # noqa: E731
+    got = predict(p, link, 4, sharded=True)
+    total = 3 * (gather(4e6, 4) + gather(2e6, 4))
+    assert got.communication_s == pytest.approx(total)
+    assert got.exposed_s == pytest.approx(gather(4e6, 4) + max(0.0, total - gather(4e6, 4) - 0.5 * 0.050))
+    allreduce = predict(p, link, 4).communication_s  # the same 6 MB as one bucket: 2 (k-1)/k S beta
+    assert got.communication_s - 6 * 3 * 1e-3 == pytest.approx(1.5 * (allreduce - 2 * 3 * 1e-3))  # 3/2 the bytes
+    assert predict(p, link, 1, sharded=True).exposed_s == 0.0
+
+
 def test_prediction_is_monotone_in_bandwidth():
     prof = profile([5, 15, 40], [1_000_000, 20_000_000, 30_000_000], step_ms=120, backward_ms=60)
     speeds = []

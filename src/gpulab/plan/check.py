@@ -41,7 +41,7 @@ def train_args(cfg: dict, data_dir: Path, out: Path) -> list[str]:
     # BatchNorm model on a small copy from tripping gpulab train's divergence stop.
     args = ["--model", cfg["model"], "--batch-size", str(cfg["batch_size"]), "--epochs", "2",
             "--data-dir", str(data_dir), "--out", str(out), "--devices", "cpu", "--lr", str(CHECK_LR)]
-    for option in ("recipe", "precision", "channels_last", "sync"):
+    for option in ("recipe", "precision", "channels_last", "sync", "shard"):
         if cfg.get(option) is not None:
             args += [f"--{option.replace('_', '-')}", str(cfg[option])]
     return args
@@ -138,7 +138,10 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
                 row, profile = one_round(s, r, cfg, data_dir, tmp, profile_seconds, say)
                 results[s.name].append(row)
                 profiles.setdefault(s.name, profile)
-        memory = check_memory(cfg, data_dir, tmp, {k: v for k, v in profiles.items() if k in MEMORY_SETUPS}, say)
+        # Memory is checked on the replicated step (--shard fsdp's per-rank state is counted from
+        # its tensors by benchmarks/distributed.py): the profiler measures one process's step.
+        memory = check_memory({**cfg, "shard": None}, data_dir, tmp,
+                              {k: v for k, v in profiles.items() if k in MEMORY_SETUPS}, say)
     return [summarize(s, results[s.name]) for s in chosen], memory
 
 
@@ -205,6 +208,9 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
     from gpulab.plan.predict import predict
 
     batch = cfg["batch_size"]
+    sharded = cfg.get("shard") == "fsdp"
+    if s.devices == 1:  # one process cannot shard: the baseline is the replicated step
+        cfg = {**cfg, "shard": None}
 
     def profile(hosts):
         if s.devices == 1:
@@ -226,7 +232,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
         after = profile(hosts)
 
     def samples_per_s(link_cost) -> float:
-        steps = [predict(p, link_cost, s.devices).step_s for p in (before, after)]
+        steps = [predict(p, link_cost, s.devices, sharded=sharded).step_s for p in (before, after)]
         return batch / (sum(steps) / len(steps))
 
     predicted = samples_per_s(link)
@@ -235,7 +241,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
     return {
         "predicted": predicted, "measured": measured.samples_per_s,
         "ideal": batch / ((before.step_s + after.step_s) / 2),
-        "exposed_s": predict(before, link, s.devices).exposed_s,
+        "exposed_s": predict(before, link, s.devices, sharded=sharded).exposed_s,
         "link": link.__dict__ if link else None, "allreduce_timings": timings,  # raw, so that a fit can be redone
         "nominal_predicted": nominal, "command": measured.command,
         "profile_step_s": [before.step_s, after.step_s], "overlap": [before.overlap, after.overlap],

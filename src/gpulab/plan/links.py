@@ -7,7 +7,9 @@ beta (1 / the link's bandwidth):
     T(S, k) = 2(k-1) * alpha  +  2(k-1)/k * S * beta
 
 (Thakur, Rabenseifner & Gropp 2005; the same 2(k-1)/k is nccl-tests' "bus bandwidth" factor.)
-A `LinkCost` holds alpha and beta, measured (`gpulab.plan.collective`) or from `LINKS`.
+An all-gather or a reduce-scatter is half of it: (k-1) alpha + (k-1)/k S beta (what sharded
+training, --shard fsdp, sends: each unit's parameters gathered in forward and again in backward,
+its gradients reduce-scattered). A `LinkCost` holds alpha and beta, measured (`gpulab.plan.collective`) or from `LINKS`.
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ class LinkCost:
 
     def allreduce_s(self, nbytes: float, k: int) -> float:
         """Seconds of one ring allreduce of `nbytes` over `k` devices (0 for one device)."""
+        return 2 * self.gather_s(nbytes, k)
+
+    def gather_s(self, nbytes: float, k: int) -> float:
+        """Seconds of one ring all-gather (or reduce-scatter) whose whole tensor is `nbytes`: half
+        an allreduce, (k-1) steps of S/k bytes each (0 for one device)."""
         if k <= 1:
             return 0.0
-        return 2 * (k - 1) * self.alpha_s + 2 * (k - 1) / k * nbytes * self.beta_s_per_byte
+        return (k - 1) * self.alpha_s + (k - 1) / k * nbytes * self.beta_s_per_byte
 
 
 # Published peak figures per direction. They are what the hardware can carry, not what an

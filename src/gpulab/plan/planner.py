@@ -19,7 +19,7 @@ from gpulab.host import usable_cores
 from gpulab.plan import collective, step
 from gpulab.plan.links import LinkCost, parse_link
 from gpulab.plan.memory import MemoryLine, fit_line
-from gpulab.plan.predict import ASSUMPTIONS, Prediction, predict
+from gpulab.plan.predict import ASSUMPTIONS, SHARDED_ASSUMPTION, Prediction, predict
 from gpulab.plan.profile import StepProfile
 
 TARGET_EFFICIENCY = 0.9
@@ -42,6 +42,11 @@ class PlanConfig:
     memory: int | None = None
     """Bytes of memory per device to plan within (--memory); default: this GPU's, or on a CPU this
     machine's memory shared by the ranks it runs."""
+
+    @property
+    def sharded(self) -> bool:
+        """--shard fsdp: predicted with FSDP's gathers and reduce-scatters."""
+        return self.train.get("shard") == "fsdp"
 
     def __post_init__(self):
         batch = self.train["batch_size"]
@@ -192,7 +197,8 @@ def make_plan(cfg: PlanConfig, say=print) -> Plan:
 
     def at(per_device: int, nodes: int, per_node: int, global_batch: int | None = None) -> Prediction:
         k = nodes * per_node
-        return predict(profiles.get(per_device, per_node), link_for(nodes, per_node), k, nodes, global_batch)
+        return predict(profiles.get(per_device, per_node), link_for(nodes, per_node), k, nodes, global_batch,
+                       sharded=cfg.sharded)
 
     rows, speedups = [], []
     for nodes in cfg.nodes:
@@ -218,4 +224,4 @@ def make_plan(cfg: PlanConfig, say=print) -> Plan:
                 links=links, profiles=list(profiles.cache.values()), memory_line=fit_line(list(profiles.cache.values())))
 
 
-__all__ = ["ASSUMPTIONS", "Plan", "PlanConfig", "make_plan"]
+__all__ = ["ASSUMPTIONS", "SHARDED_ASSUMPTION", "Plan", "PlanConfig", "make_plan"]

@@ -13,6 +13,15 @@ but only as far as the devices let it: until backward ends, an allreduce progres
 cores backward is using; their cost to backward is in that number too), at full speed after.
 Assumptions (stated with every plan): ranks are equally fast; one ring over all k devices runs
 at the speed of its slowest hop.
+
+Sharded (--shard fsdp, `predict(..., sharded=True)`): each unit's parameters are all-gathered
+before its forward and again before its backward, and its gradients reduce-scattered after:
+3 x (k-1)/k of the model's bytes per step, in 3 x units collectives. FSDP gathers the next unit
+while the current one computes, so only the first gather waits for nothing to hide behind; the
+rest progresses at `profile.overlap` times its idle speed while forward and backward compute
+(the replicated overlap, measured: an assumption for FSDP's gathers), and what is left is exposed:
+
+    step(k) = step(B/k) + first gather + max(0, rest - overlap x (forward + backward))
 """
 
 from __future__ import annotations
@@ -22,6 +31,9 @@ from dataclasses import dataclass
 from gpulab.plan.links import LinkCost
 from gpulab.plan.profile import StepProfile
 
+SHARDED_ASSUMPTION = ("--shard fsdp: each unit gathered twice and reduce-scattered once per step; all but the first "
+                      "gather overlap forward and backward at the measured share of idle speed; gathering and freeing "
+                      "cost the computation nothing more")
 ASSUMPTIONS = (
     "every device computes its B/k samples as fast as the one measured",
     "gradient buckets are all-reduced in order, each from the moment it is ready; only what runs past backward costs time",
@@ -122,13 +134,29 @@ class Prediction:
         }
 
 
-def predict(profile: StepProfile, link: LinkCost | None, k: int, nodes: int = 1, global_batch: int | None = None) -> Prediction:
+def sharded_communication(profile: StepProfile, link: LinkCost, k: int) -> tuple[float, float]:
+    """(all of a sharded step's communication, the part not hidden) in seconds (module docstring)."""
+    if k <= 1 or not profile.unit_bytes:
+        return 0.0, 0.0
+    per_unit = [3 * link.gather_s(nbytes, k) for nbytes in profile.unit_bytes if nbytes > 0]
+    total = sum(per_unit)
+    first = link.gather_s(next(b for b in profile.unit_bytes if b > 0), k)
+    hideable = profile.overlap * (profile.before_backward_s + profile.backward_s)
+    return total, first + max(0.0, total - first - hideable)
+
+
+def predict(profile: StepProfile, link: LinkCost | None, k: int, nodes: int = 1, global_batch: int | None = None,
+            sharded: bool = False) -> Prediction:
     """k devices (over `nodes` machines), each at `profile.batch` samples per step; `global_batch`
-    when the parts are not all equal (B/k rounded down, some ranks one sample more)."""
-    communication = sum(link.allreduce_s(b, k) for b in profile.bucket_bytes) if link and k > 1 else 0.0
+    when the parts are not all equal (B/k rounded down, some ranks one sample more); `sharded`:
+    --shard fsdp's gathers and reduce-scatters instead of the allreduce of gradient buckets."""
+    if sharded and link and k > 1:
+        communication, exposed = sharded_communication(profile, link, k)
+    else:
+        communication = sum(link.allreduce_s(b, k) for b in profile.bucket_bytes) if link and k > 1 else 0.0
+        exposed = exposed_communication(profile, link, k) if link else 0.0
     return Prediction(
         devices=k, nodes=nodes, global_batch=global_batch or profile.batch * k, per_device_batch=profile.batch,
         compute_s=profile.expected_slowest_s(max(1, k // profile.copies)), communication_s=communication,
-        exposed_s=exposed_communication(profile, link, k) if link else 0.0,
-        link=link.source if link and k > 1 else "none", memory=profile.memory,
+        exposed_s=exposed, link=link.source if link and k > 1 else "none", memory=profile.memory,
     )

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -30,6 +30,9 @@ class StepProfile:
     """The share of its idle speed at which an allreduce progresses during backward: 1 when it runs
     as fast as on idle devices. Measured when copies > 1 (on a CPU, gloo and the network stack
     need the cores backward is using); else 1, as for NCCL on a GPU."""
+    unit_bytes: list[int] = field(default_factory=list)
+    """The parameters of each unit --shard fsdp gathers at once, in forward order, the root's
+    own last (parallel/sharded.py: shard_units)."""
     memory: dict | None = None
     """One step's memory on the device (gpulab.memory.step, bytes): peak, at_peak (the peak split
     into parameters, gradients, optimizer_state, activations, inputs, other_kept, temporaries),

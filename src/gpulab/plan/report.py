@@ -10,7 +10,7 @@ from gpulab.io import atomic_write_bytes, atomic_write_json, git_commit
 from gpulab.plan.planner import TARGET_EFFICIENCY, Plan
 from gpulab.memory.categories import CATEGORY_NAMES, size
 from gpulab.plan.memory import replicated_peak, sharded_peak, sync_of
-from gpulab.plan.predict import ASSUMPTIONS
+from gpulab.plan.predict import ASSUMPTIONS, SHARDED_ASSUMPTION
 
 
 def ms(seconds: float) -> str:
@@ -147,7 +147,7 @@ def assumptions(plan: Plan) -> list[str]:
         span = f"{shares[0]:.0%}" if shares[0] == shares[-1] else f"{shares[0]:.0%}-{shares[-1]:.0%}"
         links.append(f"measured here: during backward an allreduce progresses at {span} of its idle speed "
                      f"(ranks sharing this machine's cores)")
-    return [*links, *ASSUMPTIONS]
+    return [*links, *ASSUMPTIONS, *([SHARDED_ASSUMPTION] if plan.config.sharded else [])]
 
 
 def to_json(plan: Plan, check: list[dict] | None = None, memory_check: dict | None = None) -> dict:

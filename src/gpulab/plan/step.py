@@ -103,7 +103,10 @@ def _profile_main(spec: dict) -> None:
 
     torch.set_num_threads(spec["threads"])
     in_step = _join_copies(spec) if spec["copies"] > 1 else (lambda done: done)
-    cfg = TrainConfig.from_dict({**spec["cfg"], "batch_size": spec["batch"], "epochs": 1, "out": None, "profile": False})
+    # One device's compute is the same replicated or sharded (FSDP's gathers are predicted from
+    # the units' sizes): the profile is of the replicated step, in one process.
+    cfg = TrainConfig.from_dict({**spec["cfg"], "batch_size": spec["batch"], "epochs": 1, "out": None, "profile": False,
+                                 "shard": "none"})
     run = build(cfg, World())
     strategy = run.strategy
     model, buckets, device = strategy.replicas[0], strategy.buckets, strategy.devices[0]
@@ -178,7 +181,7 @@ def _profile_main(spec: dict) -> None:
         after_backward_s=max(0.0, step_s - before - backward),
         bucket_bytes=[flat.numel() * flat.element_size() for flat in buckets.buffers[0]],
         bucket_ready_s=ready, device=str(device), threads=torch.get_num_threads(),
-        step_times_s=[r[0] for r in rows], copies=spec["copies"],
+        step_times_s=[r[0] for r in rows], copies=spec["copies"], unit_bytes=unit_bytes(model),
     )
     profile.memory = _measure_memory(one_step, strategy, device)
     if spec["copies"] > 1:
@@ -222,6 +225,17 @@ def _measure_memory(one_step, strategy, device) -> dict:
     measured = measure_step(one_step, device, strategy.replicas, strategy.optimizers)
     return {**{k: measured[k] for k in ("peak", "at_peak", "sizes", "batch")},
             "largest_unit": largest_unit_bytes(strategy.replicas[0])}
+
+
+def unit_bytes(model) -> list[int]:
+    """The parameter bytes of each unit --shard fsdp would wrap, then what the root holds itself."""
+    from gpulab.parallel.sharded import shard_units  # torch: the child's, as every import of it here
+
+    def nbytes(module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    units = [nbytes(u) for u in shard_units(model)]
+    return units + [nbytes(model) - sum(units)]
 
 
 def largest_unit_bytes(model) -> int:
