@@ -254,7 +254,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
     cpu = describe()["cpu"]
-    say(f"{cpu['model']}, {cpu['logical_cores']} cores, torch {torch.__version__}, {datetime.date.today()}, commit {git_commit()}")
+    commit = git_commit()  # of the code that runs (the tree may change while it runs)
+    say(f"{cpu['model']}, {cpu['logical_cores']} cores, torch {torch.__version__}, {datetime.date.today()}, commit {commit}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
@@ -294,7 +295,7 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"cpu": cpu["model"], "cores": cpu["logical_cores"], "torch": torch.__version__, "python": platform.python_version(),
-                "date": str(datetime.date.today()), "commit": git_commit(), "rounds": args.rounds}
+                "date": str(datetime.date.today()), "commit": commit, "rounds": args.rounds}
         (args.out / "distributed.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
         (args.out / "distributed.log").write_text("\n".join(lines) + "\n")
 
