@@ -140,7 +140,7 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
                 profiles.setdefault(s.name, profile)
         # Memory is checked on the replicated step (--shard fsdp's per-rank state is counted from
         # its tensors by benchmarks/distributed.py): the profiler measures one process's step.
-        memory = check_memory({**cfg, "shard": None}, data_dir, tmp,
+        memory = check_memory({**cfg, "shard": "none"}, data_dir, tmp,
                               {k: v for k, v in profiles.items() if k in MEMORY_SETUPS}, say)
     return [summarize(s, results[s.name]) for s in chosen], memory
 
@@ -210,7 +210,7 @@ def one_round(s: Setup, r: int, cfg: dict, data_dir: Path, tmp: Path, profile_se
     batch = cfg["batch_size"]
     sharded = cfg.get("shard") == "fsdp"
     if s.devices == 1:  # one process cannot shard: the baseline is the replicated step
-        cfg = {**cfg, "shard": None}
+        cfg = {**cfg, "shard": "none"}
 
     def profile(hosts):
         if s.devices == 1:
