@@ -14,7 +14,7 @@ import pytest
 from gpulab.plan import collective, netns
 from gpulab.plan.links import LINKS, LinkCost, parse_link
 from gpulab.plan.memory import fit_line, parse_memory, replicated_peak, sharded_peak
-from gpulab.plan.predict import bucket_schedule, exposed_communication, fit_overlap, predict
+from gpulab.plan.predict import bucket_schedule, exposed_communication, fit_overlap, predict, sharded_communication
 from gpulab.plan.profile import StepProfile
 from tests.conftest import assert_one_line_error, disk_full_for, run_cli
 
@@ -164,6 +164,21 @@ def test_sharded_steps_send_each_unit_three_times_and_hide_all_but_the_first_gat
     allreduce = predict(p, link, 4).communication_s  # the same 6 MB as one bucket: 2 (k-1)/k S beta
     assert got.communication_s - 6 * 3 * 1e-3 == pytest.approx(1.5 * (allreduce - 2 * 3 * 1e-3))  # 3/2 the bytes
     assert predict(p, link, 1, sharded=True).exposed_s == 0.0
+
+
+def test_a_measured_sharded_step_is_the_prediction_where_it_was_measured_and_repriced_elsewhere():
+    """FSDP's own cost (buffers copied in and out, hooks) is measured, not modelled: on the link
+    and k of the copies' measurement the prediction is their sharded step; on a slower link only
+    the modelled communication changes."""
+    here = LinkCost(alpha_s=2e-4, beta_s_per_byte=5e-9, source="loopback")
+    slow = LinkCost(alpha_s=2e-4, beta_s_per_byte=5e-8, source="slow")
+    p = profile([30], [6_000_000], step_ms=60, backward_ms=30, overlap=0.5)
+    p.unit_bytes, p.copies, p.step_times_s = [4_000_000, 2_000_000, 0], 2, [0.060]
+    p.sharded_step_s = 0.150  # far more than the model's communication explains
+    assert predict(p, here, 2, sharded=True).step_s == pytest.approx(0.150)
+    elsewhere = predict(p, slow, 2, sharded=True, profile_link=here)
+    assert elsewhere.step_s - 0.150 == pytest.approx(sharded_communication(p, slow, 2)[1] - sharded_communication(p, here, 2)[1])
+    assert elsewhere.step_s > 0.150
 
 
 def test_prediction_is_monotone_in_bandwidth():

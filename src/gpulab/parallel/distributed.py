@@ -97,6 +97,37 @@ class GradSync:
         return self.buckets.unused_after_reduce()
 
 
+def broadcast_from_main(module: nn.Module, world: World) -> None:
+    """Every rank starts from rank 0's parameters and buffers."""
+    import torch.distributed as dist
+
+    with torch.no_grad(), world.collectives():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t, src=0, group=world.group)
+
+
+def reduce_over_ranks(meter: Meter, world: World) -> dict[str, float]:
+    """Every rank's loss sum, correct count and sample count, summed in one collective."""
+    import torch.distributed as dist
+
+    totals = torch.cat([meter.totals, meter.totals.new_tensor([meter.count])])
+    with world.collectives():
+        dist.all_reduce(totals, group=world.group)
+    return summarize(*totals.tolist())
+
+
+@torch.no_grad()
+def average_buffers(module: nn.Module, world: World) -> None:
+    """The floating-point buffers (BatchNorm's running statistics) averaged over ranks (collective)."""
+    import torch.distributed as dist
+
+    with world.collectives():
+        for b in module.buffers():
+            if b.is_floating_point():
+                dist.all_reduce(b, group=world.group)
+                b.div_(world.world_size)
+
+
 class Distributed:
     """The training strategy of one torchrun rank (see the module docstring)."""
 
@@ -133,7 +164,7 @@ class Distributed:
         self.timer = timer or PhaseTimer([device], enabled=False)
         self.module = module.to(device)
         self.replicas = [self.module]  # this process's copies of the model (DataParallel has k)
-        self._broadcast_from_main(self.module)
+        broadcast_from_main(self.module, world)
         if sync_bn:
             import torch.distributed as dist
 
@@ -156,14 +187,6 @@ class Distributed:
             buckets = Buckets([list(self.module.parameters())], bucket_bytes, first_bucket_bytes)
             self.grad_sync = GradSync(buckets, world.group, overlap)
         self.module.train(True)
-
-    def _broadcast_from_main(self, module: nn.Module) -> None:
-        """Every rank starts from rank 0's parameters and buffers."""
-        import torch.distributed as dist
-
-        with torch.no_grad(), self.world.collectives():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0, group=self.world.group)
 
     def set_lr(self, lr: float) -> None:
         set_lr([self.optimizer], lr)
@@ -213,29 +236,14 @@ class Distributed:
     # ------------------------------------------------------------------ metrics, evaluation, state
 
     def reduce(self, meter: Meter) -> dict[str, float]:
-        """Every rank's loss sum, correct count and sample count, summed in one collective."""
-        import torch.distributed as dist
+        return reduce_over_ranks(meter, self.world)
 
-        totals = torch.cat([meter.totals, meter.totals.new_tensor([meter.count])])
-        with self.world.collectives():
-            dist.all_reduce(totals, group=self.world.group)
-        return summarize(*totals.tolist())
-
-    @torch.no_grad()
     def sync_buffers(self) -> None:
         """Average BatchNorm running statistics over ranks (each rank's drift apart). Collective:
         every rank has made the same steps, so every rank agrees whether there is work to do."""
-        import torch.distributed as dist
-
-        if not self.buffers_stale:
-            return
-        self.buffers_stale = False
-
-        with self.world.collectives():
-            for b in self.module.buffers():
-                if b.is_floating_point():
-                    dist.all_reduce(b, group=self.world.group)
-                    b.div_(self.world.world_size)
+        if self.buffers_stale:
+            self.buffers_stale = False
+            average_buffers(self.module, self.world)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn | None = None) -> dict:

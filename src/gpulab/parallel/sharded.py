@@ -34,7 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from gpulab.parallel.data_parallel import micro_batches
-from gpulab.parallel.meter import Meter, correct_count, summarize
+from gpulab.parallel.distributed import average_buffers, broadcast_from_main, reduce_over_ranks
+from gpulab.parallel.meter import Meter, correct_count
 from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.strategy import LossFn, eval_batch, set_lr
 from gpulab.parallel.world import World
@@ -98,7 +99,7 @@ class Sharded:
         self.buffers_stale = True
         self.timer = timer or PhaseTimer([device], enabled=False)
         self.module = module.to(device)
-        self._broadcast_from_main(self.module)  # the same start on every rank, then sharded
+        broadcast_from_main(self.module, world)  # the same start on every rank, then sharded
         mesh = DeviceMesh.from_group(world.group, device.type)
         policy = mixed_precision(autocast)
         self.units = shard_units(self.module)
@@ -117,13 +118,6 @@ class Sharded:
         if autocast is not None:
             self.description += f"; {str(autocast).removeprefix('torch.')} parameters gathered, fp32 gradients reduced"
         self.module.train(True)
-
-    def _broadcast_from_main(self, module: nn.Module) -> None:
-        import torch.distributed as dist
-
-        with torch.no_grad(), self.world.collectives():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0, group=self.world.group)
 
     def set_lr(self, lr: float) -> None:
         set_lr([self.optimizer], lr)
@@ -154,26 +148,13 @@ class Sharded:
     # ------------------------------------------------------------------ metrics, evaluation, state
 
     def reduce(self, meter: Meter) -> dict[str, float]:
-        import torch.distributed as dist
+        return reduce_over_ranks(meter, self.world)
 
-        totals = torch.cat([meter.totals, meter.totals.new_tensor([meter.count])])
-        with self.world.collectives():
-            dist.all_reduce(totals, group=self.world.group)
-        return summarize(*totals.tolist())
-
-    @torch.no_grad()
     def sync_buffers(self) -> None:
         """BatchNorm running statistics are not sharded: each rank's drift apart; averaged here."""
-        import torch.distributed as dist
-
-        if not self.buffers_stale:
-            return
-        self.buffers_stale = False
-        with self.world.collectives():
-            for b in self.module.buffers():
-                if b.is_floating_point():
-                    dist.all_reduce(b, group=self.world.group)
-                    b.div_(self.world.world_size)
+        if self.buffers_stale:
+            self.buffers_stale = False
+            average_buffers(self.module, self.world)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn | None = None) -> dict:

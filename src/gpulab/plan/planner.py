@@ -198,7 +198,7 @@ def make_plan(cfg: PlanConfig, say=print) -> Plan:
     def at(per_device: int, nodes: int, per_node: int, global_batch: int | None = None) -> Prediction:
         k = nodes * per_node
         return predict(profiles.get(per_device, per_node), link_for(nodes, per_node), k, nodes, global_batch,
-                       sharded=cfg.sharded)
+                       sharded=cfg.sharded, profile_link=links.get("device"))
 
     rows, speedups = [], []
     for nodes in cfg.nodes:

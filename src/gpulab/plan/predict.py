@@ -21,7 +21,11 @@ while the current one computes, so only the first gather waits for nothing to hi
 rest progresses at `profile.overlap` times its idle speed while forward and backward compute
 (the replicated overlap, measured: an assumption for FSDP's gathers), and what is left is exposed:
 
-    step(k) = step(B/k) + first gather + max(0, rest - overlap x (forward + backward))
+    step(k) = step(B/k) + first gather + max(0, rest - overlap x (forward + backward)) + FSDP's cost
+
+FSDP's cost (copying gathered buffers in and out, its hooks; on gloo a reduce-scatter is an
+allreduce) is not modelled but measured: on a CPU the plan's copies also run a sharded step
+(plan/step.py), and what it took beyond the rest is added at every k and link.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from gpulab.plan.links import LinkCost
 from gpulab.plan.profile import StepProfile
 
 SHARDED_ASSUMPTION = ("--shard fsdp: each unit gathered twice and reduce-scattered once per step; all but the first "
-                      "gather overlap forward and backward at the measured share of idle speed; gathering and freeing "
-                      "cost the computation nothing more")
+                      "gather overlap forward and backward at the measured share of idle speed; what FSDP cost the copies' "
+                      "measured sharded step beyond that (0 where not measured: a GPU) is the same at every k and link")
 ASSUMPTIONS = (
     "every device computes its B/k samples as fast as the one measured",
     "gradient buckets are all-reduced in order, each from the moment it is ready; only what runs past backward costs time",
@@ -145,13 +149,26 @@ def sharded_communication(profile: StepProfile, link: LinkCost, k: int) -> tuple
     return total, first + max(0.0, total - first - hideable)
 
 
+def fsdp_cost_s(profile: StepProfile, profile_link: LinkCost) -> float:
+    """What FSDP cost the measured sharded step beyond the model above, on the link the copies
+    were measured over (gathered buffers copied in and out, hooks, gloo's reduce-scatter): the
+    measured step less the replicated step and the modelled communication. 0 when not measured."""
+    if profile.sharded_step_s is None or profile.copies < 2:
+        return 0.0
+    return profile.sharded_step_s - profile.step_s - sharded_communication(profile, profile_link, profile.copies)[1]
+
+
 def predict(profile: StepProfile, link: LinkCost | None, k: int, nodes: int = 1, global_batch: int | None = None,
-            sharded: bool = False) -> Prediction:
+            sharded: bool = False, profile_link: LinkCost | None = None) -> Prediction:
     """k devices (over `nodes` machines), each at `profile.batch` samples per step; `global_batch`
     when the parts are not all equal (B/k rounded down, some ranks one sample more); `sharded`:
-    --shard fsdp's gathers and reduce-scatters instead of the allreduce of gradient buckets."""
+    --shard fsdp's gathers and reduce-scatters instead of the allreduce of gradient buckets, plus
+    what FSDP cost the copies' measured sharded step beyond them (fsdp_cost_s; `profile_link`:
+    the link the copies were measured over, default `link`): on that link and k the prediction is
+    the measured sharded step; elsewhere its communication is repriced."""
     if sharded and link and k > 1:
         communication, exposed = sharded_communication(profile, link, k)
+        exposed += fsdp_cost_s(profile, profile_link or link)
     else:
         communication = sum(link.allreduce_s(b, k) for b in profile.bucket_bytes) if link and k > 1 else 0.0
         exposed = exposed_communication(profile, link, k) if link else 0.0

@@ -33,6 +33,8 @@ class StepProfile:
     unit_bytes: list[int] = field(default_factory=list)
     """The parameters of each unit --shard fsdp gathers at once, in forward order, the root's
     own last (parallel/sharded.py: shard_units)."""
+    sharded_step_s: float | None = None
+    """With --shard fsdp and copies > 1: the copies' step sharded over them (FSDP2), measured."""
     memory: dict | None = None
     """One step's memory on the device (gpulab.memory.step, bytes): peak, at_peak (the peak split
     into parameters, gradients, optimizer_state, activations, inputs, other_kept, temporaries),

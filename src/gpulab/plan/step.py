@@ -187,6 +187,8 @@ def _profile_main(spec: dict) -> None:
     if spec["copies"] > 1:
         profile.overlap = _measure_overlap(one_step, exchange, profile)
     remove_listener()
+    if spec["copies"] > 1 and spec["cfg"].get("shard") == "fsdp":
+        profile.sharded_step_s = _measure_sharded_step(spec, run, source, in_step)
     atomic_write_json(Path(spec["out"]), profile.to_dict())
 
 
@@ -214,6 +216,57 @@ class _Exchange:
     def in_phase(self, name: str):
         if name == "allreduce" and self.grad_sync is not None and self.grad_sync.communicate:
             self.grad_sync.finish()
+        yield
+
+
+def _measure_sharded_step(spec: dict, run, source, in_step) -> float:
+    """The copies' step with --shard fsdp (torch's FSDP2 over their gloo group, a fresh copy of the
+    model): what FSDP itself costs here - its gathers and reduce-scatters on this link, its
+    copies in and out of gathered buffers, its hooks - which the model of predict.py does not
+    price. Timed as the replicated step is: warm-up, then about `seconds` of steps."""
+    import copy
+
+    from gpulab.parallel.sharded import Sharded  # torch: the child's, as every import of it here
+    from gpulab.train.precision import autocast_dtype
+    from gpulab.train.recipe import make_optimizer
+
+    replica = run.strategy.replicas[0]
+    world = _CopiesWorld(spec["copy"], spec["copies"])
+    strategy = Sharded(copy.deepcopy(replica), world, run.strategy.devices[0], spec["batch"] * spec["copies"],
+                       make_optimizer(run.cfg.recipe_spec, run.peak_lr), autocast=autocast_dtype(run.cfg, run.devices))
+    loss_fn = lambda out, y: run.loss_fn(out, y) / spec["copies"]  # noqa: E731 (each copy its share, as a rank)
+
+    def step(enough: bool) -> tuple[float, bool]:
+        start = time.perf_counter()
+        X, y = next(source)
+        strategy.train_step(X, y, loss_fn)
+        return time.perf_counter() - start, in_step(enough)
+
+    warm_from, warm_steps = time.perf_counter(), 0
+    while True:
+        warm_steps += 1
+        if step(warm_steps >= spec["warmup"] and time.perf_counter() - warm_from >= WARMUP_S)[1]:
+            break
+    times, timed_from = [], time.perf_counter()
+    while len(times) < MAX_STEPS:
+        seconds, all_done = step(len(times) + 1 >= MIN_STEPS and time.perf_counter() - timed_from >= spec["seconds"])
+        times.append(seconds)
+        if all_done:
+            break
+    return statistics.fmean(times)
+
+
+class _CopiesWorld:
+    """The copies' gloo group as gpulab's World (what Sharded needs of one): rank, size, group."""
+
+    def __init__(self, rank: int, size: int):
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.backend = rank, size, "gloo"
+        self.group = dist.group.WORLD
+
+    @contextmanager
+    def collectives(self):
         yield
 
 
