@@ -104,9 +104,12 @@ def _profile_main(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     in_step = _join_copies(spec) if spec["copies"] > 1 else (lambda done: done)
     # One device's compute is the same replicated or sharded (FSDP's gathers are predicted from
-    # the units' sizes): the profile is of the replicated step, in one process.
+    # the units' sizes): the profile is of the replicated step, in one process - in the layout a
+    # sharded run uses (NCHW: FSDP2 shards contiguous parameters only).
+    sharded = spec["cfg"].get("shard") == "fsdp"
+    layout = {"channels_last": "off"} if sharded and spec["cfg"].get("channels_last") in (None, "auto") else {}
     cfg = TrainConfig.from_dict({**spec["cfg"], "batch_size": spec["batch"], "epochs": 1, "out": None, "profile": False,
-                                 "shard": "none"})
+                                 "shard": "none", **layout})
     run = build(cfg, World())
     strategy = run.strategy
     model, buckets, device = strategy.replicas[0], strategy.buckets, strategy.devices[0]
@@ -187,7 +190,7 @@ def _profile_main(spec: dict) -> None:
     if spec["copies"] > 1:
         profile.overlap = _measure_overlap(one_step, exchange, profile)
     remove_listener()
-    if spec["copies"] > 1 and spec["cfg"].get("shard") == "fsdp":
+    if spec["copies"] > 1 and sharded:
         profile.sharded_step_s = _measure_sharded_step(spec, run, source, in_step)
     atomic_write_json(Path(spec["out"]), profile.to_dict())
 
