@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 
+from gpulab import models
 from gpulab.cli import main
 from gpulab.export import load_run
 from gpulab.train import TrainConfig, train
@@ -439,6 +440,7 @@ def test_a_full_disk_at_the_first_checkpoint_is_said_truly_by_every_rank(tiny_da
 
 FULL_DISK_JOB = '''
 import errno, os, sys
+from gpulab import models
 from gpulab.cli import main
 from gpulab.export import load_run
 from gpulab.train import rundir
@@ -577,11 +579,11 @@ def test_fsdp_killed_rank_stops_the_others_then_the_run_resumes_on_three_ranks(l
 
 
 KILLED_DURING_THE_SECOND_SAVE = """
-import os, signal, sys, types
-from gpulab.parallel import sharded
+import os, signal, sys
+import torch.distributed.checkpoint as dcp
 from gpulab.train import TrainConfig, train
 
-real_save = sharded.dcp.save
+real_save = dcp.save
 
 
 def save(state, checkpoint_id, process_group):
@@ -590,7 +592,7 @@ def save(state, checkpoint_id, process_group):
     return real_save(state, checkpoint_id=checkpoint_id, process_group=process_group)
 
 
-sharded.dcp = types.SimpleNamespace(save=save, load=sharded.dcp.load)
+dcp.save = save
 train(TrainConfig(epochs=3, seed=3, precision="fp32", batch_size=32, shard="fsdp", timeout=10, out=sys.argv[1]))
 """
 
@@ -618,3 +620,16 @@ def test_fsdp_in_bf16_keeps_batchnorm_in_fp32(tiny_data, tmp_path):
                           "--batch-size", "32", "--out", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bf16 (FSDP's mixed precision), shard fsdp over gloo (10 units + root); bfloat16 parameters gathered" in result.stdout
+
+
+def test_the_profiler_measures_a_sharded_step_s_memory(tiny_data, tmp_path):
+    """`--profile` on rank 0 of an FSDP run: the memory window reads each rank's shards (DTensors'
+    local parts) and skips the storages FSDP freed after a unit ran."""
+    result = torchrun(2, ["--shard", "fsdp", "--epochs", "1", *FAST, "--profile", "--out", str(tmp_path / "run")],
+                      tiny_data, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads((tmp_path / "run" / "profile" / "report.json").read_text())["memory"]
+    assert "error" not in measured, measured
+    whole = sum(p.numel() * p.element_size() for p in models.build("lenet").parameters())
+    assert measured["sizes"]["parameters"] == pytest.approx(whole / 2, rel=0.01)  # this rank's half
+    assert measured["sizes"]["optimizer_state"] == pytest.approx(whole / 2, rel=0.01)  # SGD momentum, sharded

@@ -7,21 +7,33 @@ import gc
 from collections.abc import Iterable
 from itertools import chain, compress, islice
 
+import sys
+
 import torch
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `t`: a DTensor's (FSDP's sharded parameters, their gradients and
+    optimizer state) local shard, else the tensor itself. No DTensor exists unless its module was
+    imported, so it is looked up, not imported (that takes ~0.5 s)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+
 
 def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
     """(device, address) of a tensor's storage, or None for tensors without one (meta, sparse)."""
+    t = local(t)
     try:
-        storage = t.untyped_storage()
+        # FSDP frees a unit's gathered parameters by resizing their storage away: an invalid
+        # storage then, which holds no bytes
+        ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
-    ptr = storage.data_ptr()
     return (str(t.device), ptr) if ptr else None
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
     try:
-        return t.untyped_storage().nbytes()
+        return local(t).untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         return 0
 

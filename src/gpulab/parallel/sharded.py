@@ -24,14 +24,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                      get_optimizer_state_dict, get_state_dict,
-                                                      set_model_state_dict, set_optimizer_state_dict,
-                                                      set_state_dict)
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from gpulab.parallel.data_parallel import micro_batches
 from gpulab.parallel.distributed import average_buffers, broadcast_from_main, reduce_over_ranks
@@ -41,7 +34,9 @@ from gpulab.parallel.strategy import LossFn, eval_batch, set_lr
 from gpulab.parallel.world import World
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
-_FULL = StateDictOptions(full_state_dict=True)  # on every rank, as the replicated strategies' are
+
+# torch.distributed's FSDP, DTensor and checkpoint modules are imported where they are used: they
+# take ~0.5 s to import, which every `gpulab train` would pay, sharded or not.
 
 
 def has_parameters(module: nn.Module) -> bool:
@@ -64,9 +59,12 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def mixed_precision(dtype: torch.dtype | None) -> MixedPrecisionPolicy:
-    """bf16: parameters gathered and computed in bf16, gradients reduce-scattered in fp32, the
-    output in fp32 (so the loss is); the shards and the optimizer stay fp32. None: all fp32."""
+def mixed_precision(dtype: torch.dtype | None):
+    """FSDP's MixedPrecisionPolicy. bf16: parameters gathered and computed in bf16, gradients
+    reduce-scattered in fp32, the output in fp32 (so the loss is); the shards and the optimizer
+    stay fp32. None: all fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
@@ -100,6 +98,9 @@ class Sharded:
         self.timer = timer or PhaseTimer([device], enabled=False)
         self.module = module.to(device)
         broadcast_from_main(self.module, world)  # the same start on every rank, then sharded
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
         mesh = DeviceMesh.from_group(world.group, device.type)
         policy = mixed_precision(autocast)
         self.units = shard_units(self.module)
@@ -173,15 +174,22 @@ class Sharded:
         """The whole model and optimizer state, gathered on every rank (collective); the optimizer's
         keyed by parameter name (torch.distributed.checkpoint's form), so it loads into any number
         of ranks."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                              get_optimizer_state_dict)
+
         self.sync_buffers()
+        whole = StateDictOptions(full_state_dict=True)  # on every rank, as the replicated strategies' are
         with self.world.collectives():
-            model = get_model_state_dict(self.module, options=_FULL)
-            optimizer = get_optimizer_state_dict(self.module, self.optimizer, options=_FULL)
+            model = get_model_state_dict(self.module, options=whole)
+            optimizer = get_optimizer_state_dict(self.module, self.optimizer, options=whole)
         return {"model": model, "optimizer": optimizer}
 
     def save_shards(self, folder: Path) -> None:
         """This rank's shard of the model and optimizer state into `folder` (collective: every
         rank writes its own file, rank 0 the metadata that ties them together)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         self.sync_buffers()
         model, optimizer = get_state_dict(self.module, self.optimizer)
         with self.world.collectives():
@@ -190,6 +198,9 @@ class Sharded:
     def load_shards(self, folder: Path) -> None:
         """The state save_shards wrote, by any number of ranks: each reads the parts of the saved
         shards that make up its own (collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
         model, optimizer = get_state_dict(self.module, self.optimizer)
         state = {"model": model, "optimizer": optimizer}
         with self.world.collectives():
@@ -204,6 +215,9 @@ class Sharded:
 
     def load_state_dict(self, state: dict) -> None:
         """A whole state (as state_dict() gives it): each rank keeps its shards (collective)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                              set_optimizer_state_dict)
+
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         with self.world.collectives():
             set_model_state_dict(self.module, state["model"], options=options)

@@ -138,10 +138,7 @@ def check(cfg: dict, rates_mbit: list[float], rounds: int = 3, profile_seconds: 
                 row, profile = one_round(s, r, cfg, data_dir, tmp, profile_seconds, say)
                 results[s.name].append(row)
                 profiles.setdefault(s.name, profile)
-        # Memory is checked on the replicated step (--shard fsdp's per-rank state is counted from
-        # its tensors by benchmarks/distributed.py): the profiler measures one process's step.
-        memory = check_memory({**cfg, "shard": "none"}, data_dir, tmp,
-                              {k: v for k, v in profiles.items() if k in MEMORY_SETUPS}, say)
+        memory = check_memory(cfg, data_dir, tmp, {k: v for k, v in profiles.items() if k in MEMORY_SETUPS}, say)
     return [summarize(s, results[s.name]) for s in chosen], memory
 
 
@@ -156,25 +153,31 @@ FITS_SCALE = 4
 
 def check_memory(cfg: dict, data_dir: Path, tmp: Path, profiles: dict[str, StepProfile], say) -> dict:
     """Predicted vs measured peak memory per device for each of MEMORY_SETUPS (gpulab train --profile:
-    its measured step, on rank 0), then the largest-batch verdict: for a budget the line through
+    its measured step, on rank 0; with --shard fsdp the ranks shard and the prediction is the
+    sharded peak), then the largest-batch verdict (replicated, one process): for a budget the line through
     those profiles says fits FITS_SCALE x the batch, the step at that largest batch and at 25%
     more, each measured (and on CUDA run under the budget: gpulab.plan.fits)."""
-    from gpulab.plan.memory import fit_line, replicated_peak, sync_of
+    from gpulab.plan.memory import fit_line, replicated_peak, sharded_peak, sync_of
 
     sync = sync_of(cfg)
+    sharded = cfg.get("shard") == "fsdp"
+    replicated = {**cfg, "shard": "none"}  # one process (and the largest-batch runs) cannot shard
     rows = []
     for name, ranks in MEMORY_SETUPS.items():
         say(f"memory: {name}")
-        run = run_training(f"memory {name}", cfg, data_dir, tmp, ranks_per_host=ranks, extra=("--epochs", "1", "--profile"))
+        shards = sharded and ranks > 1
+        run = run_training(f"memory {name}", cfg if shards else replicated, data_dir, tmp, ranks_per_host=ranks,
+                           extra=("--epochs", "1", "--profile"))
         measured = json.loads((run.out / "profile" / "report.json").read_text())["memory"]
-        predicted = replicated_peak(profiles[name].memory, sync)
+        step_memory = profiles[name].memory
+        predicted = sharded_peak(step_memory, ranks) if shards else replicated_peak(step_memory, sync)
         rows.append({"name": name, "per_device_batch": profiles[name].batch, "predicted_peak": predicted,
                      "measured_peak": measured["peak"], "error": predicted / measured["peak"] - 1,
                      "measured_at": measured.get("peak_phase")})
     line = fit_line(list(profiles.values()))
     budget = int(line.at(FITS_SCALE * cfg["batch_size"]))
     largest = line.largest_batch(budget)
-    runs = [fits(cfg, b, budget, tmp) for b in (largest, round(1.25 * largest))]
+    runs = [fits(replicated, b, budget, tmp) for b in (largest, round(1.25 * largest))]
     say(f"memory: within {budget:,} bytes the plan says batch {largest} fits: it "
         f"{'does' if runs[0]['fits'] else 'does NOT'}; {runs[1]['batch']} {'does not' if not runs[1]['fits'] else 'DOES'}")
     return {"setups": rows, "line": {"fixed_bytes": line.fixed, "bytes_per_sample": line.per_sample},

@@ -40,7 +40,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from gpulab.errors import UserError
 from gpulab.io import atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable
@@ -376,6 +375,8 @@ class RunDir:
 def read_sharded_model(folder: Path, template: dict) -> dict:
     """A sharded checkpoint's model weights, whole, in this one process (no process group): the
     tensors of `template` (a model's state_dict) filled from the shards (`gpulab export`)."""
+    import torch.distributed.checkpoint as dcp  # ~0.5 s to import: only where a sharded run is read
+
     state = {"model": template}
     with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
