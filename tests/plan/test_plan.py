@@ -327,12 +327,14 @@ def test_memory_per_configuration_and_the_largest_batch():
 @pytest.mark.slow
 def test_the_memory_check_holds_its_verdict_by_running_it(tiny_data, tmp_path):
     """plan --check's memory part on LeNet: the peak per device of real gpulab train runs, and the
-    largest batch that fits a budget next to 25% more, each measured."""
+    largest batch that fits a budget next to 25% more, each measured. (With --shard fsdp the
+    sharded peak is predicted 37% low here: issue 26, open.)"""
+    shard = "none"
     from gpulab.host import usable_cores
     from gpulab.plan import step
     from gpulab.plan.check import check_memory
 
-    cfg = {"model": "lenet", "batch_size": 64, "devices": "cpu", "data_dir": str(tiny_data)}
+    cfg = {"model": "lenet", "batch_size": 64, "devices": "cpu", "data_dir": str(tiny_data), "shard": shard}
     profiles = {"1 process": step.measure(cfg, 64, usable_cores(), seconds=0.2),
                 "2 ranks": step.measure(cfg, 32, 1, seconds=0.2, copies=2)}
     result = check_memory(cfg, tiny_data, tmp_path, profiles, say=lambda text: None)

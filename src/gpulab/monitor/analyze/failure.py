@@ -39,6 +39,7 @@ class Ending:
     steps: int
     t: float | None  # when it ended (the recording's clock); for "killed", its last sign of life
     lost_peer: bool = False  # its error says it failed because another process did
+    stacks: str | None = None  # a crash: faulthandler's Python stack of every thread
 
     @property
     def failed(self) -> bool:
@@ -65,7 +66,8 @@ def ending(rec: Recording, stopped_by_gpulab: bool) -> Ending:
                       lost_peer=bool(_LOST_PEER.search(error)))
     last = last_sign_of_life(rec)
     if rec.crash:
-        return Ending(who, rec.pid, rec.rank, "crash", _crash_message(rec.crash), _crash_where(rec.crash), steps, last)
+        return Ending(who, rec.pid, rec.rank, "crash", _crash_message(rec.crash), _crash_where(rec.crash), steps, last,
+                      stacks=rec.crash)
     if stopped_by_gpulab:
         return Ending(who, rec.pid, rec.rank, "stopped", "stopped by gpulab (SIGKILL)", None, steps, last)
     return Ending(who, rec.pid, rec.rank, "killed", "ended without a word: killed by a signal Python cannot catch "
@@ -138,9 +140,13 @@ def _crash_message(text: str) -> str:
 
 
 def _crash_where(text: str) -> str | None:
-    """The innermost frame of the user's faulthandler printed (it prints the innermost first): not
-    an installed package's, not the standard library's."""
-    frames = _CRASH_LINE.findall(text)
+    """The innermost frame of the user's that faulthandler printed for the crashing thread (its
+    block starts "Current thread 0x...", innermost frame first; every thread has a block): not an
+    installed package's, not the standard library's."""
+    start = text.find("Current thread")
+    crashing = text[start:] if start >= 0 else text
+    crashing = re.split(r"\n\s*\n|\nThread 0x", crashing)[0]
+    frames = _CRASH_LINE.findall(crashing)
     mine = [f for f in frames if not _LIBRARY.search(f[0])] or frames
     return f"{mine[0][0]}:{mine[0][1]}" if mine else None
 

@@ -62,7 +62,7 @@ def _write_crashes_to(path) -> None:
         crashes = open(path, "w")  # kept open: faulthandler writes to its descriptor when it fires
     except OSError:
         return
-    faulthandler.enable(file=crashes, all_threads=False)
+    faulthandler.enable(file=crashes, all_threads=True)  # what gpulab's own threads were doing too
     _KEPT_OPEN.append(crashes)
 
 
