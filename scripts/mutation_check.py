@@ -53,6 +53,10 @@ MUTATIONS = [
              "            self.handles.append(dist.all_reduce(flat, group=self.group, async_op=True))\n",
              "            if self.next_bucket < self.buckets.num_buckets - 1:\n"
              "                self.handles.append(dist.all_reduce(flat, group=self.group, async_op=True))\n", TORCHRUN_TESTS),
+    Mutation("FSDP's rank-averaged gradients left averaged (--shard fsdp: 1/k too small)", "src/gpulab/parallel/sharded.py",
+             "(loss * self.world.world_size).backward()", "loss.backward()", TORCHRUN_TESTS),
+    Mutation("a survivor's lost-peer error taken for a failure of its own", "src/gpulab/monitor/analyze/failure.py",
+             "lost_peer=bool(_LOST_PEER.search(error))", "lost_peer=False", ["tests/monitor/test_failure.py"]),
 ]
 
 
