@@ -178,6 +178,19 @@ def check_launch_nccl(check: Check, out: Path) -> str:
     return "2 ranks under torchrun, NCCL: parity PASS"
 
 
+def check_fsdp_nccl(check: Check, out: Path) -> str:
+    """--shard fsdp over NCCL: parity with plain PyTorch, then an epoch whose checkpoint is sharded."""
+    done = gpulab(["launch", "-n", "2", "--", "--shard", "fsdp", "--check-parity"], out / "fsdp-parity.log")
+    if done.returncode != 0 or "parity PASS" not in done.stdout:
+        raise Failed(f"parity: exit {done.returncode}; see fsdp-parity.log")
+    run = out / "fsdp-run"
+    done = gpulab(["launch", "-n", "2", "--", "--shard", "fsdp", "--epochs", "1", "--out", str(run)], out / "fsdp-run.log")
+    shards = sorted(p.name for p in run.glob("checkpoint-epoch*.dcp"))
+    if done.returncode != 0 or shards != ["checkpoint-epoch1.dcp"]:
+        raise Failed(f"epoch: exit {done.returncode}, shards {shards}; see fsdp-run.log")
+    return "2 ranks, NCCL, --shard fsdp: parity PASS; one epoch, its checkpoint sharded"
+
+
 def check_allreduce_nccl(check: Check, out: Path) -> str:
     done = gpulab(["bench", "allreduce", "--preset", "quick", "--devices", "cuda:0,cuda:1", "--out", str(out / "bench")],
                   out / "bench-allreduce.log")
@@ -387,6 +400,8 @@ CHECKS = [
     Check("parity-1gpu", "gpu", "gpulab train --devices cuda --check-parity: parity PASS", check_parity_1),
     Check("parity-2gpu", "2 gpus", "gpulab train --devices cuda:0,cuda:1 --check-parity: parity PASS", check_parity_2),
     Check("launch-nccl", "2 gpus", "gpulab launch -n 2 -- --check-parity (NCCL): parity PASS", check_launch_nccl),
+    Check("fsdp-nccl", "2 gpus", "gpulab launch -n 2 -- --shard fsdp: parity PASS, then an epoch with a sharded checkpoint",
+          check_fsdp_nccl),
     Check("allreduce-nccl", "2 gpus", "gpulab bench allreduce on cuda:0,cuda:1: every algorithm's sum checks",
           check_allreduce_nccl),
     Check("plan-gpu", "gpu", "gpulab plan --devices cuda (CUDA-event step profile, nvlink4/ndr400 links): a plan on cuda",
