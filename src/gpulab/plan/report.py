@@ -78,7 +78,8 @@ def memory_verdict(plan: Plan) -> list[str]:
             text += (f"; within {within} it fits up to batch {r['largest_batch']:,} per device" if r["largest_batch"]
                      else f"; it does not fit in {within} at any batch")
         if r["sharded_peak"] is not None:
-            text += (f"; sharded over {r['devices']} (FSDP / ZeRO-3) {size(r['sharded_peak'])}: frees "
+            text += (f"; sharded over {r['devices']} (FSDP / ZeRO-3) {size(r['sharded_peak'])} (a lower bound: "
+                     f"FSDP's own gather and reduce-scatter buffers are not counted): frees "
                      f"{size(r['replicated_peak'] - r['sharded_peak'])}")
             if plan.memory_line is not None:
                 text += f", fits up to batch {r['sharded_largest_batch']:,}"
