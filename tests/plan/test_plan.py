@@ -316,6 +316,8 @@ def test_memory_per_configuration_and_the_largest_batch():
     assert replicated_peak(m, sync="gpulab") == 1000 and replicated_peak(m, sync="ddp") == 1100  # DDP copies the gradients once
     # Sharded over 4: parameters, gradients and optimizer state (400) / 4, plus the largest unit twice.
     assert sharded_peak(m, 4) == 1000 - 300 + 60
+    # FSDP's own buffers, measured on 2 copies (their peak 900 against 1000 - 200 + 60 modelled), added at every k
+    assert sharded_peak(m, 2, measured=(2, 900)) == 900 and sharded_peak(m, 4, measured=(2, 900)) == 760 + 40
     line = fit_line([profile_with(memory(64, 1000)), profile_with(memory(32, 600))])
     assert (line.fixed, line.per_sample, line.points) == (200, 12.5, 2)
     assert line.largest_batch(2000) == 144  # (2000 - 200) / 12.5
@@ -325,11 +327,12 @@ def test_memory_per_configuration_and_the_largest_batch():
 
 
 @pytest.mark.slow
-def test_the_memory_check_holds_its_verdict_by_running_it(tiny_data, tmp_path):
-    """plan --check's memory part on LeNet: the peak per device of real gpulab train runs, and the
-    largest batch that fits a budget next to 25% more, each measured. (With --shard fsdp the
-    sharded peak is predicted 37% low here: issue 26, open.)"""
-    shard = "none"
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_the_memory_check_holds_its_verdict_by_running_it(tiny_data, tmp_path, shard):
+    """plan --check's memory part on LeNet: the peak per device of real gpulab train runs (with
+    fsdp the 2 ranks shard, and the prediction is the sharded peak with FSDP's buffers as the
+    profile's copies measured them), and the largest batch that fits a budget next to 25% more,
+    each measured."""
     from gpulab.host import usable_cores
     from gpulab.plan import step
     from gpulab.plan.check import check_memory
@@ -339,6 +342,8 @@ def test_the_memory_check_holds_its_verdict_by_running_it(tiny_data, tmp_path):
                 "2 ranks": step.measure(cfg, 32, 1, seconds=0.2, copies=2)}
     result = check_memory(cfg, tiny_data, tmp_path, profiles, say=lambda text: None)
     for row in result["setups"]:
-        assert abs(row["error"]) < 0.10, row
-    fits, more = result["runs"]
-    assert fits["fits"] and not more["fits"]
+        # sharded: the copies' measured FSDP step is noisier (+8% and +14% in two runs here)
+        assert abs(row["error"]) < (0.20 if shard == "fsdp" and row["name"] == "2 ranks" else 0.10), row
+    if shard == "none":  # the largest-batch verdict runs replicated either way
+        fits, more = result["runs"]
+        assert fits["fits"] and not more["fits"], result["runs"]

@@ -170,7 +170,10 @@ def check_memory(cfg: dict, data_dir: Path, tmp: Path, profiles: dict[str, StepP
                            extra=("--epochs", "1", "--profile"))
         measured = json.loads((run.out / "profile" / "report.json").read_text())["memory"]
         step_memory = profiles[name].memory
-        predicted = sharded_peak(step_memory, ranks) if shards else replicated_peak(step_memory, sync)
+        profile = profiles[name]
+        measured_shards = (profile.copies, profile.sharded_peak) if profile.sharded_peak else None
+        predicted = (sharded_peak(step_memory, ranks, measured_shards) if shards
+                     else replicated_peak(step_memory, sync))
         rows.append({"name": name, "per_device_batch": profiles[name].batch, "predicted_peak": predicted,
                      "measured_peak": measured["peak"], "error": predicted / measured["peak"] - 1,
                      "measured_at": measured.get("peak_phase")})

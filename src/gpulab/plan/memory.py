@@ -56,8 +56,15 @@ def replicated_peak(memory: dict, sync: str) -> int:
     return memory["peak"] + (memory["sizes"]["gradients"] if sync == "ddp" else 0)
 
 
-def sharded_peak(memory: dict, k: int) -> int:
-    return memory["peak"] - state_bytes(memory) * (k - 1) // k + 2 * memory["largest_unit"]
+def sharded_peak(memory: dict, k: int, measured: tuple[int, int] | None = None) -> int:
+    """The replicated peak less (k-1)/k of the state, plus the largest unit gathered twice; with
+    `measured` = (copies, their sharded step's peak), plus what FSDP's own buffers added there
+    (the same at every k: on those copies the prediction is their measured peak)."""
+    modelled = memory["peak"] - state_bytes(memory) * (k - 1) // k + 2 * memory["largest_unit"]
+    if measured is None:
+        return modelled
+    copies, peak = measured
+    return modelled + peak - sharded_peak(memory, copies)
 
 
 @dataclass

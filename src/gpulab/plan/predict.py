@@ -110,6 +110,8 @@ class Prediction:
     link: str
     memory: dict | None = None
     """The per-device step's measured memory (StepProfile.memory): plan/memory.py predicts from it."""
+    sharded_measured: tuple[int, int] | None = None
+    """(copies, peak) of a sharded step measured among the profile's copies (StepProfile.sharded_peak)."""
 
     @property
     def step_s(self) -> float:
@@ -176,4 +178,5 @@ def predict(profile: StepProfile, link: LinkCost | None, k: int, nodes: int = 1,
         devices=k, nodes=nodes, global_batch=global_batch or profile.batch * k, per_device_batch=profile.batch,
         compute_s=profile.expected_slowest_s(max(1, k // profile.copies)), communication_s=communication,
         exposed_s=exposed, link=link.source if link and k > 1 else "none", memory=profile.memory,
+        sharded_measured=(profile.copies, profile.sharded_peak) if profile.sharded_peak else None,
     )

@@ -35,6 +35,8 @@ class StepProfile:
     own last (parallel/sharded.py: shard_units)."""
     sharded_step_s: float | None = None
     """With --shard fsdp and copies > 1: the copies' step sharded over them (FSDP2), measured."""
+    sharded_peak: int | None = None
+    """... and that sharded step's peak memory per device (bytes), FSDP's own buffers included."""
     memory: dict | None = None
     """One step's memory on the device (gpulab.memory.step, bytes): peak, at_peak (the peak split
     into parameters, gradients, optimizer_state, activations, inputs, other_kept, temporaries),

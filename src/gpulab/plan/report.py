@@ -51,10 +51,11 @@ def memory_rows(plan: Plan) -> list[dict]:
             continue
         budget, source = plan.memory_budget(row.devices // row.nodes)
         replicated = replicated_peak(row.memory, sync(plan))
-        sharded = sharded_peak(row.memory, row.devices) if row.devices > 1 else None
+        sharded = sharded_peak(row.memory, row.devices, row.sharded_measured) if row.devices > 1 else None
         rows.append({
             "devices": row.devices, "nodes": row.nodes, "per_device_batch": row.per_device_batch,
             "measured": row.memory, "replicated_peak": replicated, "sharded_peak": sharded,
+            "sharded_measured": row.sharded_measured is not None,
             "budget": budget, "budget_source": source,
             "largest_batch": line.largest_batch(budget, replicated - row.memory["peak"]) if line else None,
             "sharded_largest_batch": (line.largest_batch(budget, sharded - row.memory["peak"])
@@ -78,9 +79,11 @@ def memory_verdict(plan: Plan) -> list[str]:
             text += (f"; within {within} it fits up to batch {r['largest_batch']:,} per device" if r["largest_batch"]
                      else f"; it does not fit in {within} at any batch")
         if r["sharded_peak"] is not None:
-            text += (f"; sharded over {r['devices']} (FSDP / ZeRO-3) {size(r['sharded_peak'])} (a lower bound: "
-                     f"FSDP's own gather and reduce-scatter buffers are not counted): frees "
-                     f"{size(r['replicated_peak'] - r['sharded_peak'])}")
+            how = ("FSDP's buffers as measured between the copies" if r["sharded_measured"] else
+                   "a lower bound: FSDP's own gather and reduce-scatter buffers are not counted")
+            saved = r["replicated_peak"] - r["sharded_peak"]
+            text += (f"; sharded over {r['devices']} (FSDP / ZeRO-3) {size(r['sharded_peak'])} ({how}): "
+                     f"{size(abs(saved))} {'less' if saved >= 0 else 'more'}")
             if plan.memory_line is not None:
                 text += f", fits up to batch {r['sharded_largest_batch']:,}"
         lines.append(text + ".")

@@ -191,7 +191,7 @@ def _profile_main(spec: dict) -> None:
         profile.overlap = _measure_overlap(one_step, exchange, profile)
     remove_listener()
     if spec["copies"] > 1 and sharded:
-        profile.sharded_step_s = _measure_sharded_step(spec, run, source, in_step)
+        profile.sharded_step_s, profile.sharded_peak = _measure_sharded_step(spec, run, source, in_step)
     atomic_write_json(Path(spec["out"]), profile.to_dict())
 
 
@@ -222,11 +222,12 @@ class _Exchange:
         yield
 
 
-def _measure_sharded_step(spec: dict, run, source, in_step) -> float:
+def _measure_sharded_step(spec: dict, run, source, in_step) -> tuple[float, int]:
     """The copies' step with --shard fsdp (torch's FSDP2 over their gloo group, a fresh copy of the
     model): what FSDP itself costs here - its gathers and reduce-scatters on this link, its
     copies in and out of gathered buffers, its hooks - which the model of predict.py does not
-    price. Timed as the replicated step is: warm-up, then about `seconds` of steps."""
+    price. Timed as the replicated step is: warm-up, then about `seconds` of steps; then one
+    step's peak memory (gpulab.memory.step), FSDP's buffers included. (step seconds, peak bytes)"""
     import copy
 
     from gpulab.parallel.sharded import Sharded  # torch: the child's, as every import of it here
@@ -234,14 +235,18 @@ def _measure_sharded_step(spec: dict, run, source, in_step) -> float:
     from gpulab.train.recipe import make_optimizer
 
     replica = run.strategy.replicas[0]
+    model = copy.deepcopy(replica)
+    _release(run.strategy)  # its whole state would count in the sharded step's memory
     world = _CopiesWorld(spec["copy"], spec["copies"])
-    strategy = Sharded(copy.deepcopy(replica), world, run.strategy.devices[0], spec["batch"] * spec["copies"],
+    strategy = Sharded(model, world, run.strategy.devices[0], spec["batch"] * spec["copies"],
                        make_optimizer(run.cfg.recipe_spec, run.peak_lr), autocast=autocast_dtype(run.cfg, run.devices))
     loss_fn = lambda out, y: run.loss_fn(out, y) / spec["copies"]  # noqa: E731 (each copy its share, as a rank)
 
-    def step(enough: bool) -> tuple[float, bool]:
+    def step(enough: bool = False, note_batch=None) -> tuple[float, bool]:
         start = time.perf_counter()
         X, y = next(source)
+        if note_batch is not None:
+            note_batch((X, y))
         strategy.train_step(X, y, loss_fn)
         return time.perf_counter() - start, in_step(enough)
 
@@ -256,7 +261,23 @@ def _measure_sharded_step(spec: dict, run, source, in_step) -> float:
         times.append(seconds)
         if all_done:
             break
-    return statistics.fmean(times)
+    from gpulab.memory.step import measure_step  # torch: the child's, as every import of it here
+
+    peak = measure_step(step, strategy.devices[0], strategy.replicas, [strategy.optimizer])["peak"]
+    return statistics.fmean(times), peak
+
+
+def _release(strategy) -> None:
+    """Free a replicated strategy's parameters, gradients (its buckets) and optimizer state: the
+    profile is done with it."""
+    for optimizer in strategy.optimizers:
+        optimizer.state.clear()
+    for replica in strategy.replicas:
+        for p in replica.parameters():
+            p.grad = None
+        replica.to("meta")
+    for flats in strategy.buckets.buffers:
+        flats.clear()
 
 
 class _CopiesWorld:
