@@ -41,26 +41,30 @@ class Progress:
 
     def __init__(self, folder: Path | None = None, pid: int | None = None):
         self.steps = 0
-        self.last_unix = time.time()
-        self.last_t = time.perf_counter()  # the same moment on the recording's clock
+        self.last_t = time.perf_counter()  # the last progress, on the recording's clock
+        self._unix_offset = time.time() - self.last_t  # fixed once: a derived time must not jitter
         self._step_durations: deque[float] = deque(maxlen=101)
-        self._last_step_unix: float | None = None
+        self._last_step_t: float | None = None
         self._tally = _map_tally(tally_file(folder, pid or os.getpid())) if folder is not None else None
 
     def step_done(self, steps: int) -> None:
-        now = time.time()
-        if self._last_step_unix is not None:
-            self._step_durations.append(now - self._last_step_unix)
-        self._last_step_unix = self.last_unix = now
-        self.last_t = time.perf_counter()
+        now = time.perf_counter()
+        if self._last_step_t is not None:
+            self._step_durations.append(now - self._last_step_t)
+        self._last_step_t = self.last_t = now
         self.steps = steps
         if self._tally is not None:
-            TALLY.pack_into(self._tally, 0, steps, self.last_t)
+            TALLY.pack_into(self._tally, 0, steps, now)
 
     def made(self) -> None:
-        """A collective or an outermost module call finished."""
-        self.last_unix = time.time()
+        """A collective or an outermost module call finished (one clock read: it runs per call)."""
         self.last_t = time.perf_counter()
+
+    @property
+    def last_unix(self) -> float:
+        """The last progress as wall-clock time (the parent compares processes by it): derived when
+        read, not stored at every call."""
+        return self.last_t + self._unix_offset
 
     def median_step_s(self) -> float | None:
         durations = list(self._step_durations)
