@@ -34,7 +34,7 @@ $(VENV)/bin/python:
 # torch first: installing gpulab before it would pull an unpinned torch.
 $(INSTALLED): $(VENV)/bin/python pyproject.toml
 	$(VENV)/bin/pip install -q "$(TORCH)"
-	$(VENV)/bin/pip install -q -e ".[dev,onnx]"
+	$(VENV)/bin/pip install -q -e ".[dev,onnx,frameworks]"
 	rm -f $(VENV)/.installed*
 	touch $@
 
