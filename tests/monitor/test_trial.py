@@ -6,6 +6,7 @@ that its DataLoader has no workers.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -75,3 +76,62 @@ def test_prefetch_factor_on_a_loader_without_workers_is_refused_not_measured(two
     assert line.endswith("has num_workers=0: try both, --try num_workers=1 --try prefetch_factor=4")
     assert "the change makes each step" not in err
     assert not out.exists()  # refused part-way: nothing written, no empty folder left
+
+
+# ----------------------------------------------------------------------------- pairs of runs
+
+
+def try_noise(tmp_path: Path, factors: str, items: list[str], monkeypatch, max_pairs: int = 3) -> tuple[dict, list]:
+    """--try on run_to_run_noise.py, whose runs take RUN_FACTORS x 30 ms per step in turn."""
+    log = tmp_path / "runs.log"
+    monkeypatch.setenv("RUN_FACTORS", factors)
+    monkeypatch.setenv("RUN_LOG", str(log))
+    out = tmp_path / "try"
+    args = [arg for item in items for arg in ("--try", item)]
+    code = main(["profile", "--out", str(out), *args, "--steps", "4", "--max-pairs", str(max_pairs), "--",
+                 sys.executable, str(SCRIPTS / "run_to_run_noise.py")])
+    assert code == 0
+    runs = [line.split() for line in log.read_text().splitlines()]
+    return json.loads((out / "try.json").read_text()), runs
+
+
+def test_runs_alternate_in_pairs_and_stop_once_the_ratios_agree(tmp_path, monkeypatch):
+    result, runs = try_noise(tmp_path, "1", ["num_workers=1"], monkeypatch)
+    assert len(runs) == 4  # two pairs: as is, changed; changed, as is
+    assert result["reliable"] and len(result["pairs"]) == 2
+    assert result["speedup"] == pytest.approx(1.0, abs=0.08)  # every run sleeps the same
+    assert result["spread"][0] <= result["speedup"] <= result["spread"][1]
+
+
+def test_runs_that_disagree_are_called_not_reliable_with_their_spread(tmp_path, monkeypatch, capsys):
+    """Runs 1..6 sleep 1, 1, 1, 2, 1, 2 x 30 ms: pairs (as is, changed), (changed, as is), (as is,
+    changed) give ratios 1.0, 2.0 and 0.5: no answer, however the steps inside each run agree."""
+    result, runs = try_noise(tmp_path, "1,1,1,2,1,2", ["num_workers=1"], monkeypatch)
+    assert [float(r[0]) for r in runs] == [1, 1, 1, 2, 1, 2]
+    assert not result["reliable"]
+    ratios = result["pairs"]
+    assert ratios == pytest.approx([1.0, 2.0, 0.5], rel=0.15)
+    assert result["verdict"].startswith(f"not reliable: spread {min(ratios):.2f}x .. {max(ratios):.2f}x over 3 pairs")
+    assert "not reliable" in capsys.readouterr().err
+
+
+def test_threads_are_forced_in_the_changed_runs_only(tmp_path, monkeypatch, two_cores):
+    """The script sets 2 threads itself; --try threads=1 makes it 1 in the changed runs."""
+    result, runs = try_noise(tmp_path, "1", ["threads=1"], monkeypatch)
+    assert [int(r[1]) for r in runs] == [2, 1, 1, 2]
+    assert result["overrides"] == {"threads": 1}
+
+
+def test_more_threads_than_cores_are_refused(two_cores):
+    with pytest.raises(UserError, match=r"--try threads=3: this machine has 2 usable cores.*try threads=1 \.\. 2"):
+        trial.parse_overrides(["threads=3"])
+    with pytest.raises(UserError, match="threads is a whole number of 1 or more"):
+        trial.parse_overrides(["threads=0"])
+
+
+def test_ratios_agree_within_a_tenth_of_their_median():
+    assert not trial.stable([1.0])
+    assert trial.stable([1.0, 1.05])
+    assert not trial.stable([1.16, 1.91])
+    assert trial.stable([1.16, 1.91, 1.99, 1.95, 1.97])  # the latest three agree
+    assert not trial.stable([1.91, 1.16, 1.99])

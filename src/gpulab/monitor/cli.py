@@ -20,8 +20,9 @@ and stderr; the short report goes to stderr. Signals sent to gpulab are passed o
 5 s later whatever is left of the job is stopped. A job that stops making progress (a hung
 collective) is named on stderr at once - every rank's collective and line - and stopped.
 
---try KEY=VALUE --steps K measures a DataLoader change (num_workers, pin_memory,
-persistent_workers, prefetch_factor) on the first K steps, against the script as it is.
+--try KEY=VALUE --steps K measures a change on the first K steps against the script as it is: a
+DataLoader setting (num_workers, pin_memory, persistent_workers, prefetch_factor) or torch's
+threads (threads=N). The runs alternate, in pairs, until their ratios agree (or --max-pairs).
 """
 
 
@@ -37,10 +38,14 @@ def add_profile_parser(sub) -> None:
     p.add_argument("--interval", type=float, default=None, metavar="S",
                    help="GPU/CPU sampling interval in seconds (default 0.1)")
     p.add_argument("--try", dest="try_", action="append", default=[], metavar="KEY=VALUE",
-                   help="measure a DataLoader change before making it: run the first --steps steps as the script "
-                        "is and with KEY=VALUE forced on its DataLoaders (num_workers, pin_memory, "
-                        "persistent_workers, prefetch_factor), and compare the step times; repeatable")
+                   help="measure a change before making it: run the first --steps steps as the script is and "
+                        "with KEY=VALUE forced on its DataLoaders (num_workers, pin_memory, persistent_workers, "
+                        "prefetch_factor) or torch's intra-op threads (threads=N), in turn, and compare the step "
+                        "times; repeatable")
     p.add_argument("--steps", type=int, default=30, metavar="K", help="steps measured per --try run (default 30)")
+    p.add_argument("--max-pairs", type=int, default=5, metavar="N",
+                   help="--try runs as-is and changed in turn until the latest pairs' ratios agree within 10%%, "
+                        "at most N pairs (default 5); then it says the result is not reliable")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the memory window (two steps after warm-up measured for memory; a fixed cost of "
                         "about a tenth of a second plus two slower steps, noticeable in a run of a few seconds)")
@@ -65,5 +70,5 @@ def run_profile(args) -> int:
     if args.try_:
         from gpulab.monitor.trial import try_command
 
-        return try_command(command, out, cfg, args.try_, args.steps)
+        return try_command(command, out, cfg, args.try_, args.steps, args.max_pairs)
     return profile_command(command, out, cfg)

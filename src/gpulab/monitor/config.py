@@ -44,6 +44,9 @@ class ProfileConfig:
     """End each process once it has run this many steps (`gpulab profile --try`); 0: run to the end."""
     dataloader_overrides: dict = field(default_factory=dict)
     """DataLoader arguments forced on every DataLoader the script builds (`--try num_workers=2`)."""
+    torch_threads: int = 0
+    """torch's intra-op threads forced in every process of the job, whatever the script sets
+    (`--try threads=1`); 0: as the script sets them."""
 
     def __post_init__(self):
         if not 0 < self.interval_s <= 60:
@@ -60,6 +63,8 @@ class ProfileConfig:
             raise UserError(f"--on-hang {self.on_hang}: use stop (end the job, write the report) or wait")
         if self.detail_steps < 1:
             raise UserError(f"detail_steps {self.detail_steps}: use 1 or more")
+        if self.torch_threads < 0:
+            raise UserError(f"torch_threads {self.torch_threads}: use 0 (as the script sets them) or more")
         if self.trace_steps < 0:
             raise UserError(f"trace_steps {self.trace_steps}: use 0 or more")
 

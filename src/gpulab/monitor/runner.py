@@ -120,6 +120,8 @@ def job_env(events: Path, cfg: ProfileConfig) -> dict[str, str]:
     env["GPULAB_PROFILE_DIR"] = str(events)
     env["GPULAB_PROFILE_CONFIG"] = json.dumps(cfg.to_dict())
     env["GPULAB_PROFILE_PARENT"] = str(os.getpid())
+    if cfg.torch_threads:  # torch (and OpenMP, MKL) size their thread pools from these at start
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(cfg.torch_threads)
     # torch's flight recorder: the last collectives of each process, for the hang watch
     env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     return env

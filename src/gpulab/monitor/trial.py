@@ -1,17 +1,20 @@
 """`gpulab profile --try num_workers=2 --steps 30 -- python train.py`: measure advice before taking it.
 
-The script runs twice for its first K steps (after the warm-up): once as it is, once with the
-change forced on every DataLoader it builds (no edit of the script). Each run stops after K steps.
-The answer is the two step-time distributions side by side, and their ratio: a fix that does not
-pay on this machine shows up as one. A change that cannot act (prefetch_factor on a loader without
-workers) is refused, not measured: its ratio would only be noise.
+The script runs for its first K steps (after the warm-up) as it is and with the change: forced on
+every DataLoader it builds, or torch's intra-op threads set in every process (no edit of the
+script). One pair of runs is not enough on a machine that is not quiet: another job, a cold page
+cache or a noisy neighbour moves one run's steps by more than the change does. So the runs
+alternate (as is, changed; changed, as is; ...) and each pair gives one ratio, taken side by side
+in time; the trial stops when the latest ratios agree, or when its budget of pairs runs out and
+then says the result is not reliable, with the spread. A change that cannot act (prefetch_factor
+on a loader without workers) is refused, not measured: its ratio would only be noise.
 """
 
 from __future__ import annotations
 
 import statistics
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -24,9 +27,31 @@ from gpulab.monitor.analyze.phases import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
 from gpulab.monitor.runner import default_out_dir, run_job, split_python_command
 
-TRYABLE = {"num_workers": int, "prefetch_factor": int, "pin_memory": bool, "persistent_workers": bool}
+TRYABLE = {"num_workers": int, "prefetch_factor": int, "pin_memory": bool, "persistent_workers": bool, "threads": int}
 WORKER_SETTINGS = ("prefetch_factor", "persistent_workers")  # DataLoader ignores them without workers
 WORKERS_PER_CORE = 4  # beyond this, workers only compete for the cores (and each is a process)
+
+MIN_PAIRS = 2
+MAX_PAIRS = 5
+# The ratios of the latest pairs (up to STABLE_WINDOW of them) agree when their range is at most
+# this share of their median: then one more pair would not change the answer in its first digit.
+STABLE_SPREAD = 0.10
+STABLE_WINDOW = 3
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one --try changes: DataLoader arguments, and/or torch's intra-op threads (0: as is)."""
+
+    dataloader: dict = field(default_factory=dict)
+    threads: int = 0
+
+    def applied_to(self, cfg: ProfileConfig, stop_after_steps: int) -> ProfileConfig:
+        return replace(cfg, stop_after_steps=stop_after_steps, dataloader_overrides=self.dataloader,
+                       torch_threads=self.threads)
+
+    def to_dict(self) -> dict:
+        return {**self.dataloader, **({"threads": self.threads} if self.threads else {})}
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -42,11 +67,19 @@ def parse_overrides(items: list[str]) -> dict:
                 raise UserError(f"--try {item}: {key} is true or false")
             overrides[key] = text.lower() in ("true", "1")
         else:
-            if not text.isdigit() or (key == "prefetch_factor" and int(text) < 1):
-                raise UserError(f"--try {item}: {key} is a whole number{' of 1 or more' if key == 'prefetch_factor' else ''}")
+            at_least = 1 if key in ("prefetch_factor", "threads") else 0
+            if not text.isdigit() or int(text) < at_least:
+                raise UserError(f"--try {item}: {key} is a whole number{' of 1 or more' if at_least else ''}")
             overrides[key] = int(text)
     _check_workers(overrides)
+    _check_threads(overrides)
     return overrides
+
+
+def parse_change(items: list[str]) -> Change:
+    overrides = parse_overrides(items)
+    threads = overrides.pop("threads", 0)
+    return Change(dataloader=overrides, threads=threads)
 
 
 def _check_workers(overrides: dict) -> None:
@@ -63,6 +96,15 @@ def _check_workers(overrides: dict) -> None:
             if key in overrides:
                 raise UserError(f"--try {_item(key, overrides[key])} with num_workers=0: {key} only acts with "
                                 f"num_workers > 0: try it with --try num_workers={_workers_to_try()}")
+
+
+def _check_threads(overrides: dict) -> None:
+    """More intra-op threads than usable cores can only wait for each other: nothing to measure."""
+    threads = overrides.get("threads")
+    cores = usable_cores()
+    if threads is not None and threads > cores:
+        raise UserError(f"--try threads={threads}: this machine has {cores} usable cores, and torch's threads "
+                        f"beyond them only wait for each other: try threads=1 .. {cores}")
 
 
 def _workers_to_try() -> int:
@@ -89,41 +131,88 @@ def _item(key: str, value) -> str:
     return f"{key}={str(value).lower()}"
 
 
-def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items: list[str], steps: int) -> int:
-    overrides = parse_overrides(items)
+def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items: list[str], steps: int,
+                max_pairs: int = MAX_PAIRS) -> int:
+    change = parse_change(items)
     if steps < 3:
         raise UserError(f"--steps {steps}: measure at least 3 steps (e.g. --steps 30) to see a spread")
+    if not MIN_PAIRS <= max_pairs <= 50:
+        raise UserError(f"--max-pairs {max_pairs}: use {MIN_PAIRS} to 50 (each pair runs the script twice)")
     interpreter, options, target = split_python_command(command)
     out = out or default_out_dir(target)
     check_writable(out)
     argv = [interpreter, *options, *target]
+    label = "with " + " ".join(items)
     with _removed_if_refused(out):
-        before, loaders = _measure(argv, cfg, {}, "as it is", steps, out)
-        check_change_acts(overrides, loaders)
-        label = "with " + " ".join(items)
-        after, _ = _measure(argv, cfg, overrides, label, steps, out)
-        result = {"overrides": overrides, "steps": steps, "warmup_steps": cfg.warmup_steps,
-                  "runs": {"as it is": before, label: after}}
-        result["speedup"] = round(before["median_s"] / after["median_s"], 3)
-        result["verdict"] = verdict(before, after)
+        trial = _Trial(argv, cfg, steps, out)
+        trial.run_until_stable(change, label, max_pairs)
+        result = trial.result(change, label)
         with writing_results():
             atomic_write_json(out / "try.json", result)
     _print(result, out)
     return 0
 
 
-def _measure(argv: list[str], cfg: ProfileConfig, changes: dict, label: str, steps: int,
-             out: Path) -> tuple[dict, list[dict]]:
-    """Run the first steps with `changes` forced on the DataLoaders: the step-time distribution,
-    and the loaders the diagnosed process iterated."""
-    limit = cfg.warmup_steps + steps
-    job = run_job(argv, replace(cfg, stop_after_steps=limit, dataloader_overrides=changes), out)
-    lane = diagnosed_lane(job.lanes, job.pid)
-    times = [step_seconds(s) for s in lane.steps[cfg.warmup_steps:]] if lane else []
-    if len(times) < 3:
-        raise UserError(f"--try: the run {label} ended after {len(times)} measured steps (exit code "
-                        f"{job.exit_code}): it needs {steps} steps after {cfg.warmup_steps} of warm-up")
-    return _distribution(times), lane.loaders
+AS_IS = "as it is"
+
+
+class _Trial:
+    """The alternating runs of one --try and what they measured."""
+
+    def __init__(self, argv: list[str], cfg: ProfileConfig, steps: int, out: Path):
+        self.argv, self.cfg, self.steps, self.out = argv, cfg, steps, out
+        self.times: dict[str, list[list[float]]] = {}  # label -> each run's step times
+        self.ratios: list[float] = []  # per pair: as-is median / changed median
+
+    def run_until_stable(self, change: Change, label: str, max_pairs: int) -> None:
+        for pair in range(max_pairs):
+            # The order alternates, so a machine getting slower (or faster) over the trial favours
+            # neither side.
+            order = [(AS_IS, Change()), (label, change)]
+            for run_label, run_change in order if pair % 2 == 0 else order[::-1]:
+                times, loaders = self._measure(run_change, run_label)
+                self.times.setdefault(run_label, []).append(times)
+                if pair == 0 and run_label == AS_IS:
+                    check_change_acts(change.dataloader, loaders)
+            self.ratios.append(statistics.median(self.times[AS_IS][-1]) / statistics.median(self.times[label][-1]))
+            if stable(self.ratios):
+                return
+
+    def _measure(self, change: Change, label: str) -> tuple[list[float], list[dict]]:
+        """Run the first steps with `change`: the measured steps' times, and the loaders the
+        diagnosed process iterated."""
+        limit = self.cfg.warmup_steps + self.steps
+        job = run_job(self.argv, change.applied_to(self.cfg, limit), self.out)
+        lane = diagnosed_lane(job.lanes, job.pid)
+        times = [step_seconds(s) for s in lane.steps[self.cfg.warmup_steps:]] if lane else []
+        if len(times) < 3:
+            raise UserError(f"--try: the run {label} ended after {len(times)} measured steps (exit code "
+                            f"{job.exit_code}): it needs {self.steps} steps after {self.cfg.warmup_steps} of warm-up")
+        return times, lane.loaders
+
+    def result(self, change: Change, label: str) -> dict:
+        before = _distribution([t for run in self.times[AS_IS] for t in run])
+        after = _distribution([t for run in self.times[label] for t in run])
+        reliable = stable(self.ratios)
+        window = self.ratios[-STABLE_WINDOW:] if reliable else self.ratios
+        result = {"overrides": change.to_dict(), "steps": self.steps, "warmup_steps": self.cfg.warmup_steps,
+                  "runs": {AS_IS: before, label: after},
+                  "pairs": [round(r, 4) for r in self.ratios],
+                  "speedup": round(statistics.median(window), 3),
+                  "spread": [round(min(self.ratios), 3), round(max(self.ratios), 3)],
+                  "reliable": reliable}
+        result["verdict"] = verdict(before, after) if reliable else (
+            f"not reliable: spread {min(self.ratios):.2f}x .. {max(self.ratios):.2f}x over {len(self.ratios)} pairs "
+            f"of runs - the machine's noise is larger than the change; rerun on a quieter machine or with more --steps")
+        return result
+
+
+def stable(ratios: list[float]) -> bool:
+    """Do the latest pairs' ratios agree (at least MIN_PAIRS of them)?"""
+    if len(ratios) < MIN_PAIRS:
+        return False
+    window = ratios[-STABLE_WINDOW:]
+    return (max(window) - min(window)) <= STABLE_SPREAD * statistics.median(window)
 
 
 @contextmanager
@@ -157,9 +246,15 @@ def _distribution(times: list[float]) -> dict:
 
 def _print(result: dict, out: Path) -> None:
     console = Console(stderr=True, highlight=False, soft_wrap=True)
+    pairs = len(result["pairs"])
     console.print(f"\n[bold]gpulab profile --try[/]: step time over {result['steps']} steps after "
-                  f"{result['warmup_steps']} of warm-up (median \\[p10 .. p90])")
+                  f"{result['warmup_steps']} of warm-up, {pairs} pairs of runs taken in turn "
+                  f"(median \\[p10 .. p90] of all their steps)")
     for label, d in result["runs"].items():
         console.print(f"  {label:<32} {d['median_s'] * 1e3:8.2f} ms  \\[{d['p10_s'] * 1e3:.2f} .. {d['p90_s'] * 1e3:.2f}]")
-    console.print(f"  the change makes each step [bold]{result['speedup']:.2f}x[/] ({result['verdict']}); "
-                  f"wrote {out}/try.json")
+    console.print("  each pair's ratio: " + ", ".join(f"{r:.2f}x" for r in result["pairs"]))
+    if result["reliable"]:
+        console.print(f"  the change makes each step [bold]{result['speedup']:.2f}x[/] ({result['verdict']}); "
+                      f"wrote {out}/try.json")
+    else:
+        console.print(f"  [bold]{result['verdict']}[/] (median {result['speedup']:.2f}x); wrote {out}/try.json")

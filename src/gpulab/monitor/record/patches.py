@@ -12,6 +12,7 @@ PyTorch's hooks
 Patches (no hook exists for these; docs/profiling.md says why for each)
     DataLoader.__iter__, _BaseDataLoaderIter.__next__   a fetch is a data wait
     DataLoader.__init__   only for `gpulab profile --try` (DataLoader settings changed)
+    torch.set_num_threads only for `gpulab profile --try threads=N` (the threads tried)
     torch.autograd.backward, torch.autograd.grad        compute; a step ends after it (backward rule)
     Optimizer.zero_grad   compute
     torch.distributed's collectives (DISTRIBUTED_CALLS), Work.wait   collective
@@ -146,6 +147,8 @@ def install(rec) -> Patches:
         p.on_undo(after_import(module, lambda m, c=members_call: _patch_compose(rec, p, m.Compose, c)))
     p.on_undo(after_import("gpulab.parallel.phases", lambda m: p.on_undo(m.add_phase_listener(partial(_phase, rec)))))
     _hook_distributed(rec, p)
+    if rec.cfg.torch_threads:
+        _force_torch_threads(p, rec.cfg.torch_threads)
     _follow_forks(rec, nesting)
     rec.cuda.install(p.patch)
     p.on_undo(rec.cuda.uninstall)  # first out: sync debug mode and the warning filter
@@ -221,6 +224,21 @@ def _patch_compose(rec, p: Patches, compose, members_call: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- compute
+
+def _force_torch_threads(p: Patches, threads: int) -> None:
+    """`--try threads=N`: torch's intra-op threads are N in this process, also when the script sets
+    its own (its torch.set_num_threads(k) sets N instead), as --try forces DataLoader settings."""
+    torch.set_num_threads(threads)
+
+    def wrap(original):
+        def set_num_threads(requested: int) -> None:
+            return original(threads)
+
+        set_num_threads.__wrapped__ = original
+        return set_num_threads
+
+    p.patch(torch, "set_num_threads", wrap)
+
 
 class _Nesting:
     """Is the recorded thread inside the outermost module call, or inside backward? Their inner
