@@ -1,4 +1,5 @@
-"""gpulab/host.py: glibc's malloc thresholds are fixed for training processes."""
+"""gpulab/host.py: glibc's malloc thresholds are fixed for training processes; the cores a process
+may use (affinity, cgroup quota)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from gpulab import host
+
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
-# After fixing the thresholds a 1 MiB block comes from the heap (no new mapping); with glibc's
-# defaults (nothing large freed yet) it is a mapping of its own.
+# After fixing the thresholds a 1 MiB block comes from the heap; with glibc's defaults (nothing
+# large freed yet) it is a mapping of its own. Which one glibc chose is the IS_MMAPPED bit (0x2)
+# of the chunk's size field, the word before the block: counting the lines of /proc/self/maps
+# misses a new mapping that the kernel merged with the one beside it.
 PROBE = r"""
 import ctypes, sys
 from gpulab.host import fix_malloc_thresholds
@@ -20,11 +25,8 @@ libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 fixed = fix_malloc_thresholds()
-def maps():
-    return sum(1 for _ in open("/proc/self/maps"))
-before = maps()
 p = libc.malloc(1 << 20)
-print(fixed, maps() - before)
+print(fixed, ctypes.c_size_t.from_address(p - ctypes.sizeof(ctypes.c_size_t)).value & 2)
 libc.free(p)
 """
 
@@ -37,9 +39,39 @@ def test_freed_blocks_are_reused_instead_of_mapped_again(setting, fixed):
     if setting:
         env["GPULAB_MALLOC"] = setting
     done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
-    reported, new_maps = done.stdout.split()
+    reported, mmapped = done.stdout.split()
     assert reported == str(fixed)
     if fixed:
-        assert int(new_maps) == 0  # served from the heap
+        assert mmapped == "0"  # served from the heap
     else:
-        assert int(new_maps) >= 1  # glibc's default: a fresh mmap for a 1 MiB block
+        assert mmapped == "2"  # glibc's default: a fresh mmap for a 1 MiB block
+
+
+# ----------------------------------------------------------------------------- usable cores
+
+
+def test_the_smallest_cgroup_quota_above_the_process_counts(tmp_path):
+    """v2 (cpu.max) and v1 (cfs quota/period), the cgroup's own and its parents'; "max" and -1
+    mean none; a path this container does not see is skipped."""
+    (tmp_path / "job" / "step").mkdir(parents=True)
+    (tmp_path / "job" / "cpu.max").write_text("250000 100000\n")
+    (tmp_path / "job" / "step" / "cpu.max").write_text("max 100000\n")
+    assert host.cgroup_quota(["0::/job/step"], tmp_path) == 2.5
+    v1 = tmp_path / "cpu,cpuacct" / "pod"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert host.cgroup_quota(["4:cpu,cpuacct:/pod/hidden", "0::/job/step"], tmp_path) == 1.5
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert host.cgroup_quota(["4:cpu,cpuacct:/pod", "2:memory:/pod"], tmp_path) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no affinity masks here")
+def test_usable_cores_are_the_affinity_capped_by_the_quota_rounded_up(monkeypatch):
+    affinity = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda pid=0: 0.5)
+    assert host.usable_cores() == 1
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda pid=0: 1.5)
+    assert host.usable_cores() == min(affinity, 2)
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda pid=0: None)
+    assert host.usable_cores() == affinity

@@ -1,5 +1,5 @@
-"""Facts and settings of the host (CPU) side of a training process: the cores it may use, and
-its memory allocator, glibc malloc with fixed thresholds.
+"""Facts and settings of the host (CPU) side of a training process: the cores it may use, how
+long its threads waited for one, and its memory allocator, glibc malloc with fixed thresholds.
 
 glibc serves a large allocation (by default >= 128 KiB) with a fresh mmap and returns it to the
 kernel when freed, so the next step's allocation of the same size page-faults and zeroes its
@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -44,6 +48,212 @@ def fix_malloc_thresholds() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, e.g. under taskset or a container)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# ----------------------------------------------------------------------------- cores
+
+
+def usable_cores(pid: int = 0) -> int:
+    """The cores process `pid` (0: this one) may run on: its affinity mask (taskset, a container's
+    cpuset), and no more than its cgroup's CPU quota (docker --cpus, a Kubernetes CPU limit),
+    rounded up as the JVM does (a 1.5-core quota: 2 threads each get 75% of a core)."""
+    cores = len(usable_cpus(pid))
+    quota = cgroup_cpu_quota(pid)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def usable_cpus(pid: int = 0) -> list[int]:
+    """The CPUs process `pid` (0: this one) may run on: its affinity mask, where there is one."""
+    return sorted(os.sched_getaffinity(pid)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_quota(pid: int = 0) -> float | None:
+    """The CPU quota, in cores, of the process's cgroups (cgroup_quota); None without one."""
+    try:
+        lines = Path(f"/proc/{pid or 'self'}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    return cgroup_quota(lines, CGROUP_ROOT)
+
+
+def cgroup_quota(lines: list[str], root: Path) -> float | None:
+    """The smallest CPU quota, in cores, of the cgroups /proc/<pid>/cgroup's `lines` name and of
+    every cgroup above them (each limits the process): cgroup v2 (cpu.max) and v1
+    (cpu.cfs_quota_us / cpu.cfs_period_us) under `root`. A path that does not exist here (a
+    container sees its own cgroup as the root) is skipped."""
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            files = [(root / d / "cpu.max", None) for d in _ancestors(path)]
+        elif "cpu" in controllers.split(","):
+            mount = root / controllers
+            files = [(mount / d / "cpu.cfs_quota_us", mount / d / "cpu.cfs_period_us") for d in _ancestors(path)]
+        else:
+            continue
+        quotas += [q for q in map(_read_quota, files) if q]
+    return min(quotas, default=None)
+
+
+def _ancestors(path: str) -> list[str]:
+    """'/a/b' -> ['a/b', 'a', '']: the cgroup and every one above it, relative to the mount."""
+    parts = [p for p in path.split("/") if p]
+    return ["/".join(parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _read_quota(files: tuple[Path, Path | None]) -> float | None:
+    quota_file, period_file = files
+    try:
+        if period_file is None:  # v2: "max 100000" or "150000 100000"
+            quota, period = quota_file.read_text().split()
+        else:  # v1: -1 when there is none
+            quota, period = quota_file.read_text().strip(), period_file.read_text().strip()
+    except (OSError, ValueError):
+        return None
+    if quota in ("max", "-1") or int(period) <= 0:
+        return None
+    return int(quota) / int(period)
+
+
+# ----------------------------------------------------------------------------- waiting for a core
+
+# Busy threads that waited for a core at least this share of the time they had work, with more of
+# them than cores, are contended: gpulab train warns, gpulab profile names `cpu_contention`.
+# Measured on this project's 2-core VM: compute-bound steps at torch's 2 threads waited 1-4% alone
+# and 37-38% with one busy process beside them (docs/profiling.md).
+CONTENDED_WAIT_SHARE = 0.15
+# More busy threads than cores: the job's busy threads and the cores other processes used exceed
+# the usable cores by at least this much.
+OVERSUBSCRIBED_BY = 0.25
+
+
+@dataclass
+class ThreadTimes:
+    """Threads' time on a core (`ran`) and waiting on a run queue for one (`waited`), in ns, summed
+    over every thread and over the busy ones: those that had work (ran or waited) at least half of
+    the interval they were measured over. A busy thread's wait is a share of the step it stood
+    still (torch's compute threads, a busy DataLoader worker); a mostly idle thread's is not (a
+    thread waking from a sleep behind torch's spinning OpenMP thread "waited" ~40% of its little
+    work on this VM, with the cores 70% idle)."""
+
+    ran: int = 0
+    waited: int = 0
+    busy_ran: int = 0
+    busy_waited: int = 0
+
+    def add(self, ran: int, waited: int, interval: float | None) -> bool:
+        """One thread's time over `interval` ns (None: not known, as for a thread first seen, which
+        counts from its start; not busy); whether it was busy."""
+        self.ran, self.waited = self.ran + ran, self.waited + waited
+        busy = interval is not None and ran + waited >= interval / 2
+        if busy:
+            self.busy_ran, self.busy_waited = self.busy_ran + ran, self.busy_waited + waited
+        return busy
+
+
+@dataclass(frozen=True)
+class CoreWait:
+    """What a job's threads did over `seconds` of wall time on `cores` usable cores (ThreadTimes,
+    in seconds; `busy_threads`: how many were busy), and the core time other processes used on
+    those cores."""
+
+    seconds: float
+    cores: int
+    busy_threads: float
+    ran_s: float
+    waited_s: float
+    busy_ran_s: float
+    busy_waited_s: float
+    others_s: float
+
+    @property
+    def demand(self) -> float:
+        """The threads that had work (ran or waited to run), on average."""
+        return (self.ran_s + self.waited_s) / self.seconds
+
+    @property
+    def others_cores(self) -> float:
+        return self.others_s / self.seconds
+
+    @property
+    def share(self) -> float:
+        """The share of the time the busy threads had work that they waited for a core: for a
+        thread that always has work, the share of the step it stood still."""
+        worked = self.busy_ran_s + self.busy_waited_s
+        return self.busy_waited_s / worked if worked > 0 else 0.0
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More busy threads than cores, counting the cores other processes used. Not so for a
+        2-rank gloo DDP job on 2 cores, whose 2 busy training threads waited 27% of the time
+        for the ranks' intermittent communication threads: fewer threads would not help."""
+        return self.busy_threads + self.others_cores >= self.cores + OVERSUBSCRIBED_BY
+
+    @property
+    def contended(self) -> bool:
+        """A large share waited, with more busy threads than cores."""
+        return self.share >= CONTENDED_WAIT_SHARE and self.oversubscribed
+
+
+def schedstat(pid: int, tid: int) -> tuple[int, int] | None:
+    """(ns thread `tid` of process `pid` ran on a core, ns it waited on a run queue for one), from
+    /proc/<pid>/task/<tid>/schedstat; None when it is gone or the kernel does not say."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+            ran, waited, _ = f.read().split()
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
+
+
+def thread_ids(pid: int) -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def cpus_busy_s(cpus: list[int]) -> float:
+    """Seconds CPUs `cpus` were busy with anything since boot, summed: /proc/stat's user, nice,
+    system, irq and softirq time (not idle, iowait or steal); 0 without /proc (not Linux)."""
+    wanted = {f"cpu{i}" for i in cpus}
+    ticks = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name in wanted:
+                    user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
+                    ticks += user + nice + system + irq + softirq
+    except OSError:
+        return 0.0
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class CoreWatch:
+    """This process's threads between start() and stop(): gpulab train's epoch. A thread that
+    started in between counts from its start; one that ended in between is lost."""
+
+    def start(self) -> "CoreWatch":
+        self._pid = os.getpid()
+        self._cpus = usable_cpus()
+        self._t0, self._threads0, self._busy0 = time.perf_counter(), self._threads(), cpus_busy_s(self._cpus)
+        return self
+
+    def stop(self) -> CoreWait | None:
+        """None where the kernel keeps no schedstat (not Linux)."""
+        seconds = time.perf_counter() - self._t0
+        busy, after = cpus_busy_s(self._cpus) - self._busy0, self._threads()
+        if not after or seconds <= 0:
+            return None
+        times, busy_threads = ThreadTimes(), 0
+        for tid, (ran, waited) in after.items():
+            ran0, waited0 = self._threads0.get(tid, (0, 0))
+            busy_threads += times.add(ran - ran0, waited - waited0, seconds * 1e9)
+        return CoreWait(seconds, usable_cores(), busy_threads, times.ran / 1e9, times.waited / 1e9,
+                        times.busy_ran / 1e9, times.busy_waited / 1e9, max(0.0, busy - times.ran / 1e9))
+
+    def _threads(self) -> dict[int, tuple[int, int]]:
+        found = {tid: schedstat(self._pid, tid) for tid in thread_ids(self._pid)}
+        return {tid: times for tid, times in found.items() if times is not None}

@@ -99,6 +99,33 @@ def test_python_between_steps_on_cpu_is_low_device_utilization_at_the_hot_line()
     assert report["findings"][0]["share"] == pytest.approx(0.75, abs=1e-3)
 
 
+def renumbered(step_records: list[dict]) -> list[dict]:
+    """Steps built in pieces, as one run: consecutive numbers and times."""
+    t = 100.0
+    for i, s in enumerate(step_records):
+        s["i"], s["t0"], s["t1"] = i, t, t + (s["t1"] - s["t0"])
+        t = s["t1"]
+    return step_records
+
+
+def test_python_near_the_threshold_in_part_of_the_run_is_held_back():
+    # 12% other Python on average, 5% in the first quarter: within the run's own spread of the
+    # threshold, so the next run may well say the opposite (the DDP tutorial: named in 2 of 4 runs)
+    rec = recording(renumbered(steps(7, compute=19, other=1) + steps(21, compute=86, other=14)))
+    report = diagnose(rec, [], [], warmup_steps=2)
+    assert report["phases"]["other"] > MIN_SHARE
+    assert "low_device_utilization" not in causes(report)
+
+
+def test_python_every_few_steps_above_the_threshold_in_every_quarter_is_a_finding():
+    # a costly log line every 4th step: 0% in most steps, 25% overall, alike in each quarter
+    pattern = steps(3, compute=10) + steps(1, compute=10, other=13.3)
+    rec = recording(renumbered([dict(s) for _ in range(10) for s in pattern]), hot={"other": {"train.py:9": 12}})
+    report = diagnose(rec, [], [], warmup_steps=2)
+    assert causes(report) == ["low_device_utilization"]
+    assert "across the run's quarters" in report["findings"][0]["evidence"]
+
+
 def test_cuda_sync_that_exposes_host_work_is_ranked_first():
     # Per step: 4 ms of Python (other), 1 ms launching, 5 ms blocked in .item(); the kernels take
     # 5 ms, so the device idles 5 of 10 ms. Without the sync the host's 5 ms would hide under the

@@ -12,6 +12,8 @@ from gpulab.monitor import sampler as sampler_module
 from gpulab.monitor.sampler import Sampler
 
 PROCESS_KEYS = {"cpu_pct", "rss_mib", "threads", "workers", "workers_cpu_pct", "workers_rss_mib"}
+CORE_KEYS = {"ran_s", "waited_s", "busy_ran_s", "busy_waited_s", "busy_threads", "cores", "cores_busy_s",
+             "pressure_s"}
 
 
 def wait_for_samples(s: Sampler, n: int, timeout_s: float = 10.0) -> None:
@@ -28,8 +30,10 @@ def test_samples_this_process_and_says_why_there_is_no_gpu_data():
         s.stop()
     assert len(s.samples) >= 3
     for row in s.samples:
-        assert set(row) == {"t", "gpus", "proc"}
+        assert set(row) == {"t", "gpus", "proc", "cores"}
         assert PROCESS_KEYS <= set(row["proc"])
+        if sys.platform.startswith("linux"):  # running totals of how the job's threads got the cores
+            assert CORE_KEYS == set(row["cores"]) and row["cores"]["cores"] >= 1
         assert row["proc"]["rss_mib"] > 0 and row["proc"]["threads"] >= 1
         assert len(row["gpus"]) == len(s.gpu.gpus)
     times = [row["t"] for row in s.samples]
@@ -65,6 +69,26 @@ def test_dataloader_workers_are_counted_as_children(monkeypatch):
         child.wait()
     assert max(row["proc"]["workers"] for row in s.samples) >= 1
     assert max(row["proc"]["workers_rss_mib"] for row in s.samples) > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc schedstat")
+def test_the_threads_of_the_job_s_children_count_as_the_job_s(monkeypatch):
+    monkeypatch.setattr(sampler_module, "_SLOW_REFRESH_S", 0.0)
+    busy = "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        s = Sampler(interval_s=0.05).start()
+        try:
+            child.wait()
+            wait_for_samples(s, len(s.samples) + 1)
+        finally:
+            s.stop()
+    finally:
+        child.kill()
+        child.wait()
+    first, last = s.samples[0]["cores"], s.samples[-1]["cores"]
+    assert last["ran_s"] - first["ran_s"] >= 0.5  # the child ran ~1 s (less on a busy machine)
+    assert last["cores_busy_s"] - first["cores_busy_s"] >= 0.5  # and the machine's CPUs saw it
 
 
 def test_a_process_that_is_gone_gives_empty_process_rows():

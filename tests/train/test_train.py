@@ -20,7 +20,8 @@ from gpulab.train import RECIPES, TrainConfig, train
 from gpulab.train.recipe import lr_at
 from gpulab.train.rundir import CHECKPOINT, LOCK, RunDir, check_writable, default_run_dir
 
-MEASURED_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds", "peak_memory"}
+MEASURED_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds", "peak_memory",
+                 "core_wait_share", "cores_contended"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

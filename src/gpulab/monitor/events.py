@@ -5,11 +5,12 @@ report side in `gpulab profile`'s own process. This module imports no torch: the
 pay for it (2-3 s) and must not change the script's environment.
 
 A process's file holds, in order of writing, the records typed below (TypedDicts: the JSON
-objects themselves, so writing and reading cost nothing extra): process, start, loader*, then
-step*/fold*, kernels (CUDA), memory, block* (the steps after the detailed window, summed), tail,
-oom (if it ran out of memory), end; and the whole-run tallies sites, hot, spans, facts,
-rewritten at every flush (the last one wins). The file is read line by line and the blocks
-merged down to MAX_BLOCKS, so reading a recording of any length takes a bounded memory.
+objects themselves, so writing and reading cost nothing extra): process, start, rank (once
+torch.distributed's default group is up), loader*, then step*/fold*, kernels (CUDA), memory,
+block* (the steps after the detailed window, summed), tail, oom (if it ran out of memory), end;
+and the whole-run tallies sites, hot, spans, facts, loader_use, rewritten at every flush (the last
+one wins). The file is read line by line and the blocks merged down to MAX_BLOCKS, so reading a
+recording of any length takes a bounded memory.
 
 perf_counter() is CLOCK_MONOTONIC on Linux and macOS: one clock for every process of a machine,
 so lanes line up without translation.
@@ -28,6 +29,7 @@ from gpulab.memory.records import OutOfMemory, StepMemory
 CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "other")
 EVENTS_PREFIX = "events-"
 TRANSFORM_PREFIX = "transform: "  # a step's count of seconds in one transform inside a DataLoader fetch
+DDP_WAIT_COUNT = "ddp_wait_s"  # a step's count of seconds DDP waited for its allreduce inside backward
 
 
 class ProcessRecord(TypedDict):
@@ -61,15 +63,37 @@ class StartRecord(TypedDict):
     config: dict  # ProfileConfig
 
 
+class RankRecord(TypedDict):
+    """torch.distributed's default process group is up in this process: its rank, whoever
+    launched it (torchrun sets RANK before start; Lightning, mp.spawn and others pass the rank to
+    init_process_group)."""
+    type: Literal["rank"]
+    t: float
+    rank: int
+    world_size: int
+
+
 class LoaderRecord(TypedDict):
-    """A DataLoader the process iterated: its settings and where it was made."""
+    """A DataLoader the process iterated (one record per distinct loader: the same settings
+    re-made each epoch are one): its settings, where it was iterated and where it was built."""
     type: Literal["loader"]
-    where: str | None
+    where: str | None  # the user's line that iterated it (under a framework: the line that called it, trainer.fit)
+    # The user's line that built it; for a framework's copy, the user's loader's line, else the
+    # framework's own and the user's that led there ("transformers/trainer.py:1051 (from train.py:61)").
+    built: str | None
     dataset: str
-    batch_size: int | None
+    batch_size: int | None  # per batch; from its batch sampler where the DataLoader's own is None
     num_workers: int
     pin_memory: bool
     persistent_workers: bool
+    steps_fed: NotRequired[int]  # added when read (loader_use): steps whose last batch came from it
+
+
+class LoaderUseRecord(TypedDict):
+    """Per loader record, in their order: the steps whose last batch before the step ended came
+    from it, i.e. the batches the steps trained on (a whole-run tally)."""
+    type: Literal["loader_use"]
+    steps_fed: list[int]
 
 
 class StepRecord(TypedDict):
@@ -218,7 +242,8 @@ def _added(a: dict, b: dict) -> dict:
 
 def read_lanes(directory: Path) -> list["Recording"]:
     """One Recording per process that wrote an events file, in order of start, with what it left
-    beside it: its step tally and, if it crashed, faulthandler's traceback."""
+    beside it (its step tally and, if it crashed, faulthandler's traceback) and how many ranks
+    were recorded on this machine."""
     lanes = []
     for path in Path(directory).glob(f"{EVENTS_PREFIX}*.jsonl"):
         lane = Recording(iter_events(path))
@@ -226,6 +251,9 @@ def read_lanes(directory: Path) -> list["Recording"]:
             lane.tally = read_tally(tally_file(directory, lane.pid))
             lane.crash = _read_text(crash_file(directory, lane.pid))
         lanes.append(lane)
+    ranks = sum(lane.rank is not None for lane in lanes)
+    for lane in lanes:
+        lane.ranks_here = ranks
     return sorted(lanes, key=lambda r: (r.process.get("t") or r.start.get("t") or 0.0, r.pid or 0))
 
 
@@ -242,6 +270,7 @@ class Recording:
     def __init__(self, records: Iterable[dict]):
         self.process: dict = {}
         self.start: dict = {}
+        self.rank_record: dict = {}
         self.end: dict | None = None
         self.steps: list[dict] = []
         self.blocks: list[dict] = []  # the steps after the detailed window, in aggregate
@@ -258,6 +287,8 @@ class Recording:
         self.exit_code: int | None = None  # set by whoever knows it (the parent, for its own child)
         self.tally: tuple[int, float] | None = None  # (steps, t of the last) from tally-<pid>.bin
         self.crash: str | None = None  # faulthandler's report of a fatal signal
+        self.ranks_here: int | None = None  # ranks recorded on this machine (read_lanes counts them)
+        steps_fed: list[int] = []
         folded: list[dict] = []
         for r in records:
             kind = r.get("type")
@@ -265,6 +296,8 @@ class Recording:
                 self.process = r
             elif kind == "start":
                 self.start = r
+            elif kind == "rank":
+                self.rank_record = r
             elif kind == "end":
                 self.end = r
             elif kind == "fold":  # the steps so far belong to the next one (record/steps.py: step rules)
@@ -278,6 +311,8 @@ class Recording:
                 self.tail = r
             elif kind == "loader":
                 self.loaders.append(r)
+            elif kind == "loader_use":
+                steps_fed = r["steps_fed"]
             elif kind == "sites":  # snapshots: the last one is the whole run
                 self.sites = r["sites"]
             elif kind == "hot":
@@ -292,6 +327,8 @@ class Recording:
                 self.memory = r
             elif kind == "oom":
                 self.oom = r
+        for loader, n in zip(self.loaders, steps_fed):
+            loader["steps_fed"] = n
 
     def _add_block(self, block: dict) -> None:
         self.blocks.append(block)
@@ -309,8 +346,23 @@ class Recording:
 
     @property
     def rank(self) -> int | None:
-        """The torchrun rank of this process (RANK in its environment), if it has one."""
-        return self.start.get("rank")
+        """The rank of this process in a distributed job: its default process group's, else RANK in
+        its environment at start (torchrun's); None when it has neither."""
+        rank = self.rank_record.get("rank")
+        return rank if rank is not None else self.start.get("rank")
+
+    @property
+    def local_world_size(self) -> int | None:
+        """The ranks sharing this machine's cores: LOCAL_WORLD_SIZE (torchrun's), else the ranks
+        recorded here (a launcher that sets no such variable: Lightning, mp.spawn)."""
+        return self.start.get("local_world_size") or (self.ranks_here if self.rank is not None else None)
+
+    @property
+    def fed_loader(self) -> dict | None:
+        """The DataLoader the training steps waited on: the one whose batches most steps trained on
+        (not the first iterated: Lightning iterates the validation loader first); the first one
+        when none fed a step."""
+        return max(self.loaders, key=lambda loader: loader.get("steps_fed", 0), default=None)
 
     @property
     def recorded(self) -> bool:

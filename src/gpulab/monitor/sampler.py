@@ -12,12 +12,13 @@ What each GPU number means, honestly:
 Every NVML query goes through `gpulab.hardware.nvml`'s one funnel and error policy: a metric the
 driver or GPU does not support, or refuses to give, is dropped after its first refusal; any other
 failure reads None for that sample. Without NVML or without a GPU the sampler still records the
-process's CPU and memory.
+process's CPU and memory, and how the job's threads got the cores (CoreReader).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -25,6 +26,7 @@ import psutil
 
 from gpulab.hardware.nvml import Queries, as_str, mig_instance_handles, start_nvml, stop_nvml
 from gpulab.hardware.visible import cuda_visible_devices, parse_cuda_visible_devices
+from gpulab.host import ThreadTimes, cpus_busy_s, schedstat, thread_ids, usable_cores, usable_cpus
 
 # NVML field ids of the cumulative PCIe byte counters (nvml.h); read as rates between samples.
 _FI_PCIE_TX_BYTES = 197
@@ -328,6 +330,95 @@ class ProcessReader:
         self._slow.update(workers=len(found), workers_cpu_pct=100 * used / elapsed_s, workers_rss_mib=rss)
 
 
+# ----------------------------------------------------------------------------- the cores
+
+
+PRESSURE_FILE = "/proc/pressure/cpu"
+
+
+class CoreReader:
+    """How the job's threads got the cores, as running totals (seconds since the sampler started),
+    so that the analysis takes the difference between any two samples (analyze/contention.py):
+
+    - `ran_s`, `waited_s`: the job's threads (every process of the job: the script, its DataLoader
+      workers, torchrun's ranks) on a core, and runnable but waiting on a run queue for one
+      (/proc/<pid>/task/<tid>/schedstat). A thread first seen counts from its start (a worker
+      process is known from the next refresh of the job's processes, within _SLOW_REFRESH_S: it
+      loses nothing); one that ended since the last sample loses that sample's share.
+    - `busy_ran_s`, `busy_waited_s`: the same for the threads that were busy in each interval
+      (had work at least half of it: gpulab.host.ThreadTimes); `busy_threads`: how many were, in
+      the last interval.
+    - `cores`: the cores the job may use (gpulab.host.usable_cores: affinity, cgroup quota);
+      `cores_busy_s`: the time those CPUs were busy with anything (/proc/stat), the job included.
+    - `pressure_s`: the kernel's CPU pressure, "some" (time at least one task of the machine waited
+      for a core, /proc/pressure/cpu); None where the kernel has no PSI.
+
+    Every sample lists each process's threads and reads their counters (~10 us a thread, one
+    /proc/stat and one PSI read: sampler.summary's cost); the job's cores every _SLOW_REFRESH_S.
+    """
+
+    def __init__(self, pid: int, job_pids):
+        self.pid = pid
+        self._job_pids = job_pids
+        self._last: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, tid) -> (ran ns, waited ns)
+        self._cores, self._cpus = usable_cores(pid), usable_cpus(pid)
+        self._cores_read_at = time.monotonic()
+        self._last_t = time.perf_counter()
+        self._busy0, self._pressure0 = self._cpus_busy_s(), self._pressure_s()
+        self._times = ThreadTimes()
+
+    def read(self) -> dict:
+        now = time.monotonic()
+        if now - self._cores_read_at >= _SLOW_REFRESH_S:
+            self._read_cores()
+            self._cores_read_at = now
+        t = time.perf_counter()
+        interval_ns = (t - self._last_t) * 1e9
+        self._last_t = t
+        busy_threads, seen = 0, {}
+        for pid in self._job_pids():
+            for tid in thread_ids(pid):
+                times = schedstat(pid, tid)
+                if times is None:  # it ended meanwhile
+                    continue
+                if (pid, tid) in self._last:
+                    ran0, waited0 = self._last[pid, tid]
+                    busy_threads += self._times.add(times[0] - ran0, times[1] - waited0, interval_ns)
+                else:
+                    self._times.add(*times, interval=None)
+                seen[pid, tid] = times
+        self._last = seen
+        pressure = self._pressure_s()
+        return {
+            "ran_s": self._times.ran / 1e9,
+            "waited_s": self._times.waited / 1e9,
+            "busy_ran_s": self._times.busy_ran / 1e9,
+            "busy_waited_s": self._times.busy_waited / 1e9,
+            "busy_threads": busy_threads,
+            "cores": self._cores,
+            "cores_busy_s": self._cpus_busy_s() - self._busy0,
+            "pressure_s": pressure - self._pressure0 if pressure is not None else None,
+        }
+
+    def _read_cores(self) -> None:
+        try:
+            self._cores, self._cpus = usable_cores(self.pid), usable_cpus(self.pid)
+        except OSError:  # the job's first process has ended: keep what was known
+            pass
+
+    def _cpus_busy_s(self) -> float:
+        return cpus_busy_s(self._cpus)
+
+    @staticmethod
+    def _pressure_s() -> float | None:
+        try:
+            with open(PRESSURE_FILE) as f:
+                some = f.readline().split()
+            return int(some[-1].removeprefix("total=")) / 1e6
+        except (OSError, ValueError, IndexError):
+            return None
+
+
 # ----------------------------------------------------------------------------- the sampler
 
 
@@ -338,8 +429,9 @@ class Sampler:
     """Samples the GPUs and process `pid` every `interval_s` seconds on a daemon thread.
 
     `samples` holds one dict per sample: {"t": perf_counter seconds, "gpus": [per-GPU dict],
-    "proc": {...} or None}. perf_counter is CLOCK_MONOTONIC on Linux, the same clock in every
-    process, so samples taken here line up with step times recorded in the training process.
+    "proc": {...} or None, "cores": CoreReader's totals or None}. perf_counter is CLOCK_MONOTONIC
+    on Linux, the same clock in every process, so samples taken here line up with step times
+    recorded in the training process.
     `cost_s` holds the CPU time each sample took: the sampler's own overhead, measured.
     """
 
@@ -352,6 +444,7 @@ class Sampler:
         self.samples: list[dict] = []
         self.cost_s: list[float] = []
         self._proc: ProcessReader | None = None
+        self._cores: CoreReader | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -363,8 +456,9 @@ class Sampler:
     def start(self) -> "Sampler":
         try:
             self._proc = ProcessReader(self.pid)
-        except psutil.Error:
-            self._proc = None
+            self._cores = CoreReader(self.pid, self._job_pids) if sys.platform.startswith("linux") else None  # /proc
+        except (psutil.Error, OSError):
+            self._proc = self._cores = None
         self._thread = threading.Thread(target=self._run, name="gpulab-sampler", daemon=True)
         self._thread.start()
         return self
@@ -380,7 +474,8 @@ class Sampler:
         # The cost is this thread's CPU time, not wall time: waiting for the GIL while the training
         # thread runs Python is not work the sampler takes away from it.
         cpu0 = time.thread_time()
-        row = {"t": time.perf_counter(), "gpus": self.gpu.read(), "proc": self._proc.read() if self._proc else None}
+        row = {"t": time.perf_counter(), "gpus": self.gpu.read(), "proc": self._proc.read() if self._proc else None,
+               "cores": self._cores.read() if self._cores else None}
         self.cost_s.append(time.thread_time() - cpu0)
         return row
 

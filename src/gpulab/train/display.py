@@ -53,6 +53,18 @@ def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:
     return line
 
 
+def contention_line(row: dict, threads: int) -> str | None:
+    """One line when the epoch's busy threads waited for a core a large share of it, with more of
+    them than cores (gpulab.host.CoreWait): another process on the same cores, or more threads
+    than cores (torch's OpenMP threads meet at the end of every op, so one thread without a core
+    holds the others). `threads`: torch's."""
+    if not row.get("cores_contended"):
+        return None
+    fix = f"run with fewer threads (OMP_NUM_THREADS={threads - 1} gpulab train ...) or " if threads > 1 else "run "
+    return (f"warning: epoch {row['epoch']}'s threads waited for a core {row['core_wait_share']:.0%} of the epoch "
+            f"(another process on these cores, or more threads than cores): {fix}on cores no other process uses")
+
+
 def result_line(history: list[dict], run: Run) -> str:
     final = history[-1]
     sec_per_epoch = sum(r["train_seconds"] for r in history) / len(history)

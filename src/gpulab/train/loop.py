@@ -26,6 +26,7 @@ from gpulab import models
 from gpulab.config import TrainConfig
 from gpulab.devices import synchronize
 from gpulab.errors import UserError
+from gpulab.host import CoreWatch
 from gpulab.io import check_writable as check_folder_writable
 from gpulab.memory.peak import peak_memory, reset_peaks
 from gpulab.monitor import profile
@@ -34,7 +35,7 @@ from gpulab.parallel.meter import FiniteWatch
 from gpulab.parallel.failures import PeerLost, Terminated
 from gpulab.parallel.world import SharedError, from_environment
 from gpulab.train.build import Run, build
-from gpulab.train.display import banner, epoch_line, progress_bar, result_line
+from gpulab.train.display import banner, contention_line, epoch_line, progress_bar, result_line
 from gpulab.train.recipe import lr_at
 from gpulab.train.resume import (extension_line, interrupted_line, restore, resume_command, resume_hint, saved_config,
                                  start_over_command)
@@ -85,6 +86,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
     reset_peaks(run.devices)
     task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
     synchronize(run.devices)
+    cores = CoreWatch().start()
     t0 = time.perf_counter()
     batches = iter(loader)
     for step in range(len(loader)):
@@ -104,6 +106,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
     stats = run.strategy.reduce(meter)  # also waits for the device: the epoch's time is complete
     synchronize(run.devices)
     seconds = time.perf_counter() - t0
+    core_wait = cores.stop()
     if progress:
         progress.remove_task(task)
     if not math.isfinite(stats["loss"]):  # every rank sees the same sum: all stop together
@@ -117,6 +120,9 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
         "samples_per_s": stats["count"] / seconds,
         "phases_s": phases,
         "allreduce_share": [s / seconds for s in phases.get("allreduce", [0.0])],
+        # the share of the epoch this process's busy threads waited for a core; more of them than cores?
+        "core_wait_share": core_wait.share if core_wait else None,
+        "cores_contended": core_wait.contended if core_wait else None,
     }
 
 
@@ -325,6 +331,9 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
             for epoch in range(start_epoch, cfg.epochs):
                 row = run_one_epoch(run, epoch, progress, run_dir, history)
                 console.print(escape(epoch_line(row, cfg.epochs, run.strategy)))
+                warning = contention_line(row, torch.get_num_threads())
+                if warning:
+                    console.print(escape(warning))
                 if on_epoch_end:
                     on_epoch_end(row)
         except KeyboardInterrupt:

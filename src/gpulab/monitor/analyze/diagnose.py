@@ -3,7 +3,7 @@ the report's core: steps, step time, phase shares, device summaries and ranked f
 
     phases.py    steady steps and what they are made of      devices.py   samples, device busy
     process.py   the per-process rules                       ranks.py     the cross-rank rules
-    findings.py  the finding record and the fixes
+    findings.py  the finding record and the fixes            contention.py  threads waiting for a core
 
 Everything here reads events (monitor/events.py) and samples only: no torch, no recorder.
 """
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import statistics
 
+from gpulab.monitor.analyze.contention import core_use
 from gpulab.monitor.analyze.devices import device_busy, summarize_devices, used_gpu_indices
 from gpulab.monitor.analyze.findings import finding
 from gpulab.monitor.analyze.phases import (StepCosts, aggregate_summary, percentile, select_steady, step_seconds,
                                            steps_found)
 from gpulab.monitor.analyze.process import costly_transforms, process_findings
-from gpulab.monitor.events import Recording
+from gpulab.monitor.events import DDP_WAIT_COUNT, Recording
 
 
 def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps: int) -> dict:
@@ -47,16 +48,19 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     if not whole_run:
         median, p90 = statistics.median(durations), percentile(durations, 0.9)
         report["step_time_s"] = {"median": round(median, 6), "p90": round(p90, 6)}
-    step = StepCosts(steady, rec.facts.get("ddp"))
+    step = StepCosts(steady)
     report["phases"] = step.shares()
     later = aggregate_summary(rec)
     if later is not None:  # the shares and findings above are of the detailed window
         report["later_steps"] = later
     if step.K > 0:
-        report["collectives"] = collectives_summary(step, rec.facts.get("ddp"))
+        report["collectives"] = collectives_summary(step)
     busy, busy_source = device_busy(rec, step, samples, gpus, used, window)
     report["device_busy"] = {"share": round(min(busy / step.S, 1.0), 4) if step.S else 0.0, "source": busy_source}
-    findings = process_findings(rec, step, busy, busy_source, gpus, used)
+    cores = core_use(samples, window)
+    if cores is not None:
+        report["cores"] = cores.summary()
+    findings = process_findings(rec, step, busy, busy_source, gpus, used, cores)
     if whole_run:
         for f in findings:
             f["evidence"] = f"no training step ({steps_found(rec)}), so these shares are of the whole run; " + f["evidence"]
@@ -65,13 +69,11 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     return report
 
 
-def collectives_summary(step: StepCosts, ddp: dict | None) -> dict:
+def collectives_summary(step: StepCosts) -> dict:
     summary = {"ms_per_step": round(step.K * 1e3, 3), "share": round(step.K / step.S, 4) if step.S else 0.0,
                "source": "torch.distributed calls and waits timed by gpulab"}
-    if ddp:
-        summary["ddp_backward_wait_ms_per_step"] = round(step.ddp_exposed * 1e3, 3)
-        summary["ddp_allreduce_ms_per_step"] = round(ddp["avg_backward_comm_s"] * 1e3, 3)
-        summary["ddp_overlapped_ms_per_step"] = round(ddp["avg_overlap_s"] * 1e3, 3)
-        summary["source"] += ("; DDP's wait for its buckets inside backward from DDP's own timers (the mean over "
-                              "the iterations DDP samples), moved from compute")
+    if DDP_WAIT_COUNT in step.counts:
+        summary["ddp_backward_wait_ms_per_step"] = round(step.counts[DDP_WAIT_COUNT] * 1e3, 3)
+        summary["source"] += ("; DDP's wait for its allreduce inside backward: from its last gradient (a hook on "
+                              "each parameter) to the end of backward, at every step")
     return summary

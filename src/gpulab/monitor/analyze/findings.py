@@ -52,6 +52,11 @@ FIXES = {
         "let the script reach its training loop: steps are found from optimizer.step(), else from "
         "backward() calls (with the Python API, mark them with p.step())"
     ),
+    "cpu_contention": (
+        "run fewer torch compute threads (torch.set_num_threads, OMP_NUM_THREADS) and DataLoader "
+        "workers than the cores other processes leave free, or give the job cores no other process "
+        "shares (a machine or node of its own, a cpuset)"
+    ),
     "none": (
         "the loop keeps the device busy; to go faster make the math cheaper (mixed precision, "
         "channels_last, torch.compile) or use more devices (gpulab train --devices ...)"
@@ -71,11 +76,13 @@ def finding(cause: str, share: float, evidence: str, where: str | None, fix_key:
 
 
 def hottest(rec: Recording, category: str) -> str | None:
+    """The user's line where `category` spent the most time: stack samples weigh the wall time
+    each stands for (record/stacks.py)."""
     lines = rec.hot.get(category) or {}
     return max(lines, key=lines.get) if lines else None
 
 
-MIN_LINE_SAMPLES = 5  # a line named from fewer stack samples than this is not named
+MIN_LINE_PERIODS = 5  # a line whose samples weigh less than 5 sampling periods is not named
 
 
 def add_support(rec: Recording, step: StepCosts, f: dict) -> None:
@@ -88,8 +95,8 @@ def add_support(rec: Recording, step: StepCosts, f: dict) -> None:
     elif where:
         seen, total = max(((lines.get(where, 0), sum(lines.values())) for lines in rec.hot.values()), default=(0, 0))
         if seen:
-            parts.append(f"the line from {seen} of {total} stack samples")
-            if seen < MIN_LINE_SAMPLES:
+            parts.append(f"the line from {seen:.2f} s of {total:.2f} s of stack samples")
+            if seen < MIN_LINE_PERIODS * rec.hot_interval_s:
                 parts[-1] += " - too few to name it"
                 f["where"] = None
     f["support"] = "; ".join(parts)

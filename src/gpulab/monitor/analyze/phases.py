@@ -89,14 +89,10 @@ def shown_phases(shares: dict[str, float]) -> list[tuple[str, float]]:
 
 
 class StepCosts:
-    """Mean seconds per steady step of each quantity in the model above.
+    """Mean seconds per steady step of each quantity in the model above (DDP's wait for its
+    allreduce inside backward is collective already: record/ddp.py)."""
 
-    `ddp`: DDP's own runtime timers (record/ddp.py). DDP waits for its gradient
-    buckets inside backward, in C++, so the recorder sees that wait as compute; DDP measures the
-    part of its allreduce not hidden behind the backward computation (at iterations it samples),
-    and that mean moves from compute to collective."""
-
-    def __init__(self, steady: list[dict], ddp: dict | None = None):
+    def __init__(self, steady: list[dict]):
         n = len(steady)
         self.n = n
         total = {c: sum(s["excl"].get(c, 0.0) for s in steady) for c in CATEGORIES}
@@ -108,9 +104,19 @@ class StepCosts:
             for k, v in s.get("counts", {}).items():
                 counts[k] = counts.get(k, 0) + v
         self.counts = {k: v / n for k, v in counts.items()}
-        self.ddp_exposed = min(ddp["exposed_comm_s"], self.C) if ddp else 0.0
-        self.C -= self.ddp_exposed
-        self.K += self.ddp_exposed
+        self._steady = steady
+
+    def share_by_quarter(self, category: str) -> list[float]:
+        """The share of `category` in each quarter of the steady steps, in order (the whole, with
+        fewer than 8 steps). On a busy machine a share moves from quarter to quarter about as much
+        as it moves from run to run (the DDP tutorial's other Python: 4-11% within one run)."""
+        steady, n = self._steady, len(self._steady)
+        parts = [steady[j * n // 4:(j + 1) * n // 4] for j in range(4)] if n >= 8 else [steady]
+        shares = []
+        for part in parts:
+            seconds = sum(step_seconds(s) for s in part)
+            shares.append(sum(s["excl"].get(category, 0.0) for s in part) / seconds if seconds > 0 else 0.0)
+        return shares
 
     def shares(self) -> dict[str, float]:
         values = {"data_wait": self.D, "compute": self.C, "collective": self.K, "sync": self.Y, "h2d": self.H,
@@ -143,5 +149,5 @@ def lane_summary(rec: Recording, warmup_steps: int) -> dict:
                "steps": rec.steps_done, "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
     if steady:
         summary["median_step_s"] = round(statistics.median(step_seconds(s) for s in steady), 6)
-        summary["phases"] = StepCosts(steady, rec.facts.get("ddp")).shares()
+        summary["phases"] = StepCosts(steady).shares()
     return summary

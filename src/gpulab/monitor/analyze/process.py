@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpulab.monitor.analyze.contention import CORE_SLACK, CoreUse, contention_finding
 from gpulab.monitor.analyze.devices import kernel_window
 from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE, add_support, finding, hottest
 from gpulab.monitor.analyze.phases import PHASE_NAMES, StepCosts, shown_phases
@@ -37,14 +38,22 @@ MANY_KERNELS_PER_STEP = 20
 
 
 def costly_transforms(rec: Recording, step: "StepCosts") -> list[dict]:
-    """Per-sample transforms run inside the fetch, costliest first: share of the step, where built."""
+    """Per-sample transforms run inside the fetch, costliest first: share of a steady step, where
+    built. They are timed only in a window of steps left out of the steady ones (record/
+    transforms.py): their seconds per step come from the window, or in a run too short for one,
+    from the warm-up steps that timed them."""
     sites = rec.facts.get("transforms") or {}
-    ranked = []
-    for key, seconds in step.counts.items():
-        if key.startswith(TRANSFORM_PREFIX):
-            name = key.removeprefix(TRANSFORM_PREFIX)
-            ranked.append({"name": name, "share": round(seconds / step.S, 4) if step.S else 0.0,
-                           "ms_per_step": round(seconds * 1e3, 3), "where": (sites.get(name) or {}).get("where")})
+    timed = [s for s in rec.steps if any(k.startswith(TRANSFORM_PREFIX) for k in s.get("counts", {}))]
+    window = [s for s in timed if s.get("profiled")] or timed
+    seconds: dict[str, float] = {}
+    for s in window:
+        for key, value in s["counts"].items():
+            if key.startswith(TRANSFORM_PREFIX):
+                name = key.removeprefix(TRANSFORM_PREFIX)
+                seconds[name] = seconds.get(name, 0.0) + value / len(window)
+    ranked = [{"name": name, "share": round(per_step / step.S, 4) if step.S else 0.0,
+               "ms_per_step": round(per_step * 1e3, 3), "where": (sites.get(name) or {}).get("where")}
+              for name, per_step in seconds.items()]
     return sorted(ranked, key=lambda t: t["share"], reverse=True)
 
 
@@ -77,9 +86,11 @@ def _budget(rec: Recording, step: StepCosts, busy: float, source: str, on_cuda: 
 
 
 def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: str, gpus: list[dict],
-              used: list[int]) -> list[dict]:
+              used: list[int], cores: CoreUse | None) -> list[dict]:
+    """`cores`: how the job used its cores over the steady steps (the sampler's), None where not measured."""
     b = _budget(rec, step, busy, busy_source, on_cuda=bool(used))
-    candidates = [_input_finding(rec, step, b), _other_finding(rec, step, b)]
+    candidates = [_input_finding(rec, step, b, cores), _other_finding(rec, step, b),
+                  contention_finding(cores, _torch_threads(rec), _workers(rec), b.idle / step.S if b.on_cuda else None)]
     if b.on_cuda:
         candidates += [_sync_finding(rec, step, b), _h2d_finding(rec, step, b), _launch_finding(rec, step, b)]
     elif gpus:
@@ -94,13 +105,13 @@ def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: 
     return findings
 
 
-def _input_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict:
+def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse | None) -> dict:
     S = step.S
-    loader = rec.loaders[0] if rec.loaders else None
+    loader = rec.fed_loader
     evidence = f"waited {step.D * 1e3:.1f} ms per step for the next batch ({step.D / S:.0%} of the step, {step.n} steps)"
     if loader:
         evidence += (f"; DataLoader(batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
-                     f"pin_memory={loader['pin_memory']})")
+                     f"pin_memory={loader['pin_memory']})" + (f" built at {loader['built']}" if loader.get("built") else ""))
     transforms = [t for t in costly_transforms(rec, step) if t["share"] >= 0.02][:3]
     if transforms:
         evidence += "; per-sample transforms: " + ", ".join(
@@ -108,23 +119,23 @@ def _input_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict:
     restart = rec.span_seconds.get("DataLoader.__iter__", 0.0)
     waited = restart + rec.span_seconds.get("next(DataLoader)", 0.0)
     workers = loader["num_workers"] if loader else 0
-    spare = _spare_cores(rec, b.on_cuda, workers)
+    spare = _spare_cores(rec, b.on_cuda, workers, cores)
     if loader and workers > 0 and not loader["persistent_workers"] and waited and restart > 0.3 * waited:
         fix = FIXES["input_pipeline_restart"]
         evidence += f"; {restart / waited:.0%} of it in starting the worker processes"
-    elif spare >= 1:
+    elif spare >= 1 and not (cores and cores.contended):
+        measured = f" (the job kept {cores.job_cores:.1f} of its {cores.cores} cores busy)" if cores else ""
         fix = (f"load batches in parallel: DataLoader(num_workers={workers + spare}, persistent_workers=True) - "
-               f"{spare} core(s) are spare; check it: gpulab profile --try num_workers={workers + spare} --steps 30 -- ...; ")
+               f"{spare} core(s) are spare{measured}; check it: gpulab profile --try num_workers={workers + spare} "
+               f"--steps 30 -- ...; ")
         fix += FIXES["input_pipeline_cheaper"]
     else:
-        # Measured on this project's 2-core VM: with torch's threads on every core one worker made
-        # one data-bound script 1.96x faster and another 0.86x: no rule from the recording tells
-        # which, so say what is known and how to measure it.
-        cores = rec.start.get("cpu_count")
-        users = "the trainer's own Python" if b.on_cuda else f"torch's {_torch_threads(rec)} compute thread(s)"
-        fix = (f"more DataLoader workers are no sure win here: the {cores} cores are taken ({users}"
-               f"{f', {workers} worker(s)' if workers else ''}), so workers would compete with the training for "
-               f"them - measure before changing it: gpulab profile --try num_workers={workers + 1} --steps 30 -- ...; ")
+        # Measured on this project's 2-core VM: with torch's threads busy on every core one worker
+        # made one data-bound script 1.96x faster and another 0.86x: no rule from the recording
+        # tells which, so say what is known and how to measure it.
+        fix = (f"more DataLoader workers are no sure win here: {_taken_cores(rec, b.on_cuda, workers, cores)}, so "
+               f"workers would compete with the training for them - measure before changing it: gpulab profile "
+               f"--try num_workers={workers + 1} --steps 30 -- ...; ")
         fix += FIXES["input_pipeline_cheaper"]
     if transforms:
         fix = (f"apply {transforms[0]['name']} once per batch (on the device), not per sample in __getitem__; " + fix)
@@ -132,17 +143,40 @@ def _input_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict:
     return finding("input_pipeline", min(step.D, b.exposed) / S, evidence + b.idle_text(S), where, fix=fix)
 
 
-def _spare_cores(rec: Recording, on_cuda: bool, workers: int) -> int:
+def _spare_cores(rec: Recording, on_cuda: bool, workers: int, cores: CoreUse | None) -> int:
     """Cores that DataLoader workers could use without taking them from the training itself.
 
-    On the CPU the training's compute uses torch's intra-op threads; on a GPU the trainer's own
-    Python needs about one core. Workers already running use one each. Under torchrun every
-    rank on this machine (LOCAL_WORLD_SIZE) takes as much as this one, and would add as many
-    workers: each gets its share of what is left."""
-    cores = rec.start.get("cpu_count") or 1
+    Where the sampler measured the job: the cores it left idle over the steady steps, keeping one
+    per rank for its training thread. A data wait that is a sleep or a read leaves cores idle
+    whatever torch's thread count (an HF Trainer script at 63% of 200% CPU, torch at 2 threads on 2
+    cores, ran 3.0x faster with 2 workers). Without a measurement, from the counts: on the CPU the
+    compute uses torch's intra-op threads, on a GPU the trainer's own Python needs about one core.
+    Workers already running use one each. Every rank on this machine (Recording.local_world_size:
+    torchrun's LOCAL_WORLD_SIZE, else the ranks recorded here) takes as much as this one, and would
+    add as many workers: each gets its share of what is left."""
+    ranks_here = rec.local_world_size or 1
+    if cores is not None:
+        idle = min(int(cores.idle_cores + CORE_SLACK), cores.cores - ranks_here * (1 + workers))
+        return max(0, idle) // ranks_here
+    count = rec.start.get("cpu_count") or 1
     trainer = 1 if on_cuda else _torch_threads(rec)
-    ranks_here = rec.start.get("local_world_size") or 1
-    return max(0, cores - ranks_here * (trainer + workers)) // ranks_here
+    return max(0, count - ranks_here * (trainer + workers)) // ranks_here
+
+
+def _taken_cores(rec: Recording, on_cuda: bool, workers: int, cores: CoreUse | None) -> str:
+    """Why no core is spare, in words: measured contention, the measured use, or the counts."""
+    users = "the trainer's own Python" if on_cuda else f"torch's {_torch_threads(rec)} compute thread(s)"
+    users += f", {workers} worker(s)" if workers else ""
+    if cores is not None and cores.contended:
+        return (f"the job's threads already waited for a core {cores.wait.share:.0%} of the step (cpu_contention; "
+                f"other processes used {cores.others_cores:.1f} of its {cores.cores} cores)")
+    if cores is not None:
+        return f"the job kept {cores.job_cores:.1f} of its {cores.cores} cores busy ({users})"
+    return f"the {rec.start.get('cpu_count')} cores are taken ({users})"
+
+
+def _workers(rec: Recording) -> int:
+    return max((loader["num_workers"] for loader in rec.loaders), default=0)
 
 
 def _torch_threads(rec: Recording) -> int:
@@ -150,10 +184,18 @@ def _torch_threads(rec: Recording) -> int:
     return rec.facts.get("torch_threads") or rec.start.get("torch_threads") or 1
 
 
-def _other_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict:
+def _other_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
+    """Held back (None) unless the Python between the calls takes MIN_SHARE of the step in every
+    quarter of the run: a share that dips below it within one run is as likely to be under it in
+    the next (the DDP tutorial's 0.1 ms of loop Python in ~1 ms steps: 4-11% from quarter to
+    quarter, named in 2 of 4 runs before this rule)."""
     S = step.S
-    evidence = (f"{step.O * 1e3:.1f} ms per step ({step.O / S:.0%}) is Python between the training calls "
-                f"(outside data loading, forward, backward and the optimizer)")
+    quarters = step.share_by_quarter("other")
+    if min(quarters) < MIN_SHARE:
+        return None
+    evidence = (f"{step.O * 1e3:.1f} ms per step ({step.O / S:.0%}; {min(quarters):.0%}-{max(quarters):.0%} across "
+                f"the run's quarters) is Python between the training calls (outside data loading, forward, backward "
+                f"and the optimizer)")
     return finding("low_device_utilization", min(step.O, b.exposed) / S, evidence + b.idle_text(S),
                     hottest(rec, "other"), "low_device_utilization")
 

@@ -48,7 +48,7 @@ def rank_findings(lanes: list[Recording], warmup_steps: int, until: float | None
         unequal["share_of"] = "steps"  # the steps only some ranks ran, not a share of step time
         unequal["support"] = f"the step counts of {len(ranks)} ranks"
         findings.append(unequal)
-    steps = {r.rank: StepCosts(select_steady(r.steps, warmup_steps)[0] or r.steps, r.facts.get("ddp")) for r in ranks}
+    steps = {r.rank: StepCosts(select_steady(r.steps, warmup_steps)[0] or r.steps) for r in ranks}
     S = statistics.median(s.S for s in steps.values())
     per_category = {"data_wait": "D", "sync": "Y", "h2d": "H", "other": "O"}
     worst = None

@@ -81,8 +81,8 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
     if across:
         report["findings"] = sorted(across + [f for f in report["findings"] if f["cause"] != "none"],
                                     key=lambda f: f["share"], reverse=True)
-    if shown is not main and shown.rank is not None:
-        ranks = sum(r.rank is not None for r in trained)
+    ranks = sum(r.rank is not None for r in trained)
+    if shown.rank is not None and (shown is not main or ranks > 1):  # under Lightning the script itself is rank 0
         report["note"] = (f"{ranks} ranks trained; below, rank {shown.rank}'s steps, then findings "
                           f"across ranks (straggler, communication-bound, unbalanced data) and rank {shown.rank}'s own")
     elif shown is not main and shown.pid is not None:

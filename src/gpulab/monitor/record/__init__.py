@@ -7,7 +7,7 @@
       sites.py                   the user's lines that synced or copied
       stacks.py                  the hottest user line of each category (a sampling thread)
       transforms.py              per-sample transforms inside a DataLoader fetch
-      ddp.py                     DistributedDataParallel's own timers
+      ddp.py                     DistributedDataParallel's wait for its allreduce
       writer.py                  records -> events-<pid>.jsonl (monitor/events.py is the format)
       heartbeat.py               progress -> status-<pid>.json; where it is blocked, when asked
     patches.py                   the hooks and patches that call the recorder, installed as one set

@@ -1,7 +1,19 @@
-"""DistributedDataParallel's own timers for its backward (it samples some iterations): how long
-its bucket allreduces ran and how much of that overlapped the backward computation. The rest,
-the exposed part, is time backward spent waiting for communication, inside C++, where the
-recorder cannot see it (analyze/ moves it from compute to collective)."""
+"""DistributedDataParallel's wait for its gradients' allreduce, inside backward.
+
+DDP starts each bucket's allreduce while backward still computes, and waits for the last ones at
+the end of backward, in C++ (an autograd callback) where no Python hook reaches: the recorder
+would count that wait as compute. What a public hook does show
+(`Tensor.register_post_accumulate_grad_hook` on each parameter of a DDP module) is when the last
+gradient was ready. From then until backward returns the thread only hands the last bucket to
+the allreduce, waits for it and copies the averaged gradients back: that part of the backward
+span is charged to collective, as a span of its own (WAIT_SPAN), at every step.
+
+DDP's own timers (`_get_ddp_logging_data`, a private API) were read for this before: they time
+only the iterations DDP samples (its first ten, then every 100th), so a run of 64 sub-millisecond
+steps was judged on its start-up, or not at all. The hook costs one clock read per parameter
+and backward. On CUDA the hook runs when the gradient's kernels are queued and NCCL's wait does
+not block the host: what is seen there is the host's wait, as everywhere in the step accounting.
+"""
 
 from __future__ import annotations
 
@@ -9,53 +21,43 @@ import time
 import weakref
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-_READ_EVERY_S = 0.2
+from gpulab.monitor.events import DDP_WAIT_COUNT
+from gpulab.monitor.record.steps import StepAccounting
+
+WAIT_SPAN = "DDP allreduce wait"
 
 
-class DdpTimers:
-    """Read while the DDP module lives (at step ends, at most every _READ_EVERY_S) and kept: a
-    script's DDP is often gone by the time the recorder stops."""
-
+class DdpWait:
     def __init__(self):
-        self._modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-        self._stats: dict | None = None
-        self._read_at = float("-inf")
+        self._hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self._handles: list = []
+        self._syncing = False  # the last DDP forward will allreduce its gradients (not inside no_sync())
+        self._last_grad_t: float | None = None
 
     def note_module(self, module: torch.nn.Module) -> None:
-        """A top-level module call: the timers are read from DDP modules."""
-        if torch.distributed.is_available():
-            from torch.nn.parallel import DistributedDataParallel
+        """A top-level module call: a DDP module's parameters get the hook once."""
+        if not isinstance(module, DistributedDataParallel):
+            return
+        self._syncing = getattr(module, "require_backward_grad_sync", True)
+        if module not in self._hooked:
+            self._hooked.add(module)
+            self._handles += [p.register_post_accumulate_grad_hook(self._gradient_ready)
+                              for p in module.parameters() if p.requires_grad]
 
-            if isinstance(module, DistributedDataParallel):
-                self._modules.add(module)
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        self._last_grad_t = time.perf_counter()
 
-    @property
-    def seen(self) -> bool:
-        return bool(self._modules)
+    def backward_ended(self, steps: StepAccounting) -> None:
+        """The top-level backward returned: from its last DDP gradient to now, DDP waited for the allreduce."""
+        t0, self._last_grad_t = self._last_grad_t, None
+        if t0 is None or not self._syncing:
+            return
+        t1 = time.perf_counter()
+        steps.add_closed_span(WAIT_SPAN, "collective", t0, t1)
+        steps.count(DDP_WAIT_COUNT, t1 - t0)  # DDP's part of the collectives, in the report
 
-    @property
-    def latest(self) -> dict | None:
-        """The latest reading, not read anew (safe from another thread)."""
-        return self._stats
-
-    def stats(self) -> dict | None:
-        """The latest reading (read now if it is due; from the training thread only: DDP's
-        reducer may be running)."""
-        ddp = next(iter(self._modules), None)
-        if ddp is None or time.perf_counter() - self._read_at < _READ_EVERY_S:
-            return self._stats
-        self._read_at = time.perf_counter()
-        try:
-            data = ddp._get_ddp_logging_data()
-        except Exception:  # a private API: gone or changed in this torch
-            return None
-        comm_ns = data.get("avg_backward_comm_time") or 0
-        if comm_ns <= 0:
-            return self._stats  # no iteration sampled yet
-        overlap_ns = data.get("avg_backward_compute_comm_overlap_time") or 0
-        self._stats = {"avg_backward_comm_s": comm_ns / 1e9, "avg_overlap_s": overlap_ns / 1e9,
-                       "exposed_comm_s": max(comm_ns - overlap_ns, 0) / 1e9,
-                       "avg_backward_compute_s": (data.get("avg_backward_compute_time") or 0) / 1e9,
-                       "bucket_cap_bytes": data.get("bucket_cap_bytes"), "backend": data.get("backend_name")}
-        return self._stats
+    def remove_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()

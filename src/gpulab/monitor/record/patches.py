@@ -6,37 +6,50 @@ the torch version they were checked against (2.13.0).
 PyTorch's hooks
     nn.Module forward     register_module_forward_pre_hook / register_module_forward_hook
                           (always_call): the outermost module call is compute; a module called
-                          inside a DataLoader fetch is a transform (torchvision's are modules)
+                          inside a DataLoader fetch is a transform (torchvision's are modules);
+                          paused in the fetches where transforms are not timed (transforms.py), by
+                          a second patch of DataLoader.__iter__ and _BaseDataLoaderIter.__next__
     Optimizer.step        register_optimizer_step_pre_hook / _post_hook: compute; ends the step
+    DDP's parameters      register_post_accumulate_grad_hook (ddp.py): from the last gradient to the
+                          end of backward, DDP waits for its allreduce: collective
     gpulab's PhaseTimer   add_phase_listener: gpulab's own trainer's phases (data, scatter, allreduce, ...)
 Patches (no hook exists for these; docs/profiling.md says why for each)
-    DataLoader.__iter__, _BaseDataLoaderIter.__next__   a fetch is a data wait
-    DataLoader.__init__   only for `gpulab profile --try` (DataLoader settings changed)
+    DataLoader.__iter__, _BaseDataLoaderIter.__next__   a fetch is a data wait; which loader fed each step
+    DataLoader.__init__   where each loader was built; `gpulab profile --try` (DataLoader settings changed)
     torch.set_num_threads only for `gpulab profile --try threads=N` (the threads tried)
     torch.autograd.backward, torch.autograd.grad        compute; a step ends after it (backward rule)
     Optimizer.zero_grad   compute
     torch.distributed's collectives (DISTRIBUTED_CALLS), Work.wait   collective
+    torch.distributed.init_process_group   the process's rank, however the job was launched
     multiprocessing's BaseProcess._bootstrap            a child's recording ends (it leaves with os._exit)
     torchvision's Compose.__init__ / __call__ (v1, once imported)   a span per transform, and where it was built
-    CUDA builds only (cuda.py, through the same `Patches`): Tensor's syncing methods,
+    signal.signal / alarm / setitimer (stacks.py, installed by the recorder through the same
+    `Patches`): the stack sampler gives SIGALRM back before the script takes it
+    CUDA builds with a CUDA device only (cuda.py, through the same `Patches`): Tensor's syncing methods,
     Tensor.to / .cuda, torch.cuda.synchronize, Event/Stream.synchronize; torch's sync debug mode
     (torch.cuda.set_sync_debug_mode, public)
 Process-wide
     os.register_at_fork   a forked child records as its own lane (a DataLoader worker: nothing)
 
+Every patch keeps the signature, name and docstring of what it replaces (functools.update_wrapper:
+`inspect.signature` follows `__wrapped__`), so frameworks that introspect them work: Lightning
+re-creates a DataLoader from the parameters of `DataLoader.__init__`.
+
 Only the thread that started the recorder is recorded: every wrapper lets other threads' calls
-straight through. A second recorder in the same process is refused: the patches are the shared
-resource, so that is what `install` checks.
+straight through (what belongs to the process, not to a thread - where a loader was built, the
+rank - is noted from any thread). A second recorder in the same process is refused: the patches
+are the shared resource, so that is what `install` checks.
 """
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing.process
 import os
 import sys
 import warnings
 import weakref
-from functools import partial
+from functools import partial, update_wrapper
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -76,10 +89,11 @@ class Patches:
         self._undo: list = []
 
     def patch(self, owner, name: str, make_wrapper) -> None:
-        """Replace owner.name by make_wrapper(original) until undo()."""
+        """Replace owner.name by make_wrapper(original) until undo(); the wrapper takes the
+        original's signature, name and docstring."""
         had_own = name in vars(owner)
         original = getattr(owner, name)
-        wrapper = make_wrapper(original)
+        wrapper = update_wrapper(make_wrapper(original), original)
         setattr(wrapper, _MARK, True)
         setattr(owner, name, wrapper)
 
@@ -122,18 +136,17 @@ def install(rec) -> Patches:
         raise UserError("a gpulab profile is already running in this process: end it before starting another")
     p = Patches()
 
-    def new_pass(loader):  # the loop is back for data: a backward-rule step ended; note the loader once
+    def next_batch(iterator):  # the loop is back for data: a backward-rule step ended; then this fetch
         rec.steps.end_step_after_backward()
-        rec.note_loader(loader, sys._getframe(1))
+        rec.loaders.fetching(iterator)
 
-    p.patch(DataLoader, "__iter__", partial(_as_span, rec, "data_wait", "DataLoader.__iter__", new_pass))
-    if rec.cfg.dataloader_overrides:
-        p.patch(DataLoader, "__init__", partial(_loader_init, rec.cfg.dataloader_overrides))
-    p.patch(_BaseDataLoaderIter, "__next__", partial(_as_span, rec, "data_wait", "next(DataLoader)",
-                                                     lambda iterator: rec.steps.end_step_after_backward(),
+    p.patch(DataLoader, "__init__", partial(_loader_init, rec, rec.cfg.dataloader_overrides))
+    p.patch(DataLoader, "__iter__", partial(_loader_iter, rec))
+    p.patch(_BaseDataLoaderIter, "__next__", partial(_as_span, rec, "data_wait", "next(DataLoader)", next_batch,
                                                      after=lambda batch: rec.memory.note_inputs(batch)))
     nesting = _Nesting()
     _hook_module_calls(rec, p, nesting)
+    p.on_undo(rec.ddp.remove_hooks)  # the gradient hooks DdpWait puts on DDP modules' parameters
     p.patch(torch.autograd, "backward", partial(_autograd, rec, nesting, "backward"))
     p.patch(torch.autograd, "grad", partial(_autograd, rec, nesting, "autograd.grad"))
     p.patch(torch.optim.Optimizer, "zero_grad",
@@ -175,28 +188,46 @@ def _as_span(rec, category: str, name, before, original, after=None):
             after(result)
         return result
 
-    wrapper.__wrapped__ = original
     return wrapper
 
 
 # ----------------------------------------------------------------------------- data
 
-def _loader_init(overrides: dict, original):
-    """`--try num_workers=4`: every DataLoader the script makes gets these settings."""
-    import inspect
-
+def _loader_init(rec, overrides: dict, original):
+    """Every DataLoader built: the recorder notes the line that built it (from any thread: a
+    loader made elsewhere may be iterated in the training thread). `--try num_workers=4`: each
+    one gets these settings."""
     signature = inspect.signature(original)
 
     def __init__(loader, *args, **kwargs):
-        bound = signature.bind(loader, *args, **kwargs)
-        bound.apply_defaults()
-        bound.arguments.update(overrides)
-        if not bound.arguments.get("num_workers"):  # these only exist with workers
-            bound.arguments["persistent_workers"] = False
-            bound.arguments["prefetch_factor"] = None
-        return original(*bound.args, **bound.kwargs)
+        if overrides:
+            bound = signature.bind(loader, *args, **kwargs)
+            bound.apply_defaults()
+            bound.arguments.update(overrides)
+            if not bound.arguments.get("num_workers"):  # these only exist with workers
+                bound.arguments["persistent_workers"] = False
+                bound.arguments["prefetch_factor"] = None
+            args, kwargs = bound.args[1:], bound.kwargs
+        original(loader, *args, **kwargs)
+        rec.loaders.built(loader, sys._getframe(1))
 
     return __init__
+
+
+def _loader_iter(rec, original):
+    """A new pass over a DataLoader: a data wait (its workers start here); a backward-rule step
+    ended (the loop is back for data); the recorder notes the loader and which iterator is its."""
+    timed = _as_span(rec, "data_wait", "DataLoader.__iter__", None, original)
+
+    def __iter__(loader):
+        if not rec.here():
+            return original(loader)
+        rec.steps.end_step_after_backward()
+        iterator = timed(loader)
+        rec.loaders.iterated(loader, iterator, sys._getframe(1))
+        return iterator
+
+    return __iter__
 
 
 def _patch_compose(rec, p: Patches, compose, members_call: bool) -> None:
@@ -211,7 +242,7 @@ def _patch_compose(rec, p: Patches, compose, members_call: bool) -> None:
 
     def wrap_call(original):
         def __call__(composed, img):
-            if not (rec.here() and rec.steps.loading_data()):
+            if not (rec.transforms.timing and rec.here() and rec.steps.loading_data()):
                 return original(composed, img)
             for t in composed.transforms:  # what Compose.__call__ does, one span per member
                 img = t(img) if isinstance(t, torch.nn.Module) else rec.transforms.call(t, t, img)
@@ -254,8 +285,12 @@ class _Nesting:
 
 def _hook_module_calls(rec, p: Patches, nesting: _Nesting) -> None:
     """The outermost module call is a compute span (a model's submodules add nothing but cost); a
-    module called inside a DataLoader fetch is a transform span. always_call: the span also ends
-    when forward raises."""
+    module called inside a DataLoader fetch is a transform span, while rec.transforms times them
+    (transforms.py). In every other fetch the hooks are paused: global hooks send every module
+    call through torch's slow path (~1.3 us each, more with what they do), which per-sample
+    transforms pay per sample - 8 points of data share in issue 28's mnist_rnn. The iterator's
+    start is paused too: DataLoader workers are forked there, and run without the hooks.
+    always_call: the span also ends when forward raises."""
     is_compiling = torch.compiler.is_compiling
     open_calls: list[tuple[torch.nn.Module, int, bool]] = []  # (module, token, is a transform)
 
@@ -287,11 +322,66 @@ def _hook_module_calls(rec, p: Patches, nesting: _Nesting) -> None:
             rec.steps.exit(token)
             rec.progress.made()  # for the hang watch: an evaluation loop is no hang
 
-    for handle in (register_module_forward_pre_hook(before), register_module_forward_hook(after, always_call=True)):
-        p.on_undo(handle.remove)
+    hooks = _PausableHooks(register_module_forward_pre_hook(before),
+                           register_module_forward_hook(after, always_call=True))
+    p.on_undo(hooks.remove)
     # torch warns that global hooks fire for a compiled module's wrapper too; these expect it (the
     # wrapper is the outermost call) and the warning is about gpulab, not the script.
     p.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks")
+    p.patch(DataLoader, "__iter__", partial(_with_hooks_paused, rec, hooks, lambda: True))
+    p.patch(_BaseDataLoaderIter, "__next__", partial(_with_hooks_paused, rec, hooks, lambda: not rec.transforms.timing))
+
+
+class _PausableHooks:
+    """Global hooks that can be paused: taken out of torch's hook dicts and put back under the
+    same key. Not remove() and a new registration: that gives them a new key each time, and
+    torch.compile, which guards on those keys, then recompiles the model at every call (measured,
+    torch 2.13). The dicts are the ones each hook's RemovableHandle removes it from."""
+
+    def __init__(self, *handles):
+        self._handles = handles
+        self._paused: list[tuple[dict, int, object]] = []  # (torch's dict, key, value)
+        self._depth = 0  # nested pauses (a fetch inside a fetch): the outermost one resumes
+
+    def pause(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        for handle in self._handles:
+            for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+                hooks = ref()
+                if hooks is not None and handle.id in hooks:
+                    self._paused.append((hooks, handle.id, hooks.pop(handle.id)))
+
+    def resume(self) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        for hooks, key, value in self._paused:
+            hooks[key] = value
+        self._paused.clear()
+
+    def remove(self) -> None:
+        for hooks, key, value in self._paused:  # stopped during a pause (an exception in a fetch)
+            hooks[key] = value
+        self._paused.clear()
+        for handle in self._handles:
+            handle.remove()
+
+
+def _with_hooks_paused(rec, hooks: _PausableHooks, pause, original):
+    """`original` with the module hooks paused, when `pause()` says so (in the recorded thread)."""
+
+    def wrapper(*args, **kwargs):
+        if not (rec.here() and pause()):
+            return original(*args, **kwargs)
+        hooks.pause()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            hooks.resume()
+
+    return wrapper
 
 
 def _autograd(rec, nesting: _Nesting, name: str, original):
@@ -307,10 +397,10 @@ def _autograd(rec, nesting: _Nesting, name: str, original):
             return original(*args, **kwargs)
         finally:
             nesting.in_backward = False
+            rec.ddp.backward_ended(rec.steps)  # DDP's wait for its allreduce, at the end of backward
             rec.steps.exit(token)
             rec.steps.backward_done()
 
-    wrapper.__wrapped__ = original
     return wrapper
 
 
@@ -323,8 +413,7 @@ def _phase(rec, name: str):
 
 def _hook_distributed(rec, p: Patches) -> None:
     """Time torch.distributed's collectives and waits as their own category. DDP's bucket waits
-    happen inside backward in C++, out of reach: DDP's own runtime timers report them
-    (Recorder.ddp_runtime_stats)."""
+    happen inside backward in C++, out of reach: ddp.DdpWait finds them from gradient hooks."""
     if not torch.distributed.is_available():
         return
     import torch.distributed.distributed_c10d as c10d
@@ -340,11 +429,29 @@ def _hook_distributed(rec, p: Patches) -> None:
                 p.patch(owner, name, lambda orig, w=wrapper: w)
     p.patch(torch._C._distributed_c10d.Work, "wait",
             partial(_as_span, rec, "collective", "Work.wait", None, after=_collective_done(rec)))
+    # torch's own modules that call it by a name of their own (device_mesh) get the wrapper too.
+    original = c10d.init_process_group
+    init = _process_group_init(rec, original)
+    for owner in [m for name, m in list(sys.modules.items())
+                  if name.startswith("torch.distributed") and getattr(m, "init_process_group", None) is original]:
+        p.patch(owner, "init_process_group", lambda orig, w=init: w)
 
 
 def _collective_done(rec):
     """Progress, for the hang watch: a collective finished."""
     return lambda result: rec.progress.made()
+
+
+def _process_group_init(rec, original):
+    """Once the default process group is up, the recorder notes this process's rank (from any
+    thread: the rank is the process's)."""
+
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        rec.note_process_group()
+        return result
+
+    return init_process_group
 
 
 # ----------------------------------------------------------------------------- processes

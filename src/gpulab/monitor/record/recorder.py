@@ -5,9 +5,10 @@ the work, one job each:
 
     steps.StepAccounting    where each moment of the training thread goes; where steps end
     sites.SyncSites         the user's lines that synced or copied (CUDA)
+    loaders.Loaders         the DataLoaders: where built, real batch size, which one fed the steps
     stacks.StackSampler     the hottest user line of each category
     transforms.TransformSpans   per-sample transforms inside a DataLoader fetch
-    ddp.DdpTimers           DDP's own timers for the wait inside its backward
+    ddp.DdpWait             DDP's wait for its allreduce at the end of backward
     memory.MemoryWindow     one step measured for memory: the peak and what it is made of
     writer.EventWriter      records out (format: monitor/events.py)
     cuda.CudaHooks          CUDA only: host syncs, copies, the kernel window
@@ -33,32 +34,26 @@ import torch
 
 from gpulab.memory.oom import is_out_of_memory, read_out_of_memory
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.events import EndRecord, LoaderRecord, OomRecord, ProcessRecord, StartRecord, events_file
+from gpulab.monitor.events import EndRecord, OomRecord, ProcessRecord, RankRecord, StartRecord, events_file
 from gpulab.monitor.record import patches
 from gpulab.monitor.record.cuda import CudaHooks
-from gpulab.monitor.record.ddp import DdpTimers
+from gpulab.monitor.record.ddp import DdpWait
 from gpulab.monitor.record.frames import format_site, is_user_file, user_site
 from gpulab.monitor.record.heartbeat import Heartbeat, Progress
+from gpulab.monitor.record.loaders import Loaders
 from gpulab.monitor.record.memory import MemoryWindow
 from gpulab.monitor.record.sites import SyncSites
-from gpulab.monitor.record.stacks import StackSampler
+from gpulab.monitor.record.stacks import StackSampler, hand_signal_back_on_request
 from gpulab.monitor.record.steps import StepAccounting
 from gpulab.monitor.record.transforms import TransformSpans
 from gpulab.monitor.record.writer import EventWriter
-
-# The stack sampler needs the GIL to look at the training thread. A thread running pure Python
-# only hands the GIL over every `sys.getswitchinterval()` (5 ms by default), so samples would
-# land on the next torch call instead of inside the Python loop that holds the GIL; a 1 ms
-# interval keeps that bias well under the 20 ms sampling period.
-_SWITCH_INTERVAL_S = 0.001
-
 
 class Recorder:
     def __init__(self, cfg: ProfileConfig, events_path: Path | None = None):
         self.cfg = cfg
         self.writer = EventWriter(events_path, self._snapshots, cfg.detail_steps)
         self.cuda = CudaHooks(self, window_after_step=cfg.warmup_steps, window_steps=cfg.kernel_window_steps)
-        self.ddp = DdpTimers()
+        self.ddp = DdpWait()
         self.memory = MemoryWindow(self.writer.emit, cfg.memory_window)
         self.error: str | None = None  # an uncaught exception (note_exception)
         self.error_where: str | None = None  # the innermost user line of its traceback
@@ -66,21 +61,24 @@ class Recorder:
         self._stopping = False
         self._patches: patches.Patches | None = None  # in place while recording
         self.steps = StepAccounting(cfg.trace_steps, self.writer.emit, self._between_steps)
-        self.transforms = TransformSpans(self.steps)
+        self.transforms = TransformSpans(self.steps, cfg.warmup_steps)
+        self.loaders = Loaders(self.writer.emit)
         self._new_lane_state()
 
     def _new_lane_state(self) -> None:
         """What each process records for itself (a forked lane starts again from here)."""
         self._pid = os.getpid()
         self.sites = SyncSites()
-        self._loaders: set[int] = set()
+        self.loaders.new_lane()
         self._optimizer_tokens: dict[int, int] = {}
         self._stacks: StackSampler | None = None
         folder = self.writer.path.parent if self.writer.path is not None else None
         self.progress = Progress(folder, self._pid)
+        self._heartbeat: Heartbeat | None = None
         if self.writer.path is not None:
-            heartbeat = Heartbeat(self.writer.path.parent, self._pid, _env_int("RANK"), lambda: self._ident, self.progress)
-            self.writer.on_tick = heartbeat.tick
+            self._heartbeat = Heartbeat(self.writer.path.parent, self._pid, _env_int("RANK"), lambda: self._ident,
+                                        self.progress)
+            self.writer.on_tick = self._heartbeat.tick
 
     # ------------------------------------------------------------------ session
 
@@ -89,9 +87,8 @@ class Recorder:
         self._ident = threading.get_ident()
         self._emit_start(command if command is not None else list(sys.argv))
         if self.cfg.stack_interval_s > 0:
-            previous_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(previous_interval, _SWITCH_INTERVAL_S))
-            self._patches.on_undo(lambda: sys.setswitchinterval(previous_interval))
+            # the script taking SIGALRM later stops the signal sampler first (then a forked lane's)
+            hand_signal_back_on_request(self._patches.patch, lambda: self._stacks)
             self._start_stack_sampler()
         return self
 
@@ -143,6 +140,8 @@ class Recorder:
     def after_fork_in_child(self) -> None:
         """In a forked child (patches.py follows forks): a DataLoader worker or a child of an
         in-process session records nothing; any other child becomes its own lane."""
+        if self._stacks is not None:
+            self._stacks.forget_in_child()  # the parent's sampler: its timer or thread stayed there
         if self.writer.path is None or self.steps.loading_data():
             self._detach()
         else:
@@ -168,8 +167,6 @@ class Recorder:
             self.writer.emit(tail)
         if self._stacks is not None:
             self._stacks.stop()
-        if self.ddp.seen:
-            self.ddp.stats()
         self.memory.finish()
         with self.cuda.suppressed():
             self.cuda.finish(self.steps.index)
@@ -208,19 +205,19 @@ class Recorder:
 
     def _between_steps(self, steps_done: int) -> bool:
         """The recorder's own work after each step; whether the next one is inside a measurement
-        window (kernels, memory), whose steps are left out of the statistics."""
+        window (kernels, memory, transforms), whose steps are left out of the statistics."""
         self.progress.step_done(steps_done)
-        if self.ddp.seen:
-            self.ddp.stats()
+        self.loaders.step_ended()
         if self.cuda.enabled:
             with self.cuda.suppressed():  # our own bookkeeping (kernel window) is no sync of the user's
                 self.cuda.on_step_end(steps_done)
         if not self.memory.done:
             with self.cuda.suppressed():  # the memory window's synchronize and profiler are gpulab's too
                 self.memory.on_step_end(steps_done, may_start=self._memory_may_start(steps_done))
+        self.transforms.on_step_end(steps_done, may_open=not (self.cuda.window_active or self.memory.active))
         if self.cfg.stop_after_steps and steps_done >= self.cfg.stop_after_steps:
             self._end_process_early()
-        return self.cuda.window_active or self.memory.active
+        return self.cuda.window_active or self.memory.active or self.transforms.window_active
 
     def _memory_may_start(self, steps_done: int) -> bool:
         """After warm-up, and after the kernel window (one torch.profiler at a time) when CUDA is in use."""
@@ -267,7 +264,7 @@ class Recorder:
         self.steps.count(kind + "_bytes", nbytes)
         self.sites.note(kind, op, where, seconds=t1 - t0, nbytes=nbytes)
 
-    # ------------------------------------------------------------------ optimizers and loaders (from patches.py)
+    # ------------------------------------------------------------------ optimizers (from patches.py)
 
     def on_optimizer_pre(self, optimizer, args, kwargs) -> None:
         if self.here():
@@ -282,20 +279,18 @@ class Recorder:
         self.memory.optimizers.add(optimizer)
         self.steps.optimizer_stepped(optimizer)
 
-    def note_loader(self, loader, caller) -> None:
-        if id(loader) in self._loaders:
-            return
-        self._loaders.add(id(loader))
-        record: LoaderRecord = {
-            "type": "loader",
-            "where": user_site(caller),
-            "dataset": type(loader.dataset).__name__,
-            "batch_size": loader.batch_size,
-            "num_workers": loader.num_workers,
-            "pin_memory": bool(loader.pin_memory),
-            "persistent_workers": bool(loader.persistent_workers),
-        }
+    # ------------------------------------------------------------------ ranks (from patches.py)
+
+    def note_process_group(self) -> None:
+        """torch.distributed's default group is up: this process's rank, however the job was
+        launched (torchrun also sets RANK; Lightning's DDP, mp.spawn and others pass the rank to
+        init_process_group). The parent's hang watch asks for it too."""
+        dist = torch.distributed
+        record: RankRecord = {"type": "rank", "t": time.perf_counter(), "rank": dist.get_rank(),
+                              "world_size": dist.get_world_size()}
         self.writer.emit(record)
+        if self._heartbeat is not None:
+            self._heartbeat.rank = record["rank"]
 
     # ------------------------------------------------------------------ output
 
@@ -308,10 +303,11 @@ class Recorder:
             self._stacks.snapshot() if self._stacks is not None else
             {"type": "hot", "interval_s": self.cfg.stack_interval_s, "lines": {}},
             {"type": "spans", "seconds": {k: round(v, 6) for k, v in steps.span_seconds.items()}},
+            self.loaders.snapshot(),
             {"type": "facts", "step_rule": steps.rule, "backward_calls": steps.backward_calls,
              "optimizer_steps": steps.optimizer_steps, "dataloader_worker": _in_dataloader_worker(),
              "torch_threads": torch.get_num_threads(),
-             "transforms": self.transforms.calls, "ddp": self.ddp.latest},
+             "transforms": self.transforms.calls},
         ]
 
     @property

@@ -11,8 +11,8 @@ not compute. Categories (events.CATEGORIES):
     compute    inside a module's forward, autograd's backward, an optimizer's step or zero_grad
     collective inside a torch.distributed call (all_reduce, broadcast, barrier, ...) or waiting
                for an asynchronous one (Work.wait), and gpulab's own wait for its gradient
-               buckets; DDP waits for its buckets inside backward, in C++: that time is moved
-               from compute to collective with DDP's own timers (analyze/steps.py)
+               buckets; DDP's wait for its allreduce at the end of backward, in C++, found
+               from gradient hooks (ddp.py)
     sync       blocked in a host sync on CUDA (`.item()`, `print(t)`, `.cpu()`, synchronize, ...)
     other      anything else: the user's Python between those calls (and torch ops called
                outside any nn.Module, e.g. a functional loss or a manual SGD update)

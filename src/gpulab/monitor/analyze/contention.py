@@ -1,0 +1,142 @@
+"""CPU contention: the job's threads waiting for a core, from the sampler's running totals
+(sampler.CoreReader: each thread's run-queue wait, the job's usable cores, what the machine's
+CPUs did).
+
+A thread that has work but no core waits on a run queue. That happens when the job runs more
+threads than it has cores (torch's intra-op threads + DataLoader workers and their threads), or
+when other processes use the same cores. For torch's compute it costs more than its share: the
+OpenMP threads of a parallel op meet at its end, so one thread without a core holds the others.
+Measured on this project's 2-core VM, with one busy process beside a small CNN: 341 ms per step
+at torch's 2 threads, 243 ms at 1, 136 ms alone (issue 28).
+
+The wait share and when the cores count as contended: gpulab.host.CoreWait, the one rule that
+gpulab train's warning uses too.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from gpulab.host import CoreWait
+from gpulab.monitor.analyze.findings import FIXES, finding
+
+# A core counts as free for one more thread when at most this much of it is in use.
+CORE_SLACK = 0.25
+# The samples inside the steady steps must span this long (5 intervals at the default 0.1 s).
+MIN_SECONDS = 0.5
+
+
+@dataclass
+class CoreUse:
+    """How the job used its cores over a window of samples."""
+
+    wait: CoreWait  # the job's threads: busy ones, ran, waited; other processes' use of the same cores
+    pressure: float | None  # the share of the time some task of the machine waited for a core (PSI)
+
+    @property
+    def cores(self) -> int:
+        return self.wait.cores
+
+    @property
+    def busy_threads(self) -> int:
+        return round(self.wait.busy_threads)
+
+    @property
+    def job_cores(self) -> float:
+        """Cores the job's threads kept busy, on average."""
+        return self.wait.ran_s / self.wait.seconds
+
+    @property
+    def others_cores(self) -> float:
+        return self.wait.others_cores
+
+    @property
+    def contended(self) -> bool:
+        return self.wait.contended
+
+    @property
+    def idle_cores(self) -> float:
+        return max(0.0, self.cores - self.job_cores - self.others_cores)
+
+    @property
+    def free_cores(self) -> int:
+        """Whole cores the other processes leave to the job."""
+        return max(1, int(self.cores - self.others_cores + CORE_SLACK))
+
+    def summary(self) -> dict:
+        """For report.json."""
+        numbers = {"seconds": self.wait.seconds, "cores": self.cores, "job_cores": self.job_cores,
+                   "threads_with_work": self.wait.demand, "wait_share": self.wait.share,
+                   "others_cores": self.others_cores, "busy_threads": self.wait.busy_threads, "pressure": self.pressure,
+                   "contended": self.contended}
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in numbers.items()}
+
+
+def core_use(samples: list[dict], window: tuple[float, float] | None) -> CoreUse | None:
+    """The job's use of its cores over `window` (the steady steps), from the samples inside it;
+    None without samples, or when they span less than MIN_SECONDS: a shorter measurement is
+    mostly of the moments around the steps (a DDP job's 36 steps of 1.5 ms, "measured" over the
+    0.1 s between two samples, took in the ranks' start and looked contended)."""
+    rows = [s for s in samples if s.get("cores") and (window is None or window[0] <= s["t"] <= window[1])]
+    if len(rows) < 2 or rows[-1]["t"] - rows[0]["t"] < MIN_SECONDS:
+        return None
+    first, last = rows[0]["cores"], rows[-1]["cores"]
+    seconds = rows[-1]["t"] - rows[0]["t"]
+    ran, waited, busy_ran, busy_waited = (last[k] - first[k]
+                                          for k in ("ran_s", "waited_s", "busy_ran_s", "busy_waited_s"))
+    if ran + waited <= 0:
+        return None
+    others = max(0.0, last["cores_busy_s"] - first["cores_busy_s"] - ran)
+    pressure = (last["pressure_s"] - first["pressure_s"]) / seconds if last["pressure_s"] is not None else None
+    busy_threads = statistics.median(s["cores"]["busy_threads"] for s in rows[1:])  # each of the intervals
+    return CoreUse(
+        wait=CoreWait(seconds, last["cores"], busy_threads, ran, waited, busy_ran, busy_waited, others),
+        pressure=min(max(pressure, 0.0), 1.0) if pressure is not None else None,
+    )
+
+
+def contention_finding(use: CoreUse | None, torch_threads: int, workers: int,
+                       device_idle_share: float | None) -> dict | None:
+    """`cpu_contention` when the job's threads waited for a core a large share of the step, on full cores.
+
+    Its share: the wait share (on a CPU run the compute stood still that long); on a GPU run no
+    more than the device's idle share, since a host that waits while the device is busy costs
+    nothing."""
+    if use is None or not use.contended:
+        return None
+    share = use.wait.share if device_idle_share is None else min(use.wait.share, device_idle_share)
+    return finding("cpu_contention", share, contention_text(use, torch_threads, workers), None,
+                   fix=contention_fix(use, torch_threads, workers))
+
+
+def contention_text(use: CoreUse, torch_threads: int, workers: int) -> str:
+    who = f"torch's {torch_threads} compute thread(s)" + (f", {workers} DataLoader worker(s)" if workers else "")
+    text = (f"your busy threads waited for a core {use.wait.share:.0%} of the step (run-queue wait, /proc schedstat); "
+            f"{use.busy_threads} busy thread(s) on {use.cores} usable core(s) ({who}); other processes used "
+            f"{use.others_cores / use.cores:.0%} of those cores")
+    if use.pressure is not None:
+        text += f"; CPU pressure {use.pressure:.0%} (some task of the machine waited for a core)"
+    return text
+
+
+def suggested_threads(use: CoreUse, workers: int) -> int:
+    """torch threads that leave every busy thread a core: the cores others leave free, less the
+    DataLoader workers."""
+    return max(1, use.free_cores - workers)
+
+
+def contention_fix(use: CoreUse, torch_threads: int, workers: int) -> str:
+    """The thread count to use, how to set it and how to measure it, then the general fix."""
+    n = min(suggested_threads(use, workers), max(1, torch_threads - 1))
+    parts = []
+    if torch_threads > 1:
+        parts.append(f"torch.set_num_threads({n}) at the start of the script (or OMP_NUM_THREADS={n})")
+    if workers:
+        parts.append(f"fewer DataLoader workers than {workers}")
+    if not parts:
+        return FIXES["cpu_contention"]
+    fix = f"{' and '.join(parts)}, so that every busy thread has a core"
+    if torch_threads > 1:
+        fix += f" - measure it: gpulab profile --try threads={n} --steps 30 -- ..."
+    return f"{fix}; in general: {FIXES['cpu_contention']}"

@@ -1,0 +1,126 @@
+"""The DataLoaders of one process: where each was built, its real batch size, and which one the
+training steps waited on.
+
+Frameworks make this harder than it looks. Lightning iterates the validation loader first (its
+sanity check) and calls every loader from inside `trainer.fit(...)`; under DDP it re-creates the
+user's loaders with a DistributedSampler. Accelerate (and HF Trainer through it) iterates a
+DataLoader of its own over the user's dataset, with a batch sampler, so its `batch_size` is None.
+So: a loader is credited with each step whose last batch came from it; a framework's copy of a
+loader takes the line of the loader it copied (the live one over the same dataset), else the
+framework's own line and the user's line that led there; the batch size comes from the batch
+sampler where the DataLoader has none.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from types import FrameType
+
+from gpulab.monitor.events import LoaderRecord
+from gpulab.monitor.record.frames import format_site, is_user_file, user_site
+
+
+class Loaders:
+    def __init__(self, emit):
+        self._emit = emit
+        # loader -> the line that built it; kept across a fork (a child iterates its parent's loaders)
+        self._built: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.new_lane()
+
+    def new_lane(self) -> None:
+        """What each process tallies for itself (a forked lane starts again from here)."""
+        self._index: dict[tuple, int] = {}  # a loader's record -> its place (re-made each epoch: one loader)
+        self._iterators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # iterator -> place
+        self._steps_fed: list[int] = []
+        self._last: int | None = None  # the loader of the latest fetch in this step
+
+    def built(self, loader, caller: FrameType) -> None:
+        """DataLoader.__init__ returned (`caller`: the frame that called it)."""
+        builder = _builder(loader, caller)
+        if builder is None or is_user_file(builder.f_code.co_filename):
+            site = user_site(builder)
+        else:
+            site = self._copied_from(loader) or _framework_site(builder)
+        self._built[loader] = site
+
+    def _copied_from(self, loader) -> str | None:
+        """The line of the live loader a framework's loader copies: the first one over the same
+        dataset - with the same batch size, where two are (a training and an evaluation loader)."""
+        same_data = [(other, site) for other, site in self._built.items() if other.dataset is loader.dataset]
+        same_batches = [site for other, site in same_data if batch_size(other) == batch_size(loader)]
+        return next(iter(same_batches or [site for _, site in same_data]), None)
+
+    def iterated(self, loader, iterator, caller: FrameType) -> None:
+        """DataLoader.__iter__ returned `iterator` to `caller`."""
+        record: LoaderRecord = {
+            "type": "loader",
+            "where": user_site(caller),
+            "built": self._built.get(loader),
+            "dataset": type(loader.dataset).__name__,
+            "batch_size": batch_size(loader),
+            "num_workers": loader.num_workers,
+            "pin_memory": bool(loader.pin_memory),
+            "persistent_workers": bool(loader.persistent_workers),
+        }
+        key = tuple(record.values())
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = len(self._steps_fed)
+            self._steps_fed.append(0)
+            self._emit(record)
+        try:
+            self._iterators[iterator] = index
+        except TypeError:  # a subclass's iterator that takes no weak reference: its steps go uncounted
+            pass
+
+    def fetching(self, iterator) -> None:
+        """next() on a DataLoader's iterator (after the step it ends, if any, was counted)."""
+        self._last = self._iterators.get(iterator)
+
+    def step_ended(self) -> None:
+        """The step trained on the latest batch fetched in it."""
+        if self._last is not None:
+            self._steps_fed[self._last] += 1
+            self._last = None
+
+    def snapshot(self) -> dict:
+        return {"type": "loader_use", "steps_fed": list(self._steps_fed)}
+
+
+def batch_size(loader) -> int | None:
+    """Samples per batch: the DataLoader's own, else its batch sampler's (Accelerate's
+    BatchSamplerShard with split_batches gives each process a slice of it)."""
+    if loader.batch_size is not None:
+        return loader.batch_size
+    sampler = loader.batch_sampler
+    size = getattr(sampler, "batch_size", None)
+    if isinstance(size, int) and getattr(sampler, "split_batches", False):
+        size //= max(1, getattr(sampler, "num_processes", 1))
+    return size if isinstance(size, int) else None
+
+
+def _builder(loader, frame: FrameType | None) -> FrameType | None:
+    """The frame that asked for `loader`: the first one above the calls that construct it (its
+    class's __init__ chain, a framework's wrapper around __init__), which all take it as their
+    first argument."""
+    while frame is not None:
+        code = frame.f_code
+        if not (code.co_argcount and frame.f_locals.get(code.co_varnames[0]) is loader):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _framework_site(frame: FrameType) -> str:
+    """A framework's line that built a loader, and the user's line that led there."""
+    user = user_site(frame)
+    return f"{_library_site(frame)} (from {user})" if user else _library_site(frame)
+
+
+def _library_site(frame: FrameType) -> str:
+    """A library's line, from its package down ("accelerate/data_loader.py:441")."""
+    filename = frame.f_code.co_filename
+    package = str(frame.f_globals.get("__name__", "")).split(".")[0]
+    at = filename.rfind(f"{os.sep}{package}{os.sep}") if package else -1
+    return f"{filename[at + 1:]}:{frame.f_lineno}" if at >= 0 else format_site(filename, frame.f_lineno)
