@@ -57,6 +57,23 @@ MUTATIONS = [
              "(loss * self.world.world_size).backward()", "loss.backward()", TORCHRUN_TESTS),
     Mutation("a survivor's lost-peer error taken for a failure of its own", "src/gpulab/monitor/analyze/failure.py",
              "lost_peer=bool(_LOST_PEER.search(error))", "lost_peer=False", ["tests/monitor/test_failure.py"]),
+    Mutation("stack samples counted one period each, not by the wall time they stand for", "src/gpulab/monitor/record/stacks.py",
+             "        self._note(frame, seconds)\n", "        self._note(frame, self.interval_s)\n", ["tests/monitor/test_stacks.py"]),
+    Mutation("a loader's batch size read from the DataLoader only (None behind a batch sampler)",
+             "src/gpulab/monitor/record/loaders.py", "    if loader.batch_size is not None:\n", "    if True:\n",
+             ["tests/monitor/test_frameworks.py"]),
+    Mutation("the rank from RANK in the environment only (Lightning's, mp.spawn's ranks lost)", "src/gpulab/monitor/events.py",
+             "        return rank if rank is not None else self.start.get(\"rank\")", "        return self.start.get(\"rank\")",
+             ["tests/monitor/test_frameworks.py"]),
+    Mutation("threads waiting for a core never called contended", "src/gpulab/host.py",
+             "        return self.share >= CONTENDED_WAIT_SHARE and self.oversubscribed",
+             "        return self.share >= CONTENDED_WAIT_SHARE and not self.oversubscribed", ["tests/monitor/test_cpu_use.py"]),
+    Mutation("--try calls one pair of runs an answer", "src/gpulab/monitor/trial.py",
+             "    if len(ratios) < MIN_PAIRS:\n        return False\n", "    if len(ratios) < 1:\n        return False\n",
+             ["tests/monitor/test_trial.py"]),
+    Mutation("DDP's allreduce wait charged to compute", "src/gpulab/monitor/record/ddp.py",
+             'steps.add_closed_span(WAIT_SPAN, "collective", t0, t1)', 'steps.add_closed_span(WAIT_SPAN, "compute", t0, t1)',
+             ["tests/monitor/test_profile_ddp_steps.py"]),
 ]
 
 

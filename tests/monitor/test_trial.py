@@ -135,3 +135,10 @@ def test_ratios_agree_within_a_tenth_of_their_median():
     assert not trial.stable([1.16, 1.91])
     assert trial.stable([1.16, 1.91, 1.99, 1.95, 1.97])  # the latest three agree
     assert not trial.stable([1.91, 1.16, 1.99])
+
+
+def test_pairs_that_disagree_in_size_but_not_in_direction_say_so():
+    assert trial.unreliable_verdict([1.06, 1.88, 1.31, 1.2, 1.5]).startswith(
+        "not reliable in size: spread 1.06x .. 1.88x over 5 pairs of runs, but faster in every pair")
+    assert "slower in every pair" in trial.unreliable_verdict([0.5, 0.9, 0.7])
+    assert trial.unreliable_verdict([1.0, 2.0, 0.5]).startswith("not reliable: spread 0.50x .. 2.00x over 3 pairs")

@@ -277,7 +277,7 @@ class Recording:
         self.tail: dict | None = None
         self.loaders: list[dict] = []
         self.sites: list[dict] = []
-        self.hot: dict[str, dict[str, int]] = {}
+        self.hot: dict[str, dict[str, float]] = {}  # category -> user line -> seconds of stack samples
         self.hot_interval_s = 0.0
         self.span_seconds: dict[str, float] = {}
         self.facts: dict = {}

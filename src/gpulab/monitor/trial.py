@@ -6,7 +6,8 @@ script). One pair of runs is not enough on a machine that is not quiet: another 
 cache or a noisy neighbour moves one run's steps by more than the change does. So the runs
 alternate (as is, changed; changed, as is; ...) and each pair gives one ratio, taken side by side
 in time; the trial stops when the latest ratios agree, or when its budget of pairs runs out and
-then says the result is not reliable, with the spread. A change that cannot act (prefetch_factor
+then says the result is not reliable, with the spread (and the direction, where every pair
+agrees on it). A change that cannot act (prefetch_factor
 on a loader without workers) is refused, not measured: its ratio would only be noise.
 """
 
@@ -201,10 +202,20 @@ class _Trial:
                   "speedup": round(statistics.median(window), 3),
                   "spread": [round(min(self.ratios), 3), round(max(self.ratios), 3)],
                   "reliable": reliable}
-        result["verdict"] = verdict(before, after) if reliable else (
-            f"not reliable: spread {min(self.ratios):.2f}x .. {max(self.ratios):.2f}x over {len(self.ratios)} pairs "
-            f"of runs - the machine's noise is larger than the change; rerun on a quieter machine or with more --steps")
+        result["verdict"] = verdict(before, after) if reliable else unreliable_verdict(self.ratios)
         return result
+
+
+def unreliable_verdict(ratios: list[float]) -> str:
+    """Pairs that never agreed: their spread, and the direction where every pair points the same
+    way (a busy machine can swing the size of a gain from 1.06x to 1.88x and still show it in
+    every pair: 5 of 5 by chance alone is a 1-in-16 event)."""
+    spread = f"spread {min(ratios):.2f}x .. {max(ratios):.2f}x over {len(ratios)} pairs of runs"
+    if min(ratios) > 1 or max(ratios) < 1:
+        direction = "faster" if min(ratios) > 1 else "slower"
+        return (f"not reliable in size: {spread}, but {direction} in every pair - rerun on a quieter machine or "
+                f"with more --steps for its size")
+    return f"not reliable: {spread} - the machine's noise is larger than the change; rerun on a quieter machine or with more --steps"
 
 
 def stable(ratios: list[float]) -> bool:

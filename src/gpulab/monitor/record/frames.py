@@ -14,12 +14,14 @@ from pathlib import Path
 from types import FrameType
 
 _MONITOR_DIR = str(Path(__file__).resolve().parent.parent)  # all of gpulab/monitor
+# gpulab/memory measures the memory window's step from inside it: the profiler's lines, not the user's
+_MEMORY_DIR = str(Path(__file__).resolve().parent.parent.parent / "memory")
 
 
 def _library_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.add(_MONITOR_DIR)
+    roots.update((_MONITOR_DIR, _MEMORY_DIR))
     try:
         import torch
 
