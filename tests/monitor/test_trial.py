@@ -95,12 +95,16 @@ def try_noise(tmp_path: Path, factors: str, items: list[str], monkeypatch, max_p
     return json.loads((out / "try.json").read_text()), runs
 
 
-def test_runs_alternate_in_pairs_and_stop_once_the_ratios_agree(tmp_path, monkeypatch):
-    result, runs = try_noise(tmp_path, "1", ["num_workers=1"], monkeypatch)
-    assert len(runs) == 4  # two pairs: as is, changed; changed, as is
+def test_runs_alternate_in_pairs_stop_once_the_ratios_agree_and_threads_are_forced_in_the_changed_ones(
+        tmp_path, monkeypatch, two_cores):
+    """Every run sleeps the same, so two pairs agree. The script sets 2 threads itself; --try
+    threads=1 makes it 1 in the changed runs only."""
+    result, runs = try_noise(tmp_path, "1", ["threads=1"], monkeypatch)
+    assert [int(r[1]) for r in runs] == [2, 1, 1, 2]  # as is, changed; changed, as is
     assert result["reliable"] and len(result["pairs"]) == 2
-    assert result["speedup"] == pytest.approx(1.0, abs=0.08)  # every run sleeps the same
+    assert result["speedup"] == pytest.approx(1.0, abs=0.08)
     assert result["spread"][0] <= result["speedup"] <= result["spread"][1]
+    assert result["overrides"] == {"threads": 1}
 
 
 def test_runs_that_disagree_are_called_not_reliable_with_their_spread(tmp_path, monkeypatch, capsys):
@@ -113,13 +117,6 @@ def test_runs_that_disagree_are_called_not_reliable_with_their_spread(tmp_path, 
     assert ratios == pytest.approx([1.0, 2.0, 0.5], rel=0.15)
     assert result["verdict"].startswith(f"not reliable: spread {min(ratios):.2f}x .. {max(ratios):.2f}x over 3 pairs")
     assert "not reliable" in capsys.readouterr().err
-
-
-def test_threads_are_forced_in_the_changed_runs_only(tmp_path, monkeypatch, two_cores):
-    """The script sets 2 threads itself; --try threads=1 makes it 1 in the changed runs."""
-    result, runs = try_noise(tmp_path, "1", ["threads=1"], monkeypatch)
-    assert [int(r[1]) for r in runs] == [2, 1, 1, 2]
-    assert result["overrides"] == {"threads": 1}
 
 
 def test_more_threads_than_cores_are_refused(two_cores):
