@@ -364,7 +364,7 @@ class CoreReader:
         self._cores, self._cpus = usable_cores(pid), usable_cpus(pid)
         self._cores_read_at = time.monotonic()
         self._last_t = time.perf_counter()
-        self._busy0, self._pressure0 = self._cpus_busy_s(), self._pressure_s()
+        self._busy0, self._pressure0 = cpus_busy_s(self._cpus), self._pressure_s()
         self._times = ThreadTimes()
 
     def read(self) -> dict:
@@ -396,7 +396,7 @@ class CoreReader:
             "busy_waited_s": self._times.busy_waited / 1e9,
             "busy_threads": busy_threads,
             "cores": self._cores,
-            "cores_busy_s": self._cpus_busy_s() - self._busy0,
+            "cores_busy_s": cpus_busy_s(self._cpus) - self._busy0,
             "pressure_s": pressure - self._pressure0 if pressure is not None else None,
         }
 
@@ -405,9 +405,6 @@ class CoreReader:
             self._cores, self._cpus = usable_cores(self.pid), usable_cpus(self.pid)
         except OSError:  # the job's first process has ended: keep what was known
             pass
-
-    def _cpus_busy_s(self) -> float:
-        return cpus_busy_s(self._cpus)
 
     @staticmethod
     def _pressure_s() -> float | None:

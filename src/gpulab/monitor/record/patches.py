@@ -265,7 +265,6 @@ def _force_torch_threads(p: Patches, threads: int) -> None:
         def set_num_threads(requested: int) -> None:
             return original(threads)
 
-        set_num_threads.__wrapped__ = original
         return set_num_threads
 
     p.patch(torch, "set_num_threads", wrap)
