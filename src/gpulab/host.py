@@ -126,6 +126,8 @@ CONTENDED_WAIT_SHARE = 0.15
 # More busy threads than cores: the job's busy threads and the cores other processes used exceed
 # the usable cores by at least this much.
 OVERSUBSCRIBED_BY = 0.25
+# A core counts as free for one more thread when at most this much of it is in use.
+CORE_SLACK = 0.25
 
 
 @dataclass
@@ -194,6 +196,13 @@ class CoreWait:
     def contended(self) -> bool:
         """A large share waited, with more busy threads than cores."""
         return self.share >= CONTENDED_WAIT_SHARE and self.oversubscribed
+
+    def threads_to_try(self, torch_threads: int, workers: int = 0) -> int:
+        """torch threads that leave every busy thread a core: the whole cores other processes leave
+        free, less the DataLoader workers - and fewer than now (gpulab profile's fix, gpulab
+        train's warning)."""
+        free = max(1, int(self.cores - self.others_cores + CORE_SLACK))
+        return max(1, min(free - workers, torch_threads - 1))
 
 
 def schedstat(pid: int, tid: int) -> tuple[int, int] | None:

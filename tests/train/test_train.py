@@ -21,7 +21,7 @@ from gpulab.train.recipe import lr_at
 from gpulab.train.rundir import CHECKPOINT, LOCK, RunDir, check_writable, default_run_dir
 
 MEASURED_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds", "peak_memory",
-                 "core_wait_share", "cores_contended"}
+                 "core_wait_share", "cores_contended", "threads_to_try"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

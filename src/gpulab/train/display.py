@@ -57,10 +57,10 @@ def contention_line(row: dict, threads: int) -> str | None:
     """One line when the epoch's busy threads waited for a core a large share of it, with more of
     them than cores (gpulab.host.CoreWait): another process on the same cores, or more threads
     than cores (torch's OpenMP threads meet at the end of every op, so one thread without a core
-    holds the others). `threads`: torch's."""
+    holds the others). `threads`: torch's; the row's `threads_to_try`: gpulab.host.CoreWait's rule."""
     if not row.get("cores_contended"):
         return None
-    fix = f"run with fewer threads (OMP_NUM_THREADS={threads - 1} gpulab train ...) or " if threads > 1 else "run "
+    fix = f"run with fewer threads (OMP_NUM_THREADS={row['threads_to_try']} gpulab train ...) or " if threads > 1 else "run "
     return (f"warning: epoch {row['epoch']}'s threads waited for a core {row['core_wait_share']:.0%} of the epoch "
             f"(another process on these cores, or more threads than cores): {fix}on cores no other process uses")
 

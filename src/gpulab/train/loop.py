@@ -123,6 +123,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
         # the share of the epoch this process's busy threads waited for a core; more of them than cores?
         "core_wait_share": core_wait.share if core_wait else None,
         "cores_contended": core_wait.contended if core_wait else None,
+        "threads_to_try": core_wait.threads_to_try(torch.get_num_threads()) if core_wait else None,
     }
 
 

@@ -18,11 +18,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from gpulab.host import CoreWait
+from gpulab.host import CORE_SLACK, CoreWait
 from gpulab.monitor.analyze.findings import FIXES, finding
 
-# A core counts as free for one more thread when at most this much of it is in use.
-CORE_SLACK = 0.25
 # The samples inside the steady steps must span this long (5 intervals at the default 0.1 s).
 MIN_SECONDS = 0.5
 
@@ -58,11 +56,6 @@ class CoreUse:
     @property
     def idle_cores(self) -> float:
         return max(0.0, self.cores - self.job_cores - self.others_cores)
-
-    @property
-    def free_cores(self) -> int:
-        """Whole cores the other processes leave to the job."""
-        return max(1, int(self.cores - self.others_cores + CORE_SLACK))
 
     def summary(self) -> dict:
         """For report.json."""
@@ -120,15 +113,9 @@ def contention_text(use: CoreUse, torch_threads: int, workers: int) -> str:
     return text
 
 
-def suggested_threads(use: CoreUse, workers: int) -> int:
-    """torch threads that leave every busy thread a core: the cores others leave free, less the
-    DataLoader workers."""
-    return max(1, use.free_cores - workers)
-
-
 def contention_fix(use: CoreUse, torch_threads: int, workers: int) -> str:
     """The thread count to use, how to set it and how to measure it, then the general fix."""
-    n = min(suggested_threads(use, workers), max(1, torch_threads - 1))
+    n = use.wait.threads_to_try(torch_threads, workers)
     parts = []
     if torch_threads > 1:
         parts.append(f"torch.set_num_threads({n}) at the start of the script (or OMP_NUM_THREADS={n})")

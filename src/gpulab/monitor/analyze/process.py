@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpulab.monitor.analyze.contention import CORE_SLACK, CoreUse, contention_finding
+from gpulab.host import CORE_SLACK
+from gpulab.monitor.analyze.contention import CoreUse, contention_finding
 from gpulab.monitor.analyze.devices import kernel_window
 from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE, add_support, finding, hottest
 from gpulab.monitor.analyze.phases import PHASE_NAMES, StepCosts, shown_phases
