@@ -223,6 +223,23 @@ def thread_ids(pid: int) -> list[int]:
         return []
 
 
+def thread_states(pid: int, name: str) -> list[str]:
+    """The scheduler states (R running or runnable, S sleeping, ...) of the threads of process
+    `pid` that bear that name ([] where /proc is not there)."""
+    states = []
+    for tid in thread_ids(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread has just ended
+            continue
+        # "tid (name) S ...": a name may hold spaces or parentheses, so the state follows the last ")"
+        end = stat.rfind(")")
+        if stat[stat.find("(") + 1:end] == name:
+            states.append(stat[end + 2:end + 3])
+    return states
+
+
 def cpus_busy_s(cpus: list[int]) -> float:
     """Seconds CPUs `cpus` were busy with anything since boot, summed: /proc/stat's user, nice,
     system, irq and softirq time (not idle, iowait or steal); 0 without /proc (not Linux)."""
