@@ -74,6 +74,11 @@ MUTATIONS = [
     Mutation("DDP's allreduce wait charged to compute", "src/gpulab/monitor/record/ddp.py",
              'steps.add_closed_span(WAIT_SPAN, "collective", t0, t1)', 'steps.add_closed_span(WAIT_SPAN, "compute", t0, t1)',
              ["tests/monitor/test_profile_ddp_steps.py"]),
+    Mutation("the exit's wait for gloo's workers does not see a runnable one", "src/gpulab/host.py",
+             'quiet = 0 if "R" in states else quiet + 1', "quiet = quiet + 1", ["tests/test_host.py"]),
+    Mutation("the exit's wait for gloo's workers has no limit", "src/gpulab/host.py",
+             "while quiet < _SETTLE_QUIET and time.monotonic() < deadline:", "while quiet < _SETTLE_QUIET:",
+             ["tests/test_host.py"]),
 ]
 
 

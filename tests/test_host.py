@@ -3,9 +3,12 @@ may use (affinity, cgroup quota)."""
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,3 +78,48 @@ def test_usable_cores_are_the_affinity_capped_by_the_quota_rounded_up(monkeypatc
     assert host.usable_cores() == min(affinity, 2)
     monkeypatch.setattr(host, "cgroup_cpu_quota", lambda pid=0: None)
     assert host.usable_cores() == affinity
+
+
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
+_PR_SET_NAME = 15
+
+
+def start_worker(busy_bytes: int) -> tuple[threading.Event, threading.Event, threading.Thread]:
+    """A thread under gloo's worker name that hashes `busy_bytes` without the GIL (runnable, as a
+    gloo worker letting go of a finished collective is), then sleeps until released."""
+    data = bytes(busy_bytes)
+    started, finished_busy, release = threading.Event(), threading.Event(), threading.Event()
+
+    def work():
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, host.GLOO_WORKER.encode(), 0, 0, 0)
+        started.set()
+        hashlib.sha256(data).digest()  # hashlib lets go of the GIL for large inputs
+        finished_busy.set()
+        release.wait()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    started.wait()
+    return finished_busy, release, thread
+
+
+@needs_proc
+def test_the_wait_for_gloo_workers_lasts_while_one_is_runnable():
+    finished_busy, release, thread = start_worker(400_000_000)  # ~0.2-1 s of hashing
+    host.let_gloo_workers_finish(max_s=30)
+    try:
+        assert finished_busy.is_set()
+    finally:
+        release.set()
+        thread.join()
+
+
+@needs_proc
+def test_the_wait_for_gloo_workers_never_passes_its_limit():
+    finished_busy, release, thread = start_worker(400_000_000)
+    host.let_gloo_workers_finish(max_s=0.01)
+    try:
+        assert not finished_busy.is_set()
+    finally:
+        release.set()
+        thread.join()

@@ -223,6 +223,12 @@ def thread_ids(pid: int) -> list[int]:
         return []
 
 
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+_SETTLE_POLL_S = 0.002  # long enough for a worker waiting for the GIL to finish its decrefs
+_SETTLE_QUIET = 3  # checks in a row with no worker runnable
+_SETTLE_MAX_S = 1.0
+
+
 def thread_states(pid: int, name: str) -> list[str]:
     """The scheduler states (R running or runnable, S sleeping, ...) of the threads of process
     `pid` that bear that name ([] where /proc is not there)."""
@@ -238,6 +244,28 @@ def thread_states(pid: int, name: str) -> list[str]:
         if stat[stat.find("(") + 1:end] == name:
             states.append(stat[end + 2:end + 3])
     return states
+
+
+def let_gloo_workers_finish(max_s: float = _SETTLE_MAX_S) -> None:
+    """Wait until no gloo worker thread of this process is runnable, the GIL free meanwhile: call
+    it after the last collective, before destroying the group or leaving Python.
+
+    A gloo worker lets go of a finished collective (and its tensors) a moment after the script has
+    moved on, and each tensor hands its Python object back under the GIL. A group destroyed
+    meanwhile joins that worker while holding the GIL: a deadlock. Python finalizing meanwhile
+    takes the GIL away: the process aborts ("terminate called without an active exception"; a
+    torch race: DDP keeps the group and its workers alive to the end, and plain torchrun runs of
+    tests/monitor/scripts/ddp_faults.py hit it 1 time in 30 here). A runnable worker has not
+    finished letting go; one waiting for the GIL gets it during the sleeps. None runnable at
+    _SETTLE_QUIET checks in a row: done. Returns at once without gloo."""
+    deadline = time.monotonic() + max_s
+    quiet = 0
+    while quiet < _SETTLE_QUIET and time.monotonic() < deadline:
+        states = thread_states(os.getpid(), GLOO_WORKER)
+        if not states:
+            return
+        quiet = 0 if "R" in states else quiet + 1
+        time.sleep(_SETTLE_POLL_S)  # the GIL is free meanwhile
 
 
 def cpus_busy_s(cpus: list[int]) -> float:

@@ -29,6 +29,7 @@ from typing import TypeVar
 import torch
 
 from gpulab.errors import UserError
+from gpulab.host import let_gloo_workers_finish
 from gpulab.parallel.failures import FailureProtocol, JobFailed, PeerLost, is_communication_error, one_line
 from gpulab.parallel.launch import exit_summary
 
@@ -298,10 +299,7 @@ class TorchrunWorld(World):
 
         self.failures.close()  # a SIGTERM from now on must not replace the exception this rank is reporting
         if self.connected:
-            # gloo's worker threads free each finished collective's tensors, which needs the GIL;
-            # a group destroyed meanwhile joins those threads while holding the GIL: a deadlock
-            # (seen: 2 exits in 12). Give them the GIL first; no collective starts after this.
-            time.sleep(0.2)
+            let_gloo_workers_finish()  # else a deadlock (seen: 2 exits in 12); no collective starts after this
             dist.destroy_process_group()
             self.group = None  # the last reference: the group is freed now, not at interpreter exit
             self.connected = False

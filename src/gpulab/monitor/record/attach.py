@@ -25,16 +25,12 @@ import sys
 import threading
 import time
 
-from gpulab.host import thread_states
+from gpulab.host import let_gloo_workers_finish
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import crash_file, events_file
 from gpulab.monitor.record.interpreter import after_import, block_signals_in_this_thread
 
 _PARENT_POLL_S = 0.5
-GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
-_SETTLE_POLL_S = 0.002  # long enough for a worker waiting for the GIL to finish its decrefs
-_SETTLE_QUIET = 3  # checks in a row with no worker runnable
-_SETTLE_MAX_S = 1.0
 
 
 def install(directory: str) -> None:
@@ -56,26 +52,6 @@ def _start_recording(cfg: ProfileConfig, directory: str) -> None:
     _write_crashes_to(crash_file(directory, os.getpid()))
     _note_uncaught_exceptions(recorder)
     _flush_on_termination(recorder)
-
-
-def let_gloo_workers_finish(max_s: float = _SETTLE_MAX_S) -> None:
-    """At exit, before Python finalizes: wait until no gloo worker thread is runnable.
-
-    A gloo worker lets go of a finished collective (and its tensors) a moment after the script has
-    moved on. If that moment falls in Python's finalization, each tensor hands its Python object
-    back under a GIL that is going away, and the process aborts ("terminate called without an
-    active exception"; torch's race, not gpulab's: DDP keeps the group and its workers alive to
-    the end, and plain torchrun runs of tests/monitor/scripts/ddp_faults.py hit it 1 time in 30
-    here). A worker that is runnable has not finished letting go; one waiting for the GIL gets it
-    during the sleeps. None runnable at _SETTLE_QUIET checks in a row: done. Costs nothing without gloo."""
-    deadline = time.monotonic() + max_s
-    quiet = 0
-    while quiet < _SETTLE_QUIET and time.monotonic() < deadline:
-        states = thread_states(os.getpid(), GLOO_WORKER)
-        if not states:
-            return
-        quiet = 0 if "R" in states else quiet + 1
-        time.sleep(_SETTLE_POLL_S)  # the GIL is free meanwhile
 
 
 def _write_crashes_to(path) -> None:
