@@ -132,17 +132,23 @@ def test_the_evidence_names_the_loader_the_steps_trained_on_not_the_first_iterat
     assert fed == {32: 0, 8: 12}
 
 
+def input_evidence(tmp_path, capfd, script: Path, *args: str, steps: int) -> tuple[dict, str]:
+    """Profile a single-process framework script that prints its own truth: that truth and the
+    input_pipeline finding's evidence, once the run and its step count are checked."""
+    code, out = profile(tmp_path, script, *args)
+    assert code == 0
+    (truth,) = printed(capfd.readouterr().out, script.stem)
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == int(truth["steps"]) == steps
+    return truth, finding(report, "input_pipeline")["evidence"]
+
+
 @needs("accelerate")
 def test_accelerate_s_own_loader_is_named_by_the_user_s_line_and_batch_size(tmp_path, capfd):
     # accelerator.prepare() iterates a DataLoader of its own over the user's dataset, with a
     # batch sampler: its batch_size is None (the evidence said "batch_size=None").
     script = FRAMEWORKS / "accelerate_loop.py"
-    code, out = profile(tmp_path, script, "20")
-    assert code == 0
-    (truth,) = printed(capfd.readouterr().out, "accelerate_loop")
-    report = json.loads((out / "report.json").read_text())
-    assert report["steps"] == int(truth["steps"]) == 20
-    evidence = finding(report, "input_pipeline")["evidence"]
+    truth, evidence = input_evidence(tmp_path, capfd, script, "20", steps=20)
     assert truth["batch"] == "[16]" and "DataLoader(batch_size=16," in evidence, evidence
     assert evidence.endswith(site(script, "# built: train")), evidence
 
@@ -152,12 +158,7 @@ def test_accelerate_s_own_loader_is_named_by_the_user_s_line_and_batch_size(tmp_
 def test_hf_trainer_s_loader_is_named_by_its_builder_and_the_user_s_line(tmp_path, capfd):
     # The user builds no DataLoader: Trainer builds one, and Accelerate iterates its copy of it.
     script = FRAMEWORKS / "hf_trainer.py"
-    code, out = profile(tmp_path, script, str(tmp_path / "hf"), "16")
-    assert code == 0
-    (truth,) = printed(capfd.readouterr().out, "hf_trainer")
-    report = json.loads((out / "report.json").read_text())
-    assert report["steps"] == int(truth["steps"]) == 16
-    evidence = finding(report, "input_pipeline")["evidence"]
+    truth, evidence = input_evidence(tmp_path, capfd, script, str(tmp_path / "hf"), "16", steps=16)
     assert truth["batch"] == "[16]" and "DataLoader(batch_size=16," in evidence, evidence
     user_line = site(script, "trainer.train()")
     assert re.search(rf"built at transformers/trainer\.py:\d+ \(from \S*{re.escape(user_line)}\)$", evidence), evidence
