@@ -1,63 +1,73 @@
-"""The scan for reachable tensors, against what Python itself says is alive."""
+"""What tensors hold, read safely: storage spans from plain integers, and the storages the
+script's objects reach - against what Python and torch themselves say."""
 
-import gc
 import sys
-import threading
+import warnings
 
 import torch
+from torch import nn
 
-from gpulab.memory.tensors import reachable_tensors
-
-
-def readable_address(t: torch.Tensor) -> int:
-    """A storage's address, 0 for tensors whose data cannot be read (a FakeTensor left by an ONNX
-    export, a storage FSDP freed), which hold no bytes of their own."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return 0
+from gpulab.memory.tensors import MAX_OBJECTS, Storages, reachable_from, script_roots, storage_span
 
 
-def test_reachable_tensors_counts_every_live_storage_once():
+def test_a_storage_is_counted_once_whatever_views_of_it_are_seen():
     weight = torch.zeros(1000)            # 4000 bytes
-    view = weight[10:20]                  # same storage: not counted again
-    other = torch.ones(250)               # 1000 bytes
-    before = reachable_tensors(torch.device("cpu")).bytes_by_key
-    assert before[("cpu", weight.untyped_storage().data_ptr())] == 4000
-    assert before[("cpu", other.untyped_storage().data_ptr())] == 1000
-    # type(), not isinstance(): isinstance reads __class__, and torch.distributed.reduce_op's
-    # deprecation proxy warns when asked
-    tensors = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor)]
-    expected = {("cpu", ptr) for t in tensors if t.device.type == "cpu" and (ptr := readable_address(t))}
-    assert set(before) == expected
-    del view
+    found = Storages(torch.device("cpu"))
+    assert found.add(weight[10:20]) == 80  # a slice reaches 20 floats of it
+    assert found.add(weight) == 3920       # the whole storage raises its size, counted once
+    assert found.add(weight.view(10, 100).t()) == 0
+    assert found.nbytes == weight.untyped_storage().nbytes()
 
 
-def test_the_scan_keeps_no_reference_to_anything():
-    alive = (object(), [1, 2])
-    refs = sys.getrefcount(alive)
-    reachable_tensors(torch.device("cpu"))
-    assert sys.getrefcount(alive) == refs
+def test_a_span_is_read_from_integers_and_matches_the_storage():
+    x = torch.randn(6, 8)
+    (device, base), nbytes = storage_span(x)
+    assert device == "cpu" and base == x.untyped_storage().data_ptr() and nbytes == x.untyped_storage().nbytes()
+    (_, view_base), view_bytes = storage_span(x[2:, 1:5])
+    assert view_base == base and view_bytes == (5 * 8 + 4 + 1) * 4  # up to its last element
+    assert storage_span(torch.empty(0)) is None or storage_span(torch.empty(0))[1] == 0
 
 
-def test_the_scan_does_not_break_a_thread_building_tuples():
-    """gc.get_objects() sees tuples under construction; a thread switch while its list lives made
-    the other thread's tuple(...) raise SystemError (36 of 40 scans before the fix)."""
-    errors, stop = [], threading.Event()
+def test_tensors_without_data_of_their_own_are_not_read():
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def build_tuples():
-        while not stop.is_set():
-            try:
-                tuple(str(i) for i in range(50))
-            except SystemError as e:
-                errors.append(e)
+    with FakeTensorMode():
+        fake = torch.randn(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Accessing the data pointer of FakeTensor is deprecated"
+        assert storage_span(fake) is None
+    assert storage_span(torch.empty(3, device="meta")) is None
+    assert storage_span(torch.randn(4, 4).to_sparse()) is None
+    assert storage_span(nn.Parameter(torch.randn(3))) is not None  # a plain subclass has real data
 
-    builder = threading.Thread(target=build_tuples, daemon=True)
-    builder.start()
-    try:
-        for _ in range(20):
-            reachable_tensors(torch.device("cpu"))
-    finally:
-        stop.set()
-        builder.join()
-    assert errors == []
+
+def _reached(*roots):
+    return reachable_from(list(roots), torch.device("cpu"))
+
+
+def test_the_walk_finds_what_the_script_holds_and_nothing_else():
+    model = nn.Linear(100, 10)                     # 4000 + 40 bytes
+    model(torch.randn(2, 100)).sum().backward()    # gradients: as much again
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer.step()                               # momentum: as much again
+    dataset = {"train": [torch.zeros(250)]}        # 1000 bytes, two containers down
+    unreachable = torch.ones(500)
+    found = _reached({"model": model, "optimizer": optimizer, "data": dataset})
+    params = 4040
+    assert found.nbytes == 3 * params + 1000
+    assert storage_span(unreachable)[0] not in found.bytes_by_key
+
+
+def test_the_walk_starts_from_the_frames_of_the_script():
+    kept_here = torch.zeros(256)  # a local of this frame: 1024 bytes
+    found = reachable_from(script_roots(sys._getframe()), torch.device("cpu"))
+    assert storage_span(kept_here)[0] in found.bytes_by_key
+
+
+def test_the_walk_keeps_no_reference_and_stops_at_its_limit():
+    held = [torch.zeros(10) for _ in range(100)]
+    refs = [sys.getrefcount(t) for t in held]
+    assert len(_reached(held).bytes_by_key) == 100
+    assert [sys.getrefcount(t) for t in held] == refs
+    assert len(reachable_from([held], torch.device("cpu"), max_objects=11).bytes_by_key) == 10
+    assert MAX_OBJECTS >= 100_000

@@ -9,7 +9,12 @@ tests/monitor/test_gpu.py checks the same on a real GPU.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +116,27 @@ def test_the_profiler_s_closing_sync_is_not_the_user_s():
 ])
 def test_non_blocking_is_read_from_keyword_or_position(args, kwargs, expected):
     assert _asks_non_blocking(args, kwargs) is expected
+
+
+WINDOW_WITHOUT_DYNAMO = """
+import json, sys, torch
+from gpulab.monitor.record.kernels import KernelWindow
+records = []
+window = KernelWindow(records.append, after_step=1, num_steps=2, device_type="cpu")
+x = torch.randn(64, 64)
+for step in range(1, 5):
+    x = torch.mm(x, x).tanh()
+    window.on_step_end(step)
+print(json.dumps({"records": records, "inductor": "torch._inductor" in sys.modules}))
+"""
+
+
+def test_the_kernel_window_counts_a_real_profile_without_importing_inductor():
+    # torch.profiler's first start imports torch._inductor (1.1-1.4 s, inside the training loop).
+    done = subprocess.run([sys.executable, "-c", WINDOW_WITHOUT_DYNAMO], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    (record,) = out["records"]
+    assert "error" not in record and record["steps"] == 2 and record["kernels_per_step"] >= 2
+    assert out["inductor"] is False

@@ -16,13 +16,15 @@ import types
 import torch
 
 from gpulab.memory.records import OutOfMemory
-from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_tensors,
-                                   tensors_in)
+from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_from,
+                                   script_roots, tensors_in)
 
 _CPU_OOM = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
 _CUDA_OOM = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _CUDA_DEVICE = re.compile(r"GPU (\d+) has a total capacity of ([\d.]+) (B|KiB|MiB|GiB|TiB)")
+_CUDA_LIMIT = re.compile(r"([\d.]+) (B|KiB|MiB|GiB|TiB) allowed")
+_CUDA_PROCESS = re.compile(r"this process has ([\d.]+) (B|KiB|MiB|GiB|TiB) memory in use")
 _MAX_GRAPH_NODES = 100_000
 
 
@@ -31,6 +33,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def _bytes(pattern: re.Pattern, message: str) -> int | None:
+    m = pattern.search(message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
 
 
 def requested_bytes(message: str) -> int | None:
@@ -52,12 +59,16 @@ def read_out_of_memory(error: BaseException, tb: types.TracebackType | None, mod
     module, phase = _phase(frames, names)
     oom: OutOfMemory = {"device": str(device), "requested": requested_bytes(str(error)), "message": message,
                         "where": user_site(frames[-1]) if frames else None, "module": module, "phase": phase,
-                        "in_use": {}, "total_in_use": 0, "device_total": None, "reserved": None, "batch": None,
-                        "dtype": None}
+                        "in_use": {}, "total_in_use": 0, "device_total": None, "limit": None, "process_total": None,
+                        "reserved": None, "batch": None, "dtype": None}
     _count_in_use(oom, device, frames, modules, optimizers)
     if device.type == "cuda":
         oom["reserved"] = torch.cuda.memory_reserved(device)
         oom["device_total"] = torch.cuda.get_device_properties(device).total_memory
+        # The allocator's own words: "2.00 GiB allowed" when set_per_process_memory_fraction capped
+        # it, and all this process holds on the device (its CUDA context and libraries included).
+        oom["limit"] = _bytes(_CUDA_LIMIT, str(error))
+        oom["process_total"] = _bytes(_CUDA_PROCESS, str(error))
     return oom
 
 
@@ -111,8 +122,8 @@ def _count_in_use(oom: OutOfMemory, device: torch.device, frames, modules, optim
             dtypes.append(saved.dtype)
     if device.type == "cuda":
         total = torch.cuda.memory_allocated(device)
-    else:  # what Python reaches (the failing frames' locals too), and what only the graph holds
-        live = reachable_tensors(device)
+    else:  # what the script reaches from the failing frame up, and what only the graph holds
+        live = reachable_from(script_roots(frames[-1]) if frames else [], device)
         total = live.nbytes + sum(n for key, n in activations.bytes_by_key.items() if key not in live.bytes_by_key)
     in_use = {"parameters": params.nbytes, "gradients": grads.nbytes, "optimizer_state": opt.nbytes,
               "activations": activations.nbytes, "inputs": inputs.nbytes}

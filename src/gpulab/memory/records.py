@@ -33,6 +33,8 @@ class OutOfMemory(TypedDict):
     in_use: dict[str, int]  # parameters, gradients, optimizer_state, activations, inputs, other
     total_in_use: int
     device_total: int | None
+    limit: int | None  # CUDA: what the allocator may use, when less than the device (set_per_process_memory_fraction)
+    process_total: int | None  # CUDA: all this process holds on the device (the error's count), context included
     reserved: int | None
     batch: int | None
     dtype: str | None  # the activations' dtype, for the mixed-precision fix

@@ -1,49 +1,52 @@
 """One training step's memory, measured: live bytes over the step, the peak, and what the peak
 is made of.
 
-How (public torch APIs; nothing of the script changes):
-- live bytes over time: torch's profiler with profile_memory=True reports every allocation and
-  free of torch's allocators (CPU and CUDA) with its time; the live bytes at the step's start
-  come from the CUDA allocator (`memory_allocated`) or, on a CPU, where torch keeps no count,
-  from every tensor a Python object reaches at that step boundary (tensors.reachable_tensors).
-  The profiler starts one step before the measured one (`prepare`): it reports the free of a
-  block only if it saw the block allocated, and the previous step's batch, gradients and
-  outputs are freed during the next one.
-- the split at the peak, from what is known to hold memory, with the time each piece appeared
-  and went away:
+How (public torch APIs where they exist; nothing of the script changes, nothing of its tensors'
+lives either):
+- every allocation and free of the step: the autograd profiler with profile_memory=True records
+  each one of torch's allocators (CPU and CUDA) with its address, size and time (allocations.py
+  reads them). The live bytes at the step's start come from the CUDA allocator
+  (`memory_allocated`) or, on a CPU, where torch keeps no count, from every tensor the script's
+  frames reach at that step boundary (tensors.reachable_from). The profiler starts one step
+  before the measured one (`prepare`): it reports the free of a block only if it saw the block
+  allocated, and the previous step's batch, gradients and outputs are freed during the next one.
+- the split at the peak, from what is known to hold memory, each piece from the moment it
+  appeared to the free of its storage (the allocator's record at its address):
     parameters and buffers      of the modules the step called (constant)
     optimizer state             every tensor in the stepped optimizers' `state` (constant)
     gradients                   `.grad` of those parameters: there at the start, made during
                                 backward (post-accumulate-grad hooks), freed by zero_grad
-                                (a finalizer on each gradient tensor)
     activations                 every tensor autograd saves for backward
                                 (torch.autograd.graph.saved_tensors_hooks), except parameters
                                 and the batch, counted once per storage, charged to the
-                                innermost module running when it was saved, released when
-                                autograd drops it (a finalizer on what the hook returned)
+                                innermost module running when it was saved
     inputs                      the batch
     other_kept                  what is still live after the step that none of the above
                                 explains (a dataset in memory, outputs the script keeps)
     temporaries                 the rest of the peak: intermediate results not saved for
                                 backward, an optimizer's scratch buffers
-Everything here runs for the measured step only (its cost: a few microseconds per saved tensor
-and per allocation, one pass over the Python objects on a CPU).
+What the probe reads of a tensor is integers (tensors.storage_span); it keeps no reference to
+one, puts no weak reference or finalizer on one and asks for no storage object (issue 33: a
+profiler that holds such things on a CUDA job's tensors crashed 4 of 9 jobs at garbage
+collection). Everything here runs for the measured step only (its cost: a few microseconds per
+saved tensor and per allocation; on a CPU one walk over the script's objects).
 """
 
 from __future__ import annotations
 
+import sys
 import time
-import weakref
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from gpulab.io import native_stderr_hidden
+from gpulab.memory.allocations import Allocations, allocations_of
 from gpulab.memory.records import StepMemory
-from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_tensors,
-                                   storage_key, storage_nbytes, tensors_in)
+from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_from,
+                                   script_roots, storage_span, tensors_in)
 
 MAX_CURVE_POINTS = 400
 TOP_MODULES = 8
@@ -71,6 +74,36 @@ class _Timeline:
         return best
 
 
+class _Noted:
+    """Storages of one kind noted during the step, by key: (bytes, when noted in wall-clock ns).
+    Their lives are read from the allocator's records at the end (`timeline`)."""
+
+    def __init__(self):
+        self.by_key: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def note(self, key: tuple[str, int], nbytes: int, t_ns: int) -> bool:
+        """Note a storage the first time it is seen; whether it was new."""
+        if key in self.by_key:
+            return False
+        self.by_key[key] = (nbytes, t_ns)
+        return True
+
+    def timeline(self, allocations: Allocations, to_perf: Callable[[int], float], until_ns: int) -> _Timeline:
+        """Each storage from when it was noted (or the step's start) to its free, if it came in the step."""
+        timeline = _Timeline()
+        for (_, ptr), (nbytes, t_ns) in self.by_key.items():
+            nbytes = allocations.size_at(ptr, t_ns) or nbytes
+            timeline.add(nbytes, to_perf(t_ns))
+            freed_ns = allocations.freed_after(ptr, t_ns)
+            if freed_ns is not None and freed_ns <= until_ns:
+                timeline.add(-nbytes, to_perf(freed_ns))
+        return timeline
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes for nbytes, _ in self.by_key.values())
+
+
 class StepMemoryProbe:
     """Measures one step on `device`: `prepare()` one step before it, `begin(modules, optimizers)`
     at its start, `note_inputs(batch)` when its batch is known, `end()` at its end -> StepMemory.
@@ -87,7 +120,7 @@ class StepMemoryProbe:
 
     def prepare(self) -> None:
         # torch.autograd.profiler's profile, not torch.profiler's: the latter's first start imports
-        # torch._inductor to read one setting (1.1-1.4 s, measured here), in the middle of the loop.
+        # torch._inductor to read one setting (1.1-1.4 s measured here, in the middle of the loop).
         self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
         before = torch.empty(256)  # allocated before the profiler starts, freed right after:
         with native_stderr_hidden():
@@ -107,22 +140,21 @@ class StepMemoryProbe:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.live_start = torch.cuda.memory_allocated(self.device)
-            self.how = "CUDA caching allocator (memory_allocated) + the autograd profiler's allocation events"
+            self.how = "CUDA caching allocator (memory_allocated) + the autograd profiler's allocation records"
         else:
-            self.live_start = reachable_tensors(self.device).nbytes
-            self.how = ("tensors reachable at the step's start + the autograd profiler's allocation events "
-                        "(the CPU allocator keeps no count)")
+            self.live_start = reachable_from(script_roots(sys._getframe(1)), self.device).nbytes
+            self.how = ("tensors the script reaches at the step's start + the autograd profiler's allocation "
+                        "records (the CPU allocator keeps no count)")
         self._anchor = (time.time_ns(), time.perf_counter())
         self.t_begin = time.perf_counter()
+        self.begin_ns = time.time_ns()
         self.params = Storages(self.device).add_all(parameters_and_buffers(self.modules))
         self.inputs = Storages(self.device)
         self.inputs_timeline = _Timeline()
         self.batch: int | None = None
-        self.grads = _Timeline()
-        self.grads.start_bytes = self._watch_gradients()
-        self.activations = _Timeline()
-        self._saved_count: Counter = Counter()
-        self._saved_bytes: dict = {}
+        self._grads_at_start = Storages(self.device).add_all(gradients(self.modules, self.optimizers))
+        self._grads_made = _Noted()
+        self._saved = _Noted()
         self.by_module: dict[str, int] = defaultdict(int)
         self._module_classes: dict[str, str] = {}
         self._names = {id(m): name for root in self.modules for name, m in _named(root)}
@@ -132,7 +164,6 @@ class StepMemoryProbe:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         hooks.__enter__()
         self._undo.append(lambda: hooks.__exit__(None, None, None))
-        self.begin_ns = time.time_ns()
 
     def note_inputs(self, batch) -> None:
         """The step's batch (a tensor, or a nested list/tuple/dict of them)."""
@@ -150,30 +181,33 @@ class StepMemoryProbe:
         self.t_end = time.perf_counter()
         self._unhook()
         self._stop_profiler()
-        curve = self._curve(end_ns)
+        allocations = allocations_of(self._profiler, self.device)
+        curve = self._curve(allocations, end_ns)
         live_end = curve[-1][1] if curve else self.live_start
         peak_t, peak = max(curve, key=lambda point: point[1]) if curve else (None, self.live_start)
         reserved = None
         if self.cuda:
             peak = max(peak, torch.cuda.max_memory_allocated(self.device))  # the allocator's own count wins
             reserved = torch.cuda.memory_reserved(self.device)
+        grads = self._gradients(allocations, end_ns)
+        activations = self._saved.timeline(allocations, self._to_perf, end_ns)
         optimizer_bytes = Storages(self.device).add_all(t for t in optimizer_state(self.optimizers) if t not in self.params).nbytes
         at_t = peak_t if peak_t is not None else self.t_end
         parts = {
             "parameters": self.params.nbytes,
-            "gradients": self.grads.at(at_t),
+            "gradients": grads.at(at_t),
             "optimizer_state": optimizer_bytes,
-            "activations": self.activations.at(at_t),
+            "activations": activations.at(at_t),
             "inputs": self.inputs_timeline.at(at_t),
         }
-        kept_after = self.params.nbytes + optimizer_bytes + self.grads.at(self.t_end) + self.inputs_timeline.at(self.t_end)
-        parts["other_kept"] = max(0, live_end - kept_after - self.activations.at(self.t_end))
+        kept_after = self.params.nbytes + optimizer_bytes + grads.at(self.t_end) + self.inputs_timeline.at(self.t_end)
+        parts["other_kept"] = max(0, live_end - kept_after - activations.at(self.t_end))
         parts["temporaries"] = max(0, peak - sum(parts.values()))
         sizes = {
             "parameters": self.params.nbytes,
-            "gradients": self.grads.largest(),
+            "gradients": grads.largest(),
             "optimizer_state": optimizer_bytes,
-            "activations": sum(self._saved_bytes.values()),
+            "activations": self._saved.nbytes,
             "inputs": self.inputs.nbytes,
         }
         top = sorted(self.by_module.items(), key=lambda kv: kv[1], reverse=True)[:TOP_MODULES]
@@ -186,8 +220,10 @@ class StepMemoryProbe:
         }
 
     def close(self) -> None:
-        """Undo the hooks and stop the profiler, whatever state the probe is in."""
+        """Undo the hooks and stop the profiler, whatever state the probe is in; let go of the
+        script's modules and optimizers."""
         self._unhook()
+        self.modules, self.optimizers = [], []
         try:
             self._stop_profiler()
         except Exception:
@@ -203,27 +239,22 @@ class StepMemoryProbe:
         while self._undo:
             self._undo.pop()()
 
+    def _to_perf(self, t_ns: int) -> float:
+        wall0, perf0 = self._anchor
+        return perf0 + (t_ns - wall0) / 1e9
+
     # ------------------------------------------------------------------ what the step holds
 
     def _pack(self, t: torch.Tensor):
-        key = storage_key(t)
-        if key is None or key[0] != str(self.device) or t in self.params or t in self.inputs:
+        span = storage_span(t)
+        if span is None or span[0][0] != str(self.device) or t in self.params or t in self.inputs:
             return t
-        alias = t.detach()  # not `t`: an output saved by its own node would keep itself alive
-        self._saved_count[key] += 1
-        if self._saved_count[key] == 1:
-            nbytes = storage_nbytes(t)
-            self._saved_bytes.setdefault(key, nbytes)
-            self.activations.add(nbytes)
+        key, nbytes = span
+        if self._saved.note(key, nbytes, time.time_ns()):
             module = self._stack[-1] if self._stack else "(outside any module)"
             self.by_module[module] += nbytes
-        weakref.finalize(alias, self._released, key)
-        return alias
-
-    def _released(self, key) -> None:
-        self._saved_count[key] -= 1
-        if self._saved_count[key] == 0:
-            self.activations.add(-self._saved_bytes[key])
+        # An alias, not `t`: an output saved by its own node would otherwise hold itself.
+        return t.detach()
 
     def _watch_modules(self) -> None:
         """A stack of the modules running, to charge each saved tensor to the innermost one."""
@@ -241,44 +272,44 @@ class StepMemoryProbe:
         for handle in (register_module_forward_pre_hook(before), register_module_forward_hook(after, always_call=True)):
             self._undo.append(handle.remove)
 
-    def _watch_gradients(self) -> int:
-        """The gradients there at the start; each one's free (zero_grad(set_to_none)) is timed."""
-        found = Storages(self.device)
-        for g in gradients(self.modules, self.optimizers):
-            nbytes = found.add(g)
-            if nbytes:
-                weakref.finalize(g, self.grads.add, -nbytes)
-        return found.nbytes
-
     def _watch_new_gradients(self) -> None:
-        """A gradient made during backward: its bytes from then on, until it is freed."""
-        params = {id(p): p for m in self.modules for p in m.parameters() if p.requires_grad}
-        had = {key: p.grad for key, p in params.items()}
+        """Every gradient backward makes or adds to (on CUDA, in autograd's device thread): its
+        storage, noted the first time; `_gradients` tells new ones from those there at the start."""
 
         def made(param: torch.Tensor) -> None:
-            grad = param.grad
-            if grad is None or grad is had.get(id(param)):
-                return
-            had[id(param)] = grad
-            nbytes = storage_nbytes(grad)
-            self.grads.add(nbytes)
-            weakref.finalize(grad, self.grads.add, -nbytes)
+            span = storage_span(param.grad) if param.grad is not None else None
+            if span is not None:
+                self._grads_made.note(span[0], span[1], time.time_ns())
 
-        for p in params.values():
-            self._undo.append(p.register_post_accumulate_grad_hook(made).remove)
+        for m in self.modules:
+            for p in m.parameters():
+                if p.requires_grad:
+                    self._undo.append(p.register_post_accumulate_grad_hook(made).remove)
 
-    def _curve(self, end_ns: int) -> list[list[float]]:
+    def _gradients(self, allocations: Allocations, end_ns: int) -> _Timeline:
+        """The gradients over the step: those there at the start until freed (zero_grad with
+        set_to_none), and those backward made from when each was made. A gradient backward only
+        added to is the one there at the start (its storage, not freed before)."""
+        timeline = _Timeline(self._grads_at_start.nbytes)
+        freed_at_start = {}
+        for key, nbytes in self._grads_at_start.bytes_by_key.items():
+            freed_at_start[key] = freed_ns = allocations.freed_after(key[1], self.begin_ns)
+            if freed_ns is not None and freed_ns <= end_ns:
+                timeline.add(-nbytes, self._to_perf(freed_ns))
+        made = _Noted()
+        for key, (nbytes, t_ns) in self._grads_made.by_key.items():
+            there = key in freed_at_start and (freed_at_start[key] is None or freed_at_start[key] > t_ns)
+            if not there:
+                made.note(key, nbytes, t_ns)
+        timeline.changes += made.timeline(allocations, self._to_perf, end_ns).changes
+        return timeline
+
+    def _curve(self, allocations: Allocations, end_ns: int) -> list[list[float]]:
         """Live bytes after each allocation or free of the step, on this device."""
-        wall0, perf0 = self._anchor
-        device_type = torch.autograd.DeviceType.CUDA if self.cuda else torch.autograd.DeviceType.CPU
-        changes = sorted((e.start_ns(), e.nbytes()) for e in self._profiler.kineto_results.events()
-                         if e.name() == "[memory]" and e.device_type() == device_type
-                         and (not self.cuda or e.device_index() == self.device.index)
-                         and self.begin_ns <= e.start_ns() <= end_ns)
         live, curve = self.live_start, [[self.t_begin, self.live_start]]
-        for ns, nbytes in changes:
+        for t_ns, nbytes in allocations.changes_between(self.begin_ns, end_ns):
             live += nbytes
-            curve.append([perf0 + (ns - wall0) / 1e9, live])
+            curve.append([self._to_perf(t_ns), live])
         return curve
 
 

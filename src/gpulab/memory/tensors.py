@@ -1,15 +1,28 @@
 """What tensors hold, counted once per storage: views of one storage (a weight and its
-transpose, a batch and its slices) share their bytes, so every sum here is over unique storages."""
+transpose, a batch and its slices) share their bytes, so every sum here is over unique storages.
+
+Read only what is safe to read (issue 33: the profiler crashed CUDA jobs): a tensor's data
+address, offset, sizes and strides - plain integers - and nothing that changes the tensor's
+life. No `untyped_storage()` (it leaves a Python object attached to the storage until the storage
+dies, which torch >= 2.10 then has to keep in step from every thread that touches the storage),
+no weak references or finalizers on tensors, and no tensor whose data is not its own: a subclass
+with its own `__torch_dispatch__` (FakeTensor under torch.compile, FunctionalTensor, wrapper
+subclasses) has no real storage, and asking for its address warns or worse.
+"""
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable
-from itertools import chain, compress, islice
-
 import sys
+import types
+from collections.abc import Iterable, Iterator
 
 import torch
+
+# Tensor types whose data is a real storage: torch.Tensor and subclasses that do not redirect
+# dispatch (nn.Parameter, a user's plain subclass).
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """What this process holds of `t`: a DTensor's (FSDP's sharded parameters, their gradients and
@@ -19,23 +32,35 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
-def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    """(device, address) of a tensor's storage, or None for tensors without one (meta, sparse)."""
+def has_own_storage(t: torch.Tensor) -> bool:
+    """A dense tensor backed by real memory (not meta, sparse, nested or a dispatch subclass)."""
+    return (getattr(type(t), "__torch_dispatch__", None) is _PLAIN_DISPATCH and t.layout == torch.strided
+            and not t.is_meta and not t.is_nested)
+
+
+def storage_span(t: torch.Tensor) -> tuple[tuple[str, int], int] | None:
+    """((device, address of the storage's first byte), bytes from there to the tensor's last
+    element), or None for a tensor without data of its own (or with none left: FSDP frees a
+    unit's gathered parameters by resizing their storage to nothing, address 0). For a tensor
+    that covers its storage - what an op returns, a parameter - the bytes are the storage's; a
+    slice reaches only part of it, and the largest span seen for a storage is its size here."""
     t = local(t)
-    try:
-        # FSDP frees a unit's gathered parameters by resizing their storage away: an invalid
-        # storage then, which holds no bytes
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
+    if not has_own_storage(t):
         return None
-    return (str(t.device), ptr) if ptr else None
+    ptr = t.data_ptr()
+    if not ptr:
+        return None
+    itemsize = t.element_size()
+    base = ptr - t.storage_offset() * itemsize
+    if t.numel() == 0:
+        return (str(t.device), base), 0
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 1)
+    return (str(t.device), base), (last + 1) * itemsize
 
 
-def storage_nbytes(t: torch.Tensor) -> int:
-    try:
-        return local(t).untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return 0
+def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    span = storage_span(t)
+    return span[0] if span else None
 
 
 def tensors_in(obj, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -51,7 +76,8 @@ def tensors_in(obj, depth: int = 0) -> Iterable[torch.Tensor]:
 
 
 class Storages:
-    """A set of storages on one device and their bytes; adding a storage twice counts it once."""
+    """A set of storages on one device and their bytes; adding a storage twice counts it once
+    (a wider view of it raises its size to what that view reaches)."""
 
     def __init__(self, device: torch.device):
         self.device = str(device)
@@ -59,12 +85,15 @@ class Storages:
 
     def add(self, t: torch.Tensor) -> int:
         """Add `t`'s storage; the bytes it added (0 when known already, or on another device)."""
-        key = storage_key(t)
-        if key is None or key[0] != self.device or key in self.bytes_by_key:
+        span = storage_span(t)
+        if span is None or span[0][0] != self.device:
             return 0
-        nbytes = storage_nbytes(t)
+        key, nbytes = span
+        known = self.bytes_by_key.get(key, 0)
+        if nbytes <= known:
+            return 0
         self.bytes_by_key[key] = nbytes
-        return nbytes
+        return nbytes - known
 
     def add_all(self, tensors: Iterable[torch.Tensor]) -> "Storages":
         for t in tensors:
@@ -95,53 +124,57 @@ def optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.T
             if isinstance(v, torch.Tensor)]
 
 
-def _tensor_type_ids() -> frozenset[int]:
-    """id() of torch.Tensor and of every subclass defined so far (Parameter, DTensor, ...)."""
-    found, todo = set(), [torch.Tensor]
-    while todo:
-        cls = todo.pop()
-        if id(cls) not in found:
-            found.add(id(cls))
-            todo.extend(cls.__subclasses__())
-    return frozenset(found)
+# ----------------------------------------------------------------------------- what the script reaches
+
+MAX_OBJECTS = 300_000  # a walk visits at most this many objects (~0.2 s); a bigger world is cut short
+
+# Not walked into: what leads from the script's objects to the whole interpreter (modules,
+# classes, functions and their globals, frames), and what holds no tensor.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           types.CodeType, types.FrameType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType,
+           str, bytes, bytearray, int, float, complex, bool, type(None), range, memoryview)
 
 
-def _tensors_among_all_objects() -> list[torch.Tensor]:
-    """The tensors among gc.get_objects(), with no Python bytecode run while that list lives.
-
-    gc.get_objects() takes a reference to every object, tuples that another thread is still
-    building included; if that thread ran while the list is alive, its tuple(...) would find a
-    second reference and fail ("SystemError: bad argument to internal function": 36 times in 40
-    scans beside a thread building tuples, measured). Threads switch only between bytecodes, so
-    the list is made, filtered and freed inside one call, list(), by C iterators alone:
-
-        data:      get the list into `box` (yields nothing), its objects, None, clear `box`
-        selectors: is the object's type a tensor type? ...,                  False
-
-    Both streams walk the same list (the second lags by one object), both run past its end so
-    that their list iterators let go of it, and clearing the box frees it before list() returns.
-    Nothing holds an object from the list after that (itertools.tee would: its buffer keeps the
-    last objects, the pipeline's own among them, in a cycle). type(), not isinstance():
-    isinstance reads obj.__class__, which a lazy proxy may resolve in Python code. No collection
-    may run meanwhile: its finalizers would be bytecode."""
-    tensor_types = _tensor_type_ids()
-    box: list[list] = []
-    get_list = filter(None, map(box.append, islice(iter(gc.get_objects, None), 1)))
-    clear_box = filter(None, islice(iter(box.clear, 0), 1))
-    data = chain(get_list, chain.from_iterable(box), (None,), clear_box)
-    selectors = chain(map(tensor_types.__contains__, map(id, map(type, chain.from_iterable(box)))), (False,))
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return list(compress(data, selectors))
-    finally:
-        if collecting:
-            gc.enable()
+def script_roots(frame: types.FrameType | None) -> list:
+    """Where the script's objects hang from, seen from `frame` up: every frame's local variables,
+    and the module globals of frames outside the standard library and installed packages (the
+    script's own files: a script that trains at module level keeps its model and data there)."""
+    roots: list = []
+    while frame is not None:
+        roots.append(frame.f_locals)
+        if _is_script_file(frame.f_code.co_filename):
+            roots.append(frame.f_globals)
+        frame = frame.f_back
+    return roots
 
 
-def reachable_tensors(device: torch.device) -> Storages:
-    """Every storage on `device` that a Python object reaches: on a CPU, where torch keeps no
-    count of its allocations, what is live at a step boundary (a tensor only C++ holds - a saved
-    tensor of a graph the script kept - is not found). One pass over the garbage collector's
-    objects: ~0.25 s per million objects (43 ms over 172,000 measured here)."""
-    return Storages(device).add_all(_tensors_among_all_objects())
+def _is_script_file(filename: str) -> bool:
+    return not filename.startswith("<") and "site-packages" not in filename and not filename.startswith(sys.prefix)
+
+
+def reachable_from(roots: list, device: torch.device, max_objects: int = MAX_OBJECTS) -> Storages:
+    """Every storage on `device` that the objects in `roots` reach, through containers and object
+    attributes (gc.get_referents: what the collector itself follows), up to `max_objects`.
+
+    On a CPU, where torch keeps no count of its allocations, this is what a step starts with: the
+    model, the optimizer's state, a dataset in memory, outputs the script keeps. A tensor only C++
+    holds (a saved tensor of a graph the script kept) is not found. The walk starts from live
+    frames, so it meets only objects that are fully built, unlike a scan of gc.get_objects(),
+    which also returns objects another thread is still building and tensors of any kind."""
+    found = Storages(device)
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo and len(seen) < max_objects:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        kind = type(obj)  # type(), not isinstance(): isinstance reads __class__, which a proxy may compute
+        if issubclass(kind, torch.Tensor):
+            found.add(obj)
+            grad = obj.grad if kind is torch.nn.Parameter else None
+            if grad is not None:
+                todo.append(grad)
+        elif not issubclass(kind, _OPAQUE):
+            todo.extend(gc.get_referents(obj))
+    return found

@@ -1,7 +1,12 @@
-"""The kernel window: after warm-up, a few steps captured with torch.profiler (CUDA only).
+"""The kernel window: after warm-up, a few steps captured with torch's profiler (CUDA only).
 
 Kernels per step, their median duration, and the time the device computed per step (the union
 of kernel intervals). A launch-bound loop shows many short kernels and a device idle between them.
+
+The profiler is torch.autograd.profiler's (kineto, with the device's activity), not
+torch.profiler's: that one imports torch._inductor at its first start to read one setting
+(1.1-1.4 s inside the loop, measured here; the memory window avoids it for the same reason). The
+events are the same kineto events either way.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ _RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSy
 class KernelWindow:
     """torch.profiler over a few steps after warm-up; emits one "kernels" record."""
 
-    def __init__(self, emit: Callable[[dict], None], after_step: int, num_steps: int):
+    def __init__(self, emit: Callable[[dict], None], after_step: int, num_steps: int, device_type: str = "cuda"):
+        """`device_type`: whose kernels to count - "cuda", or "cpu" in tests (its ops stand for kernels)."""
         self._emit = emit
+        self.device_type = device_type
         self.after_step = after_step
         self.num_steps = num_steps
         self.active = False
@@ -32,7 +39,7 @@ class KernelWindow:
     def on_step_end(self, steps_done: int) -> None:
         if self.done:
             return
-        if not self.active and steps_done >= self.after_step and torch.cuda.is_initialized():
+        if not self.active and steps_done >= self.after_step and self._device_in_use():
             self._start(steps_done)
         elif self.active and steps_done - self._started_at >= self.num_steps:
             self._stop(steps_done)
@@ -41,13 +48,15 @@ class KernelWindow:
         if self.active:
             self._stop(steps_done)
 
-    def _start(self, steps_done: int) -> None:
-        from torch.profiler import ProfilerActivity, profile
+    def _device_in_use(self) -> bool:
+        return self.device_type != "cuda" or torch.cuda.is_initialized()
 
+    def _start(self, steps_done: int) -> None:
+        use_device = self.device_type if self.device_type != "cpu" else None
         try:
-            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self._prof = torch.autograd.profiler.profile(use_device=use_device, use_kineto=True)
             with native_stderr_hidden():
-                self._prof.start()
+                self._prof.__enter__()
         except Exception as e:  # CUPTI missing or busy (another profiler): no kernel statistics
             self._give_up(e)
             return
@@ -66,11 +75,13 @@ class KernelWindow:
             with native_stderr_hidden():
                 # Let every GPU finish the window's kernels while the profiler still records them:
                 # leaving the profiler synchronizes only the current device.
-                for index in range(torch.cuda.device_count()):
-                    if torch.cuda.memory_allocated(index):
-                        torch.cuda.synchronize(index)
-                self._prof.stop()
-            record = kernel_statistics(self._prof.profiler.kineto_results.events(), steps, steps_end_ns)
+                if self.device_type == "cuda":
+                    for index in range(torch.cuda.device_count()):
+                        if torch.cuda.memory_allocated(index):
+                            torch.cuda.synchronize(index)
+                self._prof.__exit__(None, None, None)
+            device_type = torch.autograd.DeviceType.CUDA if self.device_type == "cuda" else torch.autograd.DeviceType.CPU
+            record = kernel_statistics(self._prof.kineto_results.events(), steps, steps_end_ns, device_type)
         except Exception as e:
             self._give_up(e)
             return

@@ -1,0 +1,96 @@
+"""One step's memory measured by StepMemoryProbe, held against plain PyTorch's own counts, and
+what the probe leaves on the script's tensors: nothing (issue 33)."""
+
+import weakref
+
+import torch
+from torch import nn
+
+from gpulab.memory.step import StepMemoryProbe
+from gpulab.memory.tensors import reachable_from
+
+CPU = torch.device("cpu")
+
+
+def training(set_to_none: bool = True):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    optimizer = torch.optim.Adam(model.parameters())
+    X, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
+
+    def step(note_batch=None, during=None):
+        if note_batch:
+            note_batch((X, y))
+        optimizer.zero_grad(set_to_none=set_to_none)
+        loss = nn.functional.cross_entropy(model(X), y)
+        if during:
+            during()
+        loss.backward()
+        optimizer.step()
+
+    step.batch = (X, y)
+    return model, optimizer, step
+
+
+def saved_by_autograd(model, X, y) -> int:
+    """Bytes autograd saves for backward in one forward, counted by the test's own hooks."""
+    excluded = {p.data_ptr() for p in model.parameters()} | {X.data_ptr(), y.data_ptr()}  # and the batch
+    saved = {}
+
+    def pack(t):
+        if t.data_ptr() not in excluded:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nn.functional.cross_entropy(model(X), y)
+    return sum(saved.values())
+
+
+def held_on_tensors(tensors) -> tuple[int, int]:
+    finalizers = sum(isinstance(info.weakref(), torch.Tensor) for info in list(weakref.finalize._registry.values()))
+    return sum(weakref.getweakrefcount(t) for t in tensors), finalizers
+
+
+def test_the_split_matches_plain_pytorch_and_nothing_is_left_on_the_tensors():
+    model, optimizer, step = training()
+    step(), step()  # Adam's state and the gradients exist
+    probe = StepMemoryProbe(CPU)
+    probe.prepare()
+    step()
+    probe.begin([model], [optimizer])
+    seen = {}
+
+    def look(when: str) -> None:
+        tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+                   *(v for s in optimizer.state.values() for v in s.values())]
+        seen[when] = held_on_tensors(tensors)
+
+    look("at the start")
+    step(note_batch=probe.note_inputs, during=lambda: look("in the step"))
+    memory = probe.end()
+    n = sum(p.numel() * 4 for p in model.parameters())
+    assert memory["sizes"]["parameters"] == n
+    assert memory["sizes"]["optimizer_state"] == 2 * n + 4 * len(list(model.parameters()))  # two moments + step
+    assert memory["sizes"]["gradients"] == n
+    assert memory["sizes"]["activations"] == saved_by_autograd(model, *step.batch)
+    assert memory["batch"] == 128
+    # the peak is in Adam's step: backward has freed every saved tensor by then (the allocator's records)
+    assert memory["peak_t"] > 0 and memory["at_peak"]["activations"] == 0 and memory["at_peak"]["gradients"] == n
+    # no weak reference, no finalizer on any of the script's tensors
+    assert seen == {"at the start": (0, 0), "in the step": (0, 0)}
+    assert reachable_from([vars(probe)], CPU).nbytes == 0  # and the probe keeps none of them
+
+
+def test_gradients_added_to_in_place_are_counted_once():
+    model, optimizer, step = training(set_to_none=False)  # zero_grad() zeroes, backward adds in place
+    step(), step()
+    probe = StepMemoryProbe(CPU)
+    probe.prepare()
+    step()
+    probe.begin([model], [optimizer])
+    step(note_batch=probe.note_inputs)
+    memory = probe.end()
+    n = sum(p.numel() * 4 for p in model.parameters())
+    assert memory["sizes"]["gradients"] == n
+    assert memory["at_peak"]["gradients"] == n
