@@ -79,6 +79,33 @@ MUTATIONS = [
     Mutation("the exit's wait for gloo's workers has no limit", "src/gpulab/host.py",
              "while quiet < _SETTLE_QUIET and time.monotonic() < deadline:", "while quiet < _SETTLE_QUIET:",
              ["tests/test_host.py"]),
+    # issue 33: the profiler reads only what is safe, and never contradicts what it recorded
+    Mutation("a finalizer on each gradient there at the memory window's start (what the profiler the H200 crashed under did)",
+             "src/gpulab/memory/step.py",
+             "        self._grads_at_start = Storages(self.device).add_all(gradients(self.modules, self.optimizers))\n",
+             "        self._grads_at_start = Storages(self.device).add_all(gradients(self.modules, self.optimizers))\n"
+             "        import weakref; [weakref.finalize(g, int) for g in gradients(self.modules, self.optimizers)]\n",
+             ["tests/memory/test_step.py", "tests/monitor/test_profile_safety.py"]),
+    Mutation("a gradient backward only added to counted as a new one", "src/gpulab/memory/step.py",
+             "            if not there:\n", "            if True:\n", ["tests/memory/test_step.py"]),
+    Mutation("a saved tensor's storage never freed in the window's timeline", "src/gpulab/memory/step.py",
+             "            if freed_ns is not None and freed_ns <= until_ns:\n                timeline.add(-nbytes, to_perf(freed_ns))\n",
+             "", ["tests/memory/test_step.py"]),
+    Mutation("a tensor's storage size read as its own bytes (a slice counts as the whole)",
+             "src/gpulab/memory/tensors.py", "    return (str(t.device), base), (last + 1) * itemsize",
+             "    return (str(t.device), base), t.numel() * itemsize", ["tests/memory/test_tensors.py"]),
+    Mutation("cpu_only_torch claimed for a process that died before saying whether it used the GPU",
+             "src/gpulab/monitor/analyze/process.py", "    return rec.cuda is not None and not rec.cuda.get(\"devices\")",
+             "    return not rec.cuda or not rec.cuda.get(\"devices\")", ["tests/monitor/test_diagnose.py"]),
+    Mutation("how steps were found read from the whole-run snapshot only", "src/gpulab/monitor/events.py",
+             "        return self._rule or self.facts.get(\"step_rule\")", "        return self.facts.get(\"step_rule\")",
+             ["tests/monitor/test_diagnose.py"]),
+    Mutation("the copy line chosen by whole-run seconds (the set-up copy wins)", "src/gpulab/monitor/analyze/process.py",
+             "    return site.get(\"steady_seconds\", 0.0), site.get(\"steady_count\", 0), site[\"seconds\"], site[\"count\"]",
+             "    return site[\"seconds\"], site[\"count\"]", ["tests/monitor/test_diagnose.py"]),
+    Mutation("findings drawn from warm-up steps when every later step was in a window", "src/gpulab/monitor/analyze/diagnose.py",
+             "    if not whole_run and all(s[\"i\"] < warmup_steps for s in steady):",
+             "    if False:", ["tests/monitor/test_diagnose.py"]),
 ]
 
 

@@ -250,3 +250,70 @@ def test_steady_steps_leave_out_warmup_profiled_and_epoch_boundaries():
     steady, excluded = select_steady(records, warmup_steps=2)
     assert excluded == {"warmup": 2, "profiler_window": 3, "outliers": 1}
     assert len(steady) == 30 - 2 - 3 - 1
+
+
+def test_the_copy_line_is_the_one_the_steps_wait_at_not_the_set_up_copy():
+    # pinned_blocking_copy.py on the H200: the model's one .to(device) at set-up (pageable, and
+    # paying for CUDA's start-up: 0.5 s) outweighed 30 per-step copies of 4 ms in seconds.
+    sites = {"type": "sites", "sites": [
+        {"kind": "h2d_pageable", "where": "pinned_blocking_copy.py:20", "ops": ["Tensor.to"], "count": 2,
+         "seconds": 0.5, "untimed": 0, "bytes": 2**20, "steady_count": 0, "steady_seconds": 0.0},
+        # and a set-up copy of the steps' own kind (a pinned table copied once, blocking)
+        {"kind": "h2d_pinned_blocking", "where": "pinned_blocking_copy.py:21", "ops": ["Tensor.to"], "count": 1,
+         "seconds": 0.4, "untimed": 0, "bytes": 2**28, "steady_count": 0, "steady_seconds": 0.0},
+        {"kind": "h2d_pinned_blocking", "where": "pinned_blocking_copy.py:25", "ops": ["Tensor.to"], "count": 30,
+         "seconds": 0.12, "untimed": 0, "bytes": 30 * 2**26, "steady_count": 28, "steady_seconds": 0.11}]}
+    kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 30, "kernel_median_us": 100.0,
+               "kernel_p90_us": 200.0, "device_busy_s_per_step": 0.002, "memcpy_pageable_per_step": 0,
+               "runtime_sync_s_per_step": 0.0}
+    rec = recording(steps(20, h2d=4, compute=2, other=0.5, h2d_pinned_blocking=1, h2d_pinned_blocking_bytes=2**26),
+                    cuda=True, extra=[sites, kernels])
+    top = diagnose(rec, [], [GPU], warmup_steps=2)["findings"][0]
+    assert (top["cause"], top["where"]) == ("h2d_copy", "pinned_blocking_copy.py:25")
+
+
+def died_after_training(cuda_records: list[dict]) -> Recording:
+    """A CUDA job that trained (rule records, steps) and died at exit: no end record, and the
+    whole-run snapshot written before its first backward (facts say 0 calls)."""
+    records = [{"type": "start", "t": 99.0, "torch": "2.x", "torch_cuda_build": "13.0", "cpu_count": 16},
+               {"type": "facts", "step_rule": None, "backward_calls": 0, "optimizer_steps": 0},
+               {"type": "rule", "rule": "optimizer"}]
+    records += cuda_records + steps(40, compute=2, other=4, sync=5, sync_count=1)
+    return Recording(records)
+
+
+def test_a_job_that_died_never_reads_as_cpu_only_or_untrained():
+    usage = {"type": "cuda", "available": True, "initialized": True, "sync_debug_mode": True,
+             "devices": [{"index": 0, "name": "Test GPU", "uuid": "1234"}]}
+    report = diagnose(died_after_training([usage]), [], [GPU], warmup_steps=2)
+    assert "cpu_only_torch" not in causes(report)
+    assert report["steps_found"] == "found from optimizer.step()"
+    assert report["device_busy"]["source"] != "cpu"
+    assert report["not_measured"] and "the window did not run" in report["not_measured"][0]
+
+
+def test_a_job_that_died_before_saying_whether_it_used_the_gpu_is_not_called_cpu_only():
+    rec = died_after_training([])
+    rec._rule = None  # not even the rule record reached the file
+    report = diagnose(rec, [], [GPU], warmup_steps=2)
+    assert "cpu_only_torch" not in causes(report)
+    assert "inference-only" not in report["steps_found"] and "no training" not in report["steps_found"]
+    assert any("whether the script used the GPU" in m for m in report["not_measured"])
+
+
+def test_a_job_that_said_it_used_no_gpu_is_cpu_only_torch():
+    rec = recording(steps(20, compute=40, other=1), cuda=False)
+    rec.start["torch_cuda_build"] = "13.0"  # a CUDA build, and the end record names no device
+    report = diagnose(rec, [], [GPU], warmup_steps=2)
+    assert causes(report)[0] == "cpu_only_torch" and "never put work on it" in report["findings"][0]["evidence"]
+
+
+def test_a_run_with_no_step_outside_warm_up_and_windows_draws_no_loop_finding():
+    # out_of_memory under a 2 GiB cap on the H200: 2 warm-up steps, 4 in the kernel and memory
+    # windows, then the error; the warm-up's CUDA start-up read as "Python between the calls 91%".
+    records = steps(6, compute=2, other=40)
+    for s in records[2:]:
+        s["profiled"] = True
+    report = diagnose(recording(records, cuda=True), [], [GPU], warmup_steps=2)
+    assert causes(report) == ["none"]
+    assert "no step after the warm-up" in report["findings"][0]["evidence"]

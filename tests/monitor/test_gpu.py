@@ -7,6 +7,7 @@ in scripts/ plant one cause each at a line marked `# planted:`.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -164,6 +165,24 @@ def test_cpu_only_script_on_a_gpu_machine_is_cpu_only_torch(tmp_path):
     report = profile(tmp_path, "fast_dataset.py")
     assert report["cuda"]["initialized"] is False  # the profiler itself did not touch the GPU
     finding(report, "cpu_only_torch")
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_profiled_cuda_job_ends_as_it_would_and_reads_as_the_gpu_job_it_is(tmp_path, run):
+    # Issue 33: on an H200, 4 of 9 profiled CUDA scripts ended with SIGSEGV in a garbage collection.
+    # The same loop as tests/monitor/test_profile_safety.py's, on the GPU: collections forced
+    # often, a helper thread alive, gradients made and freed every step.
+    out = tmp_path / "prof"
+    done = subprocess.run([sys.executable, "-m", "gpulab", "profile", "--out", str(out), "--", sys.executable,
+                           str(SCRIPTS / "gc_pressure.py"), "200", "cuda"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    told = next(line for line in done.stdout.splitlines() if line.startswith("TRUTH "))
+    assert "most_weakrefs_on_tensors 0 most_finalizers_on_tensors 0" in told
+    report = json.loads((out / "report.json").read_text())
+    assert report["cuda"]["devices"] and "cpu_only_torch" not in [f["cause"] for f in report["findings"]]
+    assert report["steps_found"] == "found from optimizer.step()"
+    assert "error" not in report["memory"] and report["memory"]["device"].startswith("cuda")
+    assert "error" not in report["kernel_window"]
 
 
 def test_api_on_cuda_times_item_and_restores_sync_debug_mode(tmp_path):

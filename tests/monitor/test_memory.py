@@ -94,3 +94,32 @@ def test_the_fixes_are_priced_from_what_was_in_use():
     assert fixes["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True:"] == 1500  # reserved, not in use
     bf16 = {f["fix"].split(" ")[0] for f in oom_fixes({**oom, "dtype": "bfloat16"}, None)}
     assert "bf16" not in bf16  # already in 2 bytes: nothing to gain
+
+
+H200_OOM = ("CUDA out of memory. Tried to allocate 112.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+            "137.11 GiB is free. Including non-PyTorch memory, this process has 2.68 GiB memory in use. 2.00 GiB "
+            "allowed; Of the allocated memory 1.78 GiB is allocated by PyTorch, and 169.33 MiB is reserved by PyTorch "
+            "but unallocated.")
+
+
+def test_a_capped_allocator_is_named_as_the_limit_and_other_is_said_in_words():
+    # the H200 run: the allocator capped at 2 GiB by set_per_process_memory_fraction; the report said
+    # "(the device has 139.8 GiB)" and left "other 609.4 MiB" unexplained (issue 33)
+    from gpulab.memory.oom import _CUDA_LIMIT, _CUDA_PROCESS, _bytes
+    from gpulab.monitor.analyze.memory import oom_finding
+    from gpulab.monitor.events import Recording
+
+    assert _bytes(_CUDA_LIMIT, H200_OOM) == 2 * 2**30
+    assert _bytes(_CUDA_PROCESS, H200_OOM) == int(2.68 * 2**30)
+    mib = 2**20
+    oom = {"type": "oom", "device": "cuda:0", "requested": 112 * mib, "message": H200_OOM.split(".")[0],
+           "where": "oom_cuda.py:12", "module": None, "phase": "backward", "batch": 3072, "dtype": "float32",
+           "in_use": {"parameters": 320 * mib, "gradients": 0, "optimizer_state": 641 * mib, "activations": 224 * mib,
+                      "inputs": 28 * mib, "other": 609 * mib},
+           "total_in_use": 1822 * mib, "reserved": 1991 * mib, "device_total": int(139.8 * 2**30),
+           "limit": 2 * 2**30, "process_total": int(2.68 * 2**30)}
+    evidence = oom_finding(Recording([{"type": "start", "t": 0.0}, oom]))["evidence"]
+    assert "the limit hit is the allocator's 2.0 GiB (set_per_process_memory_fraction)" in evidence
+    assert "device has" not in evidence
+    assert "other is what only autograd's engine holds" in evidence
+    assert "the allocator kept 169.0 MiB cached" in evidence and "CUDA context and libraries" in evidence

@@ -131,6 +131,27 @@ class BlockRecord(TypedDict):
     longest: LongestStep | None
 
 
+class RuleRecord(TypedDict):
+    """The rule that ends steps from here on (record/steps.py): "explicit", "optimizer" or
+    "backward". Written when it changes, so a process that dies still says how its steps were found."""
+    type: Literal["rule"]
+    rule: str
+
+
+class CudaUsage(TypedDict):
+    """Did the script use CUDA, and which devices (by UUID, to match NVML's GPUs)."""
+    available: bool
+    initialized: bool
+    sync_debug_mode: bool
+    devices: list[dict]
+
+
+class CudaRecord(CudaUsage):
+    """The script put work on the GPU: written at the first step end after it did (the end record
+    says it again), so a process that dies still says it used the GPU."""
+    type: Literal["cuda"]
+
+
 class FoldRecord(TypedDict):
     """The steps before it belong to the first step after it (a stronger step rule took over)."""
     type: Literal["fold"]
@@ -172,7 +193,7 @@ class EndRecord(TypedDict):
     error: str | None  # the uncaught exception ("RuntimeError: ..."), or "stopped by SIGTERM"
     where: NotRequired[str | None]  # the user's line the exception came from
     steps: NotRequired[int]  # steps done when it ended
-    cuda: dict  # CudaHooks.usage(): did the script use CUDA, which devices
+    cuda: CudaUsage
 
 
 def events_file(directory: Path | str, pid: int) -> Path:
@@ -284,6 +305,8 @@ class Recording:
         self.kernels: dict | None = None
         self.memory: dict | None = None
         self.oom: dict | None = None
+        self._cuda_in_use: dict | None = None
+        self._rule: str | None = None
         self.exit_code: int | None = None  # set by whoever knows it (the parent, for its own child)
         self.tally: tuple[int, float] | None = None  # (steps, t of the last) from tally-<pid>.bin
         self.crash: str | None = None  # faulthandler's report of a fatal signal
@@ -300,6 +323,10 @@ class Recording:
                 self.rank_record = r
             elif kind == "end":
                 self.end = r
+            elif kind == "cuda":
+                self._cuda_in_use = r
+            elif kind == "rule":
+                self._rule = r["rule"]
             elif kind == "fold":  # the steps so far belong to the next one (record/steps.py: step rules)
                 folded, self.steps = folded + self.steps, []
             elif kind == "step":
@@ -382,8 +409,15 @@ class Recording:
 
     @property
     def step_rule(self) -> str | None:
-        """How steps were found: "optimizer", "backward" or "explicit" (p.step())."""
-        return self.facts.get("step_rule")
+        """How steps were found: "optimizer", "backward" or "explicit" (p.step()); from the rule
+        records, which a process that dies leaves in full (the facts are a snapshot)."""
+        return self._rule or self.facts.get("step_rule")
+
+    @property
+    def cuda(self) -> CudaUsage | None:
+        """How the script used CUDA: the end record's account, else what it wrote when it first
+        put work on the GPU (a process that died), else None: not known."""
+        return (self.end or {}).get("cuda") or self._cuda_in_use
 
     @property
     def is_dataloader_worker(self) -> bool:

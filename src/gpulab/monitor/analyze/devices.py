@@ -8,13 +8,39 @@ from gpulab.monitor.events import Recording
 
 
 def used_gpu_indices(rec: Recording, gpus: list[dict]) -> list[int]:
-    """NVML indices of the GPUs the script allocated memory on (matched by UUID)."""
-    used = (rec.end or {}).get("cuda", {}).get("devices", [])
+    """NVML indices of the GPUs the script allocated memory on (matched by UUID). A process that
+    died before saying which, but left CUDA-only records (the kernel window, host syncs or copies
+    to the GPU), used the GPU: its first one is assumed."""
+    used = (rec.cuda or {}).get("devices", [])
     torch_uuids = {d["uuid"].removeprefix("GPU-") for d in used if d.get("uuid")}
     indices = [g["index"] for g in gpus if g.get("uuid", "").removeprefix("GPU-") in torch_uuids]
     if used and not indices:  # UUIDs unavailable: assume torch's first GPUs are NVML's visible ones
         indices = [g["index"] for g in gpus[: len(used)]]
+    if not indices and rec.cuda is None and cuda_records_seen(rec):
+        indices = [g["index"] for g in gpus[:1]]
     return indices
+
+
+def cuda_records_seen(rec: Recording) -> bool:
+    """Did the process record anything only a CUDA job records: the kernel window, or a host sync
+    or copy (cuda.py notes them on CUDA tensors only)?"""
+    return rec.kernels is not None or bool(rec.sites)
+
+
+def not_measured(rec: Recording, gpus: list[dict], used: list[int]) -> list[str]:
+    """What the report lacks, and why, in words: a finding never stands in for a number that
+    was not measured."""
+    missing = []
+    if not used and gpus and rec.start.get("torch_cuda_build") and rec.cuda is None and rec.recorded:
+        missing.append("whether the script used the GPU: the process ended before it said so, and left no "
+                       "CUDA-only record")
+    if used:
+        if rec.kernels is None:
+            why = "the process ended before its steps" if rec.end is None else "the run ended before its steps"
+            missing.append(f"kernels per step and device busy from the kernel window: the window did not run ({why})")
+        elif "error" in rec.kernels:
+            missing.append(f"kernels per step and device busy from the kernel window: {rec.kernels['error']}")
+    return missing
 
 
 def _samples_between(samples: list[dict], t0: float, t1: float) -> list[dict]:
@@ -70,7 +96,7 @@ def device_busy(rec: Recording, step: StepCosts, samples, gpus, used, window) ->
         return step.C, "cpu"
     k = kernel_window(rec)
     if k:
-        return k["device_busy_s_per_step"], f"torch.profiler over {k['steps']} steps"
+        return k["device_busy_s_per_step"], f"kernel window over {k['steps']} steps"
     chosen = _samples_between(samples, *window) if window else samples
     positions = [p for p, g in enumerate(gpus) if g["index"] in used]
     rows = [s["gpus"][p] for s in chosen for p in positions if p < len(s["gpus"])]

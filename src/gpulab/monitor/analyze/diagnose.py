@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 
 from gpulab.monitor.analyze.contention import core_use
-from gpulab.monitor.analyze.devices import device_busy, summarize_devices, used_gpu_indices
+from gpulab.monitor.analyze.devices import device_busy, not_measured, summarize_devices, used_gpu_indices
 from gpulab.monitor.analyze.findings import finding
 from gpulab.monitor.analyze.phases import (StepCosts, aggregate_summary, percentile, select_steady, step_seconds,
                                            steps_found)
@@ -39,6 +39,7 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         "findings": [],
         "steady_steps": 0 if whole_run else len(steady),
         "excluded_steps": excluded,
+        "not_measured": not_measured(rec, gpus, used),
     }
     if not steady:
         report["findings"] = [finding("none", 0.0, f"no training step was recorded: {steps_found(rec)}", None,
@@ -60,6 +61,16 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     cores = core_use(samples, window)
     if cores is not None:
         report["cores"] = cores.summary()
+    if not whole_run and all(s["i"] < warmup_steps for s in steady):
+        # Every step past the warm-up ran inside a measurement window (the run ended in one, an
+        # out-of-memory error say): warm-up steps carry CUDA's start-up and gpulab's own windows'
+        # set-up, and no finding about the loop is drawn from them (issue 33).
+        report["findings"] = [finding("none", 0.0, f"no step after the warm-up ran outside gpulab's measurement "
+                                       f"windows ({len(steady)} warm-up step(s), {excluded['profiler_window']} "
+                                       f"measured for kernels or memory): too few steps to judge the loop", None,
+                                       "too_few_steps")]
+        report["transforms"] = costly_transforms(rec, step)
+        return report
     findings = process_findings(rec, step, busy, busy_source, gpus, used, cores)
     if whole_run:
         for f in findings:

@@ -48,6 +48,10 @@ FIXES = {
         "put the work on the GPU: model.to('cuda') and x.to('cuda', non_blocking=True) for each "
         "batch (or keep the whole dataset on the GPU)"
     ),
+    "too_few_steps": (
+        "profile a longer run: after the warm-up gpulab spends a few steps on its kernel window (CUDA) and "
+        "two on its memory window; the steps after those are the ones it judges (10 or more steps give findings)"
+    ),
     "no_steps": (
         "let the script reach its training loop: steps are found from optimizer.step(), else from "
         "backward() calls (with the Python API, mark them with p.step())"

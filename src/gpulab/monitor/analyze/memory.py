@@ -87,8 +87,9 @@ def oom_finding(rec: Recording, who: str | None = None) -> dict | None:
         parts = sorted(in_use.items(), key=lambda kv: kv[1], reverse=True)
         evidence += " - " + ", ".join(f"{CATEGORY_NAMES[k]} {size(v)}" for k, v in parts if v)
         evidence += f"; the largest is {CATEGORY_NAMES[parts[0][0]]}"
-    if oom.get("device_total"):
-        evidence += f" (the device has {size(oom['device_total'])})"
+        if in_use.get("other"):
+            evidence += f"; other is {_what_other_is(oom['phase'])}"
+    evidence += _beside_the_tensors(oom) + _the_limit(oom)
     evidence += f" [{oom['message']}]"
     fixes = oom_fixes(oom, rec.memory)
     f = finding("out_of_memory", 1.0, evidence, where,
@@ -97,6 +98,41 @@ def oom_finding(rec: Recording, who: str | None = None) -> dict | None:
     f["share_of"] = "the run (it ended it)"
     f["fixes"] = fixes
     return f
+
+
+def _what_other_is(phase: str) -> str:
+    """What the allocator counts that no category explains, by what the step was doing: tensors
+    the failing frames and the autograd graph do not reach."""
+    if phase == "backward":
+        return ("what only autograd's engine holds: the gradients flowing between layers, and the failing op's "
+                "temporaries (and cuBLAS's workspace)")
+    if phase.startswith("optimizer"):
+        return "the optimizer's temporaries (a foreach step's scratch copies) and tensors outside the step's frames"
+    return "the failing op's temporaries, tensors outside the step's frames (a dataset, kept outputs) and cuBLAS's workspace"
+
+
+def _beside_the_tensors(oom: dict) -> str:
+    """On CUDA, what the process held beside its tensors: the allocator's cache, and the CUDA
+    context and libraries outside PyTorch's allocator."""
+    reserved, total = oom.get("reserved"), oom.get("total_in_use") or 0
+    if reserved is None:
+        return ""
+    parts = [f"the allocator kept {size(max(0, reserved - total))} cached (reserved, unused)"]
+    if oom.get("process_total"):
+        parts.append(f"{size(max(0, oom['process_total'] - reserved))} went to the CUDA context and libraries "
+                     f"(outside PyTorch's allocator)")
+    return "; besides, " + " and ".join(parts)
+
+
+def _the_limit(oom: dict) -> str:
+    """The limit that was hit: the allocator's cap (set_per_process_memory_fraction) when it is
+    below the device's memory, else the device."""
+    if oom.get("limit") and oom.get("device_total") and oom["limit"] < oom["device_total"]:
+        return (f"; the limit hit is the allocator's {size(oom['limit'])} (set_per_process_memory_fraction), "
+                f"not the device's {size(oom['device_total'])}")
+    if oom.get("device_total"):
+        return f"; the limit hit is the device's {size(oom['device_total'])}"
+    return ""
 
 
 def oom_fixes(oom: dict, window: dict | None) -> list[dict]:

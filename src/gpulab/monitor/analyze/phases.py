@@ -135,6 +135,8 @@ def steps_found(rec: Recording) -> str:
         return "marked with p.step()"
     if not rec.recorded:
         return "the process never imported torch"
+    if rec.steps_done:  # steps were recorded, but not the rule that found them (the process died first)
+        return "found before the process ended; how was not written"
     if rec.facts.get("backward_calls") == 0 and rec.facts.get("optimizer_steps") == 0:
         if not rec.span_seconds:
             return "nothing ran: torch was imported, but no model, DataLoader or backward() was called"

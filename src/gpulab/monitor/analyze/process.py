@@ -94,7 +94,7 @@ def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: 
                   contention_finding(cores, _torch_threads(rec), _workers(rec), b.idle / step.S if b.on_cuda else None)]
     if b.on_cuda:
         candidates += [_sync_finding(rec, step, b), _h2d_finding(rec, step, b), _launch_finding(rec, step, b)]
-    elif gpus:
+    elif gpus and _known_not_to_use_cuda(rec):
         candidates.append(_cpu_only_finding(rec, step, gpus))
     findings = [f for f in candidates if f is not None and f["share"] >= MIN_SHARE]
     if b.on_cuda:
@@ -225,7 +225,7 @@ def _nothing_stands_out(step: StepCosts, b: _Budget) -> dict:
 
 
 def _sync_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
-    sites = sorted((s for s in rec.sites if s["kind"] == "sync"), key=lambda s: (s["seconds"], s["count"]), reverse=True)
+    sites = sorted((s for s in rec.sites if s["kind"] == "sync"), key=weight_in_the_steps, reverse=True)
     if not sites and b.sync_blocked <= 0:
         return None
     per_step = step.counts.get("sync", 0) + step.counts.get("sync_untimed", 0)
@@ -245,8 +245,8 @@ def _h2d_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     pinned_blocking = step.counts.get("h2d_pinned_blocking", 0)
     if not pageable and not pinned_blocking:
         return None
-    kinds = ("h2d_pageable", "h2d_pinned_blocking")
-    sites = sorted((s for s in rec.sites if s["kind"] in kinds), key=lambda s: s["seconds"], reverse=True)
+    kinds = [kind for kind, per_step in (("h2d_pageable", pageable), ("h2d_pinned_blocking", pinned_blocking)) if per_step]
+    sites = sorted((s for s in rec.sites if s["kind"] in kinds), key=weight_in_the_steps, reverse=True)
     parts = []
     if pageable:
         mb = step.counts.get("h2d_pageable_bytes", 0) / 1e6
@@ -261,6 +261,13 @@ def _h2d_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     return finding("h2d_copy", min(step.H, b.idle) / step.S, evidence + b.idle_text(step.S), where, fix)
 
 
+def weight_in_the_steps(site: dict) -> tuple:
+    """How much a sync or copy line weighs on the steps: its calls after the warm-up first (a
+    set-up copy that also paid for CUDA's start-up is not the line the steps wait at), then the
+    whole run (recordings without the steady counts)."""
+    return site.get("steady_seconds", 0.0), site.get("steady_count", 0), site["seconds"], site["count"]
+
+
 def _launch_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     k = kernel_window(rec)
     if not k or k["kernel_median_us"] is None:
@@ -272,6 +279,15 @@ def _launch_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
                 f"{step.C * 1e3:.2f} ms issuing forward/backward/optimizer work")
     share = min(step.C, b.exposed) / step.S
     return finding("launch_overhead", share, evidence, hottest(rec, "compute"), "launch_overhead")
+
+
+def _known_not_to_use_cuda(rec: Recording) -> bool:
+    """Only what the process said of itself: a CPU-only torch, or its account of CUDA naming no
+    device. A process that died before saying (no end record, no cuda record) is not known not to
+    have used the GPU, and a finding must never claim the opposite of what was recorded."""
+    if rec.start.get("torch_cuda_build") is None:
+        return True
+    return rec.cuda is not None and not rec.cuda.get("devices")
 
 
 def _cpu_only_finding(rec: Recording, step: StepCosts, gpus: list[dict]) -> dict:

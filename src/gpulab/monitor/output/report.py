@@ -15,6 +15,7 @@ from gpulab.monitor.analyze.failure import failure_finding, job_failure
 from gpulab.monitor.analyze.hang import hang_finding
 from gpulab.monitor.analyze.memory import memory_line, memory_summary, oom_finding
 from gpulab.monitor.analyze.phases import PHASE_NAMES, lane_summary, shown_phases, step_seconds
+from gpulab.monitor.analyze.process import weight_in_the_steps
 from gpulab.monitor.analyze.ranks import rank_findings
 from gpulab.monitor.analyze.stall import find_stalls, stall_finding
 from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
@@ -39,12 +40,12 @@ def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler:
         "exit_code": exit_code,
         "complete": rec.end is not None and exit_code == 0,
         "error": end.get("error"),
-        "syncs": sorted(rec.sites, key=lambda s: (s["seconds"], s["count"]), reverse=True),
+        "syncs": sorted(rec.sites, key=weight_in_the_steps, reverse=True),
         "data_loaders": [_fields(r) for r in rec.loaders],
         "kernel_window": _fields(rec.kernels) if rec.kernels else None,
         "hot_lines": rec.hot,
         "hot_line_interval_s": rec.hot_interval_s,
-        "cuda": end.get("cuda"),
+        "cuda": rec.cuda,
         "environment": {k: rec.start.get(k) for k in ENVIRONMENT_KEYS},
         "sampler": sampler,
         "config": cfg.to_dict(),
@@ -180,6 +181,8 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
                      f"{shares}[/]")
     if report.get("memory"):
         lines.append(f"  {escape(memory_line(report['memory']))}")
+    for missing in report.get("not_measured", []):
+        lines.append(f"  [yellow]not measured:[/] {escape(missing)}")
     for n, f in enumerate(report["findings"], 1):
         if f["cause"] == "none" and not report["steps"] and not report.get("device_busy"):
             lines.append(f"  [bold yellow]nothing to diagnose[/]: {escape(f['evidence'])}")

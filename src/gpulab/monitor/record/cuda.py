@@ -36,6 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
+from gpulab.monitor.events import CudaRecord, CudaUsage
 from gpulab.monitor.record.frames import user_site
 from gpulab.monitor.record.kernels import KernelWindow
 
@@ -72,6 +73,7 @@ class CudaHooks:
         self._warning_filter = None
         self._original_showwarning = None
         self.window = KernelWindow(recorder.writer.emit, window_after_step, window_steps)
+        self._usage_written = False  # the "cuda" record: the script put work on the GPU
 
     @property
     def window_active(self) -> bool:
@@ -239,13 +241,24 @@ class CudaHooks:
             return
         if not self.sync_debug and torch.cuda.is_initialized():
             self._enable_sync_debug()  # torch without _lazy_call: enable once CUDA is up
+        if not self._usage_written and torch.cuda.is_initialized():
+            self._write_usage()
         self.window.on_step_end(steps_done)
+
+    def _write_usage(self) -> None:
+        """Once the script has memory on a GPU, say so at once: a process that dies before its end
+        record must still read as a GPU job, not as one that never used the GPU (issue 33)."""
+        usage = self.usage()
+        if usage["devices"]:
+            self._usage_written = True
+            record: CudaRecord = {"type": "cuda", **usage}
+            self.rec.writer.emit(record)
 
     def finish(self, steps_done: int) -> None:
         if self.enabled:
             self.window.finish(steps_done)
 
-    def usage(self) -> dict:
+    def usage(self) -> CudaUsage:
         """Did the script use CUDA, and which devices (by UUID, to match NVML's GPUs)?"""
         initialized = torch.backends.cuda.is_built() and torch.cuda.is_initialized()
         out = {"available": torch.cuda.is_available(), "initialized": initialized,

@@ -68,7 +68,7 @@ class Recorder:
     def _new_lane_state(self) -> None:
         """What each process records for itself (a forked lane starts again from here)."""
         self._pid = os.getpid()
-        self.sites = SyncSites()
+        self.sites = SyncSites(self.cfg.warmup_steps)
         self.loaders.new_lane()
         self._optimizer_tokens: dict[int, int] = {}
         self._stacks: StackSampler | None = None
@@ -246,12 +246,12 @@ class Recorder:
     def add_sync(self, op: str, t0: float, t1: float, where: str | None) -> None:
         self.steps.add_closed_span(f"sync: {op}", "sync", t0, t1)
         self.steps.count("sync")
-        self.sites.note("sync", op, where, seconds=t1 - t0)
+        self.sites.note("sync", op, where, self.steps.index, seconds=t1 - t0)
 
     def add_untimed_sync(self, where: str | None) -> None:
         """A sync torch reported (sync debug mode) inside a call gpulab does not time (e.g. x[mask])."""
         self.steps.count("sync_untimed")
-        self.sites.note("sync", "untimed", where, untimed=1)
+        self.sites.note("sync", "untimed", where, self.steps.index, untimed=1)
 
     def add_h2d(self, op: str, t0: float, t1: float, nbytes: int, pinned: bool, blocking: bool,
                 where: str | None) -> None:
@@ -262,7 +262,7 @@ class Recorder:
         self.steps.add_closed_span(f"copy: {op} ({label})", "h2d", t0, t1)
         self.steps.count(kind)
         self.steps.count(kind + "_bytes", nbytes)
-        self.sites.note(kind, op, where, seconds=t1 - t0, nbytes=nbytes)
+        self.sites.note(kind, op, where, self.steps.index, seconds=t1 - t0, nbytes=nbytes)
 
     # ------------------------------------------------------------------ optimizers (from patches.py)
 

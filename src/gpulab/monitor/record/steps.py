@@ -34,7 +34,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 
-from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX, FoldRecord, StepRecord
+from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX, FoldRecord, RuleRecord, StepRecord
 
 _MAX_DATA_SPANS_PER_STEP = 64
 _RULE_STRENGTH = {None: 0, "backward": 1, "optimizer": 2, "explicit": 3}
@@ -181,6 +181,8 @@ class StepAccounting:
                 self._emit(fold)
                 self.index = 0
             self.rule = rule
+            said: RuleRecord = {"type": "rule", "rule": rule}
+            self._emit(said)
         return True
 
     def end_step(self) -> None:
