@@ -311,7 +311,9 @@ def check_allreduce_nccl(check: Check, out: Path) -> str:
 def check_plan_gpu(check: Check, out: Path) -> str:
     """The planner's GPU path: CUDA-event step profile, named links for devices and machines."""
     plan_dir = out / "plan-gpu"
-    done = gpulab(["plan", "--devices", "cuda", "--device-link", "nvlink4", "--devices-per-node", "1", "2", "8",
+    # one row per kind of link (8 GPUs over nvlink4, 2 machines over ndr400): each more row measures
+    # another step profile (the 2026-11-27 H100 run with 6 rows ran past 65 s)
+    done = gpulab(["plan", "--devices", "cuda", "--device-link", "nvlink4", "--devices-per-node", "8",
                    "--nodes", "1", "2", "--link", "ndr400", "--no-sweep", "--out", str(plan_dir)], out / "plan-gpu.log")
     if done.returncode != 0:
         raise Failed(f"gpulab plan exited {done.returncode}; see plan-gpu.log")
