@@ -51,10 +51,13 @@ def busy_gpu(stop: threading.Event) -> None:
 
 
 def test_nvml_samples_every_visible_gpu():
-    s = Sampler(interval_s=0.05).start()
     stop = threading.Event()
     worker = threading.Thread(target=busy_gpu, args=(stop,))
     worker.start()
+    # NVML's utilization is an average over its own sample period (up to 1 s): busy first, then
+    # sample (on an H100 ten samples from the matmuls' first 0.5 s all read 0%)
+    time.sleep(1.5)
+    s = Sampler(interval_s=0.05).start()
     try:
         while len(s.samples) < 10:
             time.sleep(0.05)
