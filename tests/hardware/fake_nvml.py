@@ -1,5 +1,5 @@
 """A fake pynvml for machines CI does not have, shared by the tests of `gpulab devices` and of the
-profiler's sampler (both read NVML through gpulab.hardware.nvml).
+profiler's sampler (both read NVML through gpulab.hardware.nvml_gpus, the one reader of the GPUs).
 
 The shapes faked here are the ones measured on a real H100 (torch 2.11.0+cu130):
     nvmlSystemGetDriverVersion()                '580.159.04'

@@ -92,7 +92,9 @@ def test_gpulab_devices_and_the_sampler_treat_the_same_error_the_same_way(monkey
 
     nv = machine(monkeypatch, [gpu])
     report = describe()
-    assert report["gpus"][0]["power_w"] is None and report["gpus"][0]["temperature_c"] == 41
+    # NVML's GPU 0 is the fake one; on a machine with a GPU, torch's own is listed too (first).
+    (row,) = [g for g in report["gpus"] if g["nvml_index"] == 0]
+    assert row["power_w"] is None and row["temperature_c"] == 41
     warned = report["warnings"] != []
     assert nv.calls["nvmlDeviceGetPowerUsage"] == (0 if error == MISSING else 1)
 

@@ -180,6 +180,19 @@ def test_the_sampler_reads_cuda_visible_devices_as_gpulab_devices_does(monkeypat
     assert _sampled(monkeypatch, visible) == sampled
 
 
+def test_each_gpu_s_facts_are_read_once_and_its_readings_every_sample(monkeypatch):
+    nv = machine(monkeypatch, [FakeGpu(), A100])
+    reader = GpuReader()
+    rows = [reader.read() for _ in range(3)]
+    reader.close()
+    assert [(g["index"], g["name"], g["uuid"]) for g in reader.gpus] == [(0, FakeGpu().name, FakeGpu().uuid),
+                                                                         (1, A100.name, A100.uuid)]
+    assert all(row["memory_used_mib"] == 1024 for sample in rows for row in sample)
+    assert nv.calls["nvmlDeviceGetName"] == nv.calls["nvmlDeviceGetUUID"] == 2  # once per GPU
+    assert nv.calls["nvmlDeviceGetMemoryInfo"] == 2 + 3 * 2  # the total once, what is in use each sample
+    assert nv.calls["nvmlDeviceGetUtilizationRates"] == 3 * 2
+
+
 def test_pcie_rates_come_from_the_byte_counters_when_nvml_has_them(monkeypatch):
     nv = fake_pynvml()
     counts = iter(range(1, 100))

@@ -8,7 +8,10 @@ import platform
 import psutil
 import torch
 
-from gpulab.hardware import install
+from gpulab.hardware.matching import match_gpus, notes
+from gpulab.hardware.nvml_facts import Gpu, NvmlFacts, gpu_problems, read_nvml
+from gpulab.hardware.torch_facts import TorchFacts, read_torch
+from gpulab.hardware.verdict import judge, nvml_fix
 from gpulab.hardware.visible import cuda_visible_devices
 
 
@@ -18,11 +21,11 @@ def describe() -> dict:
     Never raises for a GPU problem: a missing NVML, a lost GPU or a refused call becomes a line
     in `warnings` (or the `verdict`), so `gpulab devices` and `gpulab bench` still report the rest.
     """
-    torch_facts = install.read_torch()
-    nvml = install.read_nvml()
-    gpus = install.match_gpus(nvml, torch_facts)
+    torch_facts = read_torch()
+    nvml = read_nvml()
+    gpus = match_gpus(nvml, torch_facts)
     visible = cuda_visible_devices()
-    verdict = install.judge(torch_facts, nvml, visible)
+    verdict = judge(torch_facts, nvml, visible)
     return {
         "torch": torch.__version__,
         "torch_cuda_build": torch.version.cuda,  # None on a CPU-only build
@@ -41,7 +44,7 @@ def describe() -> dict:
         },
         "verdict": verdict.to_dict(),
         "warnings": _warnings(nvml, gpus, torch_facts),
-        "notes": install.notes(gpus, torch_facts, visible),
+        "notes": notes(gpus, torch_facts, visible),
     }
 
 
@@ -56,7 +59,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _driver_facts(nvml: install.NvmlFacts) -> dict:
+def _driver_facts(nvml: NvmlFacts) -> dict:
     """{'driver': '580.159.04', 'cuda_driver': '13.0'}, or {'nvml': why NVML said nothing}."""
     if nvml.unavailable:
         return {"nvml": nvml.why}
@@ -66,11 +69,11 @@ def _driver_facts(nvml: install.NvmlFacts) -> dict:
     return facts
 
 
-def _warnings(nvml: install.NvmlFacts, gpus: list[install.Gpu], torch_facts: install.TorchFacts) -> list[str]:
+def _warnings(nvml: NvmlFacts, gpus: list[Gpu], torch_facts: TorchFacts) -> list[str]:
     """Problems besides the verdict: GPUs NVML could not read, NVML missing while torch has GPUs."""
-    lines = [*nvml.problems, *install.gpu_problems(gpus)]
+    lines = [*nvml.problems, *gpu_problems(gpus)]
     if nvml.unavailable and torch_facts.devices:
-        fix = install.nvml_fix(nvml)
+        fix = nvml_fix(nvml)
         lines.append(
             f"GPU details (utilization, temperature, power, memory in use) unavailable: {nvml.why}"
             + (f"; fix: {fix}" if fix else "")

@@ -1,6 +1,7 @@
 """NVML (nvidia-ml-py) as all of gpulab reads it: starting it, and one funnel, `Queries.query`,
-that every NVML query goes through, with one error policy. Torch-free: the profiler's parent
-process samples the GPUs without torch.
+that every NVML query goes through, with one error policy. The queries themselves are written in
+nvml_gpus.py, the one reader of the GPUs. Torch-free: the profiler's parent process samples the
+GPUs without torch.
 
 The policy (after nvitop's `nvmlQuery`): a query that fails is n/a (None), never a traceback.
 - unsupported: NOT_SUPPORTED, FUNCTION_NOT_FOUND, or an nvidia-ml-py too old to have the function.
@@ -23,8 +24,6 @@ UNSUPPORTED = "unsupported"
 NO_PERMISSION = "no permission"
 NOT_FOUND = "not found"
 FAILED = "failed"
-
-MIG_ENABLED = 1  # nvmlDeviceGetMigMode returns [current, pending]; 1 is NVML_DEVICE_MIG_ENABLE
 
 # ----------------------------------------------------------------------------- starting
 
@@ -119,22 +118,3 @@ class Queries:
             self.problems.setdefault(what, text)
         return none_found if kind == NOT_FOUND else None
 
-
-# ----------------------------------------------------------------------------- shared readings
-
-
-def as_str(x) -> str:
-    """NVML's strings: bytes from older nvidia-ml-py, str from newer."""
-    return x.decode() if isinstance(x, bytes) else str(x)
-
-
-def mig_instance_handles(q: Queries, handle) -> list | None:
-    """The handles of a GPU's MIG instances, or None when the GPU is not in MIG mode."""
-    nv = q.nv
-    mode = q.query("MIG mode", lambda: nv.nvmlDeviceGetMigMode(handle))  # unsupported on GPUs without MIG
-    if mode is None or mode[0] != MIG_ENABLED:
-        return None
-    slots = q.query("MIG slots", lambda: nv.nvmlDeviceGetMaxMigDeviceCount(handle)) or 0
-    # An empty slot is NOT_FOUND (fewer instances exist than could): skipped, not a problem.
-    found = [q.query(f"MIG slot {s}", lambda: nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, s)) for s in range(slots)]
-    return [h for h in found if h is not None]

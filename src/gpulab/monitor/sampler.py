@@ -9,10 +9,11 @@ What each GPU number means, honestly:
   of SMs busy), `sm_occupancy_pct` (resident warps vs the maximum), `tensor_active_pct` (tensor
   pipes) and `dram_bw_pct` (share of peak memory bandwidth).
 
-Every NVML query goes through `gpulab.hardware.nvml`'s one funnel and error policy: a metric the
-driver or GPU does not support, or refuses to give, is dropped after its first refusal; any other
-failure reads None for that sample. Without NVML or without a GPU the sampler still records the
-process's CPU and memory, and how the job's threads got the cores (CoreReader).
+NVML is read through `gpulab.hardware.nvml_gpus`, the one reader of the GPUs (the one `gpulab
+devices` reads too), each reading through `gpulab.hardware.nvml`'s one funnel and error policy: a
+metric the driver or GPU does not support, or refuses to give, is dropped after its first refusal;
+any other failure reads None for that sample. Without NVML or without a GPU the sampler still
+records the process's CPU and memory, and how the job's threads got the cores (CoreReader).
 """
 
 from __future__ import annotations
@@ -24,13 +25,10 @@ import time
 
 import psutil
 
-from gpulab.hardware.nvml import Queries, as_str, mig_instance_handles, start_nvml, stop_nvml
+from gpulab.hardware.nvml import Queries, start_nvml, stop_nvml
+from gpulab.hardware.nvml_gpus import GpmPair, NvmlGpu, list_gpus
 from gpulab.hardware.visible import cuda_visible_devices, parse_cuda_visible_devices
 from gpulab.host import ThreadTimes, cpus_busy_s, schedstat, thread_ids, usable_cores, usable_cpus
-
-# NVML field ids of the cumulative PCIe byte counters (nvml.h); read as rates between samples.
-_FI_PCIE_TX_BYTES = 197
-_FI_PCIE_RX_BYTES = 198
 
 # GPM metric ids (nvml.h: NVML_GPM_METRIC_*), with the names gpulab reports them under.
 GPM_METRICS = {
@@ -58,7 +56,8 @@ GPM_FAILURES_BEFORE_OFF = 3
 
 
 class GpuReader:
-    """Per-GPU readings from NVML. `status` says why there are none, when there are none."""
+    """Per-GPU samples, from NVML's readings (hardware/nvml_gpus.py). `status` says why there are
+    none, when there are none."""
 
     def __init__(self, job_pids=None):
         self.gpus: list[dict] = []  # static facts: index, name, uuid, memory_total_mib, gpm
@@ -68,11 +67,11 @@ class GpuReader:
         self._process_ts: dict[int, int] = {}  # index -> NVML timestamp (us) of the last sample seen
         self.status = "ok"
         self._nvml = None
-        self._handles: list = []
+        self._sampled: list[NvmlGpu] = []
         self._queries: dict[int, Queries] = {}  # index -> the samples' queries: what NVML refused
         self._pcie_counters: dict[int, bool] = {}  # index -> NVML gives the cumulative PCIe byte counters
         self._pcie_last: dict[int, tuple[float, int, int]] = {}
-        self._gpm: dict[int, list] = {}  # index -> [previous sample, current sample, have previous]
+        self._gpm: dict[int, GpmPair] = {}
         self._gpm_taken_at: dict[int, float] = {}
         self._gpm_failures: dict[int, int] = {}
         nv, _, why = start_nvml()
@@ -81,71 +80,55 @@ class GpuReader:
             return
         self._nvml = nv
         listing = Queries(nv)
-        count = listing.query("GPU count", lambda: nv.nvmlDeviceGetCount()) or 0
-        opening = [Queries(nv) for _ in range(count)]  # per GPU: what is read once, at the start
-        handles = [opening[i].query("handle", lambda: nv.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
-        for index in _visible_indices(opening, handles):
-            if handles[index] is not None:
-                self._open(index, handles[index], opening[index])
-        problem = next((q.problem for q in [listing, *opening] if q.problem), None)
+        found = list_gpus(listing)
+        for gpu in _visible(found):
+            if gpu.handle is not None:
+                self._open(gpu)
+        # What failed while listing and opening, each GPU's static facts included, is one status.
+        problem = next((q.problem for q in [listing, *(gpu.queries for gpu in found)] if q.problem), None)
         if problem:
             self.status = f"NVML error while listing GPUs ({problem})"
         elif not self.gpus:
             self.status = "no GPU visible"
 
-    def _open(self, index: int, h, q: Queries) -> None:
-        nv = self._nvml
-        memory = q.query("memory", lambda: nv.nvmlDeviceGetMemoryInfo(h))
-        info = {
-            "index": index,
-            "name": q.query("name", lambda: as_str(nv.nvmlDeviceGetName(h))),
-            "uuid": q.query("uuid", lambda: as_str(nv.nvmlDeviceGetUUID(h))),
-            "memory_total_mib": memory.total / 2**20 if memory is not None else None,
-            "gpm": False,
-        }
-
-        def pcie_counters() -> bool:
-            values = nv.nvmlDeviceGetFieldValues(h, [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES])
-            return all(v.nvmlReturn == nv.NVML_SUCCESS for v in values)
-
-        def gpm_samples() -> list | None:
-            if not nv.nvmlGpmQueryDeviceSupport(h).isSupportedDevice:
-                return None
-            return [nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc(), False]
-
-        self._pcie_counters[index] = bool(q.query("PCIe counters", pcie_counters))
-        gpm = q.query("GPM", gpm_samples)  # older drivers and GPUs have no GPM
+    def _open(self, gpu: NvmlGpu) -> None:
+        """Read what is read once, at the start: the GPU's facts, and which optional counters it has."""
+        index = gpu.index
+        info = {"index": index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_mib": gpu.memory_total_mib,
+                "gpm": False}
+        self._pcie_counters[index] = gpu.has_pcie_counters
+        gpm = gpu.open_gpm()  # older drivers and GPUs have no GPM
         if gpm is not None:
             self._gpm[index] = gpm
             info["gpm"] = True
         self.gpus.append(info)
-        self._handles.append(h)
-        self._queries[index] = Queries(nv)
+        self._sampled.append(gpu)
+        self._queries[index] = Queries(self._nvml)
 
     def read(self) -> list[dict]:
         if self._nvml is None:
             return []
-        return [self._read_one(info["index"], h) for info, h in zip(self.gpus, self._handles)]
+        return [self._read_one(gpu) for gpu in self._sampled]
 
-    def _read_one(self, index: int, h) -> dict:
-        nv = self._nvml
+    def _read_one(self, gpu: NvmlGpu) -> dict:
+        index = gpu.index
         row: dict[str, float | None] = {}
 
         def util():
-            u = nv.nvmlDeviceGetUtilizationRates(h)
-            return {"kernel_active_pct": float(u.gpu), "memory_busy_pct": float(u.memory)}
+            kernel_active, memory_busy = gpu.utilization_pct()
+            return {"kernel_active_pct": float(kernel_active), "memory_busy_pct": float(memory_busy)}
 
         self._try(index, "utilization", row, util)
-        self._try(index, "memory_used_mib", row, lambda: nv.nvmlDeviceGetMemoryInfo(h).used / 2**20)
-        self._try(index, "power_w", row, lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000)
-        self._try(index, "sm_clock_mhz", row, lambda: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)))
-        self._try(index, "pcie", row, lambda: self._pcie(index, h))
+        self._try(index, "memory_used_mib", row, gpu.memory_used_mib)
+        self._try(index, "power_w", row, gpu.power_w)
+        self._try(index, "sm_clock_mhz", row, lambda: float(gpu.sm_clock_mhz()))
+        self._try(index, "pcie", row, lambda: self._pcie(gpu))
         if self._job_pids is not None:
             # NOT_FOUND: no process used the GPU since the last sample seen.
-            self._try(index, "process_utilization", row, lambda: self._process_sm(index, h),
+            self._try(index, "process_utilization", row, lambda: self._process_sm(gpu),
                       none_found={"process_sm_pct": 0.0})
         if index in self._gpm and self._gpm_due(index):
-            self._try(index, "gpm", row, lambda: self._gpm_metrics(index, h))
+            self._try(index, "gpm", row, lambda: self._gpm_metrics(index))
         return row
 
     def _try(self, index: int, metric: str, row: dict, read, none_found=None) -> None:
@@ -160,32 +143,28 @@ class GpuReader:
         else:
             row[metric] = value
 
-    def _pcie(self, index: int, h) -> dict:
+    def _pcie(self, gpu: NvmlGpu) -> dict:
         """PCIe MB/s from NVML's cumulative byte counters (non-blocking), else the 20 ms sampled API."""
-        nv = self._nvml
-        if not self._pcie_counters[index]:
-            # nvmlDeviceGetPcieThroughput blocks ~20 ms per call while it measures: only as a fallback.
-            return {
-                "pcie_tx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES) * 1e3 / 1e6,
-                "pcie_rx_mb_s": nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES) * 1e3 / 1e6,
-            }
-        values = nv.nvmlDeviceGetFieldValues(h, [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES])
-        if any(v.nvmlReturn != nv.NVML_SUCCESS for v in values):
+        if not self._pcie_counters[gpu.index]:
+            tx_mb_s, rx_mb_s = gpu.pcie_throughput_mb_s()  # blocks ~20 ms per call: only as a fallback
+            return {"pcie_tx_mb_s": tx_mb_s, "pcie_rx_mb_s": rx_mb_s}
+        counts = gpu.pcie_byte_counts()
+        if counts is None:
             return {}  # no counts this time: the next rate spans the gap
-        now, tx, rx = time.perf_counter(), values[0].value.ullVal, values[1].value.ullVal
-        last = self._pcie_last.get(index)
-        self._pcie_last[index] = (now, tx, rx)
+        now, (tx, rx) = time.perf_counter(), counts
+        last = self._pcie_last.get(gpu.index)
+        self._pcie_last[gpu.index] = (now, tx, rx)
         if last is None or now <= last[0]:
             return {}
         dt = now - last[0]
         return {"pcie_tx_mb_s": (tx - last[1]) / dt / 1e6, "pcie_rx_mb_s": (rx - last[2]) / dt / 1e6}
 
-    def _process_sm(self, index: int, h) -> dict:
+    def _process_sm(self, gpu: NvmlGpu) -> dict:
         """The job's own SM share on this GPU: NVML's per-process samples since the last read,
         averaged per process and summed over the job's processes."""
-        found = self._nvml.nvmlDeviceGetProcessUtilization(h, self._process_ts.get(index, 0))
+        found = gpu.process_samples(self._process_ts.get(gpu.index, 0))
         if found:
-            self._process_ts[index] = max(s.timeStamp for s in found)
+            self._process_ts[gpu.index] = max(s.timeStamp for s in found)
         pids = self._job_pids()
         per_pid: dict[int, list[float]] = {}
         for s in found:
@@ -200,27 +179,12 @@ class GpuReader:
         self._gpm_taken_at[index] = now
         return True
 
-    def _gpm_metrics(self, index: int, h) -> dict:
+    def _gpm_metrics(self, index: int) -> dict:
         """GPM metrics over the interval between the previous sample and this one."""
-        nv = self._nvml
-        slot = self._gpm[index]
-        previous, current, have_previous = slot
-        nv.nvmlGpmSampleGet(h, current)
-        slot[0], slot[1], slot[2] = current, previous, True  # this sample is the next one's "previous"
-        if not have_previous:
-            return {}
-        request = nv.c_nvmlGpmMetricsGet_t()
-        request.version = nv.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
-        request.sample1 = previous
-        request.sample2 = current
-        for i, metric_id in enumerate(GPM_METRICS):
-            request.metrics[i].metricId = metric_id
-        nv.nvmlGpmMetricsGet(request)
-        out = {}
-        for i, name in enumerate(GPM_METRICS.values()):
-            m = request.metrics[i]
-            out[name] = float(m.value) if m.nvmlReturn == nv.NVML_SUCCESS else None
+        by_id = self._gpm[index].metrics_since_last(list(GPM_METRICS))
+        if not by_id:
+            return {}  # the first sample only opens a pair
+        out = {name: by_id[metric_id] for metric_id, name in GPM_METRICS.items()}
         if all(v is None for v in out.values()):
             self._gpm_failures[index] = self._gpm_failures.get(index, 0) + 1
             if self._gpm_failures[index] >= GPM_FAILURES_BEFORE_OFF:
@@ -236,30 +200,22 @@ class GpuReader:
     def close(self) -> None:
         if self._nvml is None:
             return
-        for previous, current, _ in self._gpm.values():
-            for s in (previous, current):
-                try:
-                    self._nvml.nvmlGpmSampleFree(s)
-                except Exception:
-                    pass
+        for gpm in self._gpm.values():
+            gpm.close()
         self._gpm.clear()
         stop_nvml(self._nvml)
         self._nvml = None
 
 
-def _visible_indices(opening: list[Queries], handles: list) -> list[int]:
-    """NVML indices of the GPUs this process may use, as CUDA_VISIBLE_DEVICES selects them. A MIG
-    instance selects its GPU: NVML gives utilization per GPU, not per MIG instance."""
-    uuids: list[str | None] = []
-    mig_uuids: list[list[str | None]] = []
-    for q, h in zip(opening, handles):
-        nv = q.nv
-        instances = (mig_instance_handles(q, h) if h is not None else None) or []
-        uuids.append(q.query("uuid", lambda: as_str(nv.nvmlDeviceGetUUID(h))) if h is not None else None)
-        mig_uuids.append([q.query(f"MIG instance {k} uuid", lambda: as_str(nv.nvmlDeviceGetUUID(m)))
-                          for k, m in enumerate(instances)])
+def _visible(gpus: list[NvmlGpu]) -> list[NvmlGpu]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES selects them. A MIG instance selects
+    its GPU: NVML gives utilization per GPU, not per MIG instance."""
+    instances = [gpu.mig_instances or [] for gpu in gpus]
+    uuids = [gpu.uuid for gpu in gpus]
+    mig_uuids = [[m.uuid for m in found] for found in instances]
     selected = parse_cuda_visible_devices(cuda_visible_devices(), uuids, mig_uuids)
-    return list(dict.fromkeys(s.nvml_index for s in selected))  # two instances of one GPU: sampled once
+    chosen = dict.fromkeys(s.nvml_index for s in selected)  # two instances of one GPU: sampled once
+    return [gpus[i] for i in chosen]
 
 
 # ----------------------------------------------------------------------------- the process

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gpulab.cli import main
-from gpulab.hardware import install
+from gpulab.hardware.torch_facts import read_torch
+from gpulab.hardware.verdict import cuda_wheel_for
 from gpulab.hardware.describe import describe
 from tests.hardware.fake_nvml import (
     A100, DRIVER, H100_NAME, H100_UUID, NVML_ERROR_GPU_IS_LOST, NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_NO_PERMISSION,
@@ -103,7 +104,7 @@ def test_cpu_only_build_with_an_nvidia_gpu_names_the_wheel_for_the_driver(monkey
      ((12, 0), "cu118"), ((11, 8), "cu118"), ((11, 7), None)],
 )
 def test_wheel_is_the_newest_published_not_above_the_drivers_cuda(driver_cuda, wheel):
-    assert install.cuda_wheel_for(driver_cuda) == wheel
+    assert cuda_wheel_for(driver_cuda) == wheel
 
 
 def test_driver_too_old_for_the_major_version_is_an_error(monkeypatch):
@@ -308,5 +309,5 @@ def test_a_cpu_only_build_never_asks_cuda(monkeypatch):
     fake_torch(monkeypatch, cuda=None, version="2.13.0+cpu")  # is_available() raises if called
     for name in ("device_count", "get_device_properties"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: pytest.fail(f"torch.cuda.{name} called"))
-    facts = install.read_torch()
+    facts = read_torch()
     assert facts.cpu_only and facts.devices == []
