@@ -3,7 +3,10 @@
 - gpulab's modules import one another one way only - no cycle of any length, imports inside
   functions included (a lazy import that closes a circle is still a circle);
 - the profiler is split at its event format: the analysis and the output read events, never
-  torch or the recorder; the parent process of `gpulab profile` never imports torch.
+  torch or the recorder; the parent process of `gpulab profile` never imports torch;
+- `gpulab plan` is split the same way (issue 34): the side that starts the measuring children and
+  reads their results never imports torch, and the child that profiles a step imports what it
+  needs at its top.
 """
 
 from __future__ import annotations
@@ -122,3 +125,45 @@ def test_gpulab_profile_s_parent_never_imports_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def imports_inside_functions(path: Path) -> list[str]:
+    """`line: statement` for every import in the body of a function (a lazy import), once each
+    (a nested function's is also its outer function's)."""
+    found = {node.lineno: ast.unparse(node)
+             for fn in ast.walk(ast.parse(path.read_text())) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    return [f"{line}: {text}" for line, text in sorted(found.items())]
+
+
+def test_the_lazy_import_finder_finds_them(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\n\ndef f():\n    def g():\n        from a import b\n    return os\n")
+    assert imports_inside_functions(path) == ["5: from a import b"]
+
+
+def test_gpulab_plan_s_parent_never_imports_torch():
+    """`gpulab plan`'s parent loads without torch (a GPU plan asks torch what devices there are,
+    nothing more); one device's step is measured by a child, plan/profile_step.py (step.CHILD),
+    which step.py starts by name and never imports."""
+    code = ("import sys\n"
+            "import gpulab.plan.cli, gpulab.plan.planner, gpulab.plan.check, gpulab.plan.report\n"
+            "import gpulab.plan.step, gpulab.plan.collective, gpulab.plan.predict, gpulab.plan.memory\n"
+            "print(sorted(m for m in sys.modules\n"
+            "             if m == 'torch' or m.startswith('torch.') or m == 'gpulab.plan.profile_step'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from gpulab.plan.step import CHILD
+
+    assert CHILD == "gpulab.plan.profile_step" and _is_module(CHILD)
+    forbidden = {m for m in imported_modules(SRC / "plan" / "step.py") if m.split(".")[0] == "torch" or m == CHILD}
+    assert not forbidden, f"plan/step.py imports {sorted(forbidden)}"
+
+
+def test_the_step_s_parent_and_child_import_at_their_top():
+    """Split at the JSON between them, neither needs an import inside a function to stay light:
+    the parent imports no torch at all, the child torch and gpulab train from the start."""
+    for name in ("step.py", "profile_step.py"):
+        lazy = imports_inside_functions(SRC / "plan" / name)
+        assert not lazy, f"plan/{name} imports inside functions: {lazy}"
+    assert "torch" in imported_modules(SRC / "plan" / "profile_step.py")

@@ -25,7 +25,7 @@ rest progresses at `profile.overlap` times its idle speed while forward and back
 
 FSDP's cost (copying gathered buffers in and out, its hooks; on gloo a reduce-scatter is an
 allreduce) is not modelled but measured: on a CPU the plan's copies also run a sharded step
-(plan/step.py), and what it took beyond the rest is added at every k and link.
+(plan/profile_step.py), and what it took beyond the rest is added at every k and link.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""What `gpulab.plan.step` measures of one training step, and what `gpulab.plan.predict` reads:
-`StepProfile` (plain numbers, written to and read from JSON)."""
+"""What `gpulab.plan.profile_step` measures of one training step (in a child process), what
+`gpulab.plan.step` reads back and `gpulab.plan.predict` reads: `StepProfile` (plain numbers,
+written to and read from JSON)."""
 
 from __future__ import annotations
 
