@@ -27,9 +27,9 @@ from torch import nn
 from gpulab.devices import device_of, place
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose
-from gpulab.parallel.meter import Meter, correct_count
+from gpulab.parallel.meter import Meter
 from gpulab.parallel.phases import PhaseTimer
-from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
+from gpulab.parallel.strategy import LossFn, ShardStep, eval_batch, set_lr
 from gpulab.parallel.sync_bn import convert_to_sync, exchanges
 
 
@@ -85,11 +85,13 @@ class DataParallel:
         timer: PhaseTimer | None = None,
         autocast: torch.dtype | None = None,
         accumulate: int = 1,
+        compile: str = "off",
     ):
         """`autocast`: run forward passes under torch.autocast with this dtype (e.g. bfloat16);
         parameters, gradients and the optimizer stay float32 (mixed precision).
         `timer`: a PhaseTimer to time the step's phases (default: one that times nothing).
-        `accumulate`: compute each batch as this many micro-batches, one after another."""
+        `accumulate`: compute each batch as this many micro-batches, one after another.
+        `compile`: how each replica's forward and loss run (ShardStep: off, on, graphs)."""
         if not devices:
             raise UserError("DataParallel needs at least one device")
         self.devices = list(devices)
@@ -109,6 +111,7 @@ class DataParallel:
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
         self.description = f"allreduce {self.allreduce_algorithm}"
         self.timer = timer or PhaseTimer(self.devices, enabled=False)
+        self.shard_step = ShardStep(compile)
 
     @property
     def module(self) -> nn.Module:
@@ -139,13 +142,12 @@ class DataParallel:
                 X_shards, y_shards = split_batch(X_micro, y_micro, self.devices)
             with self.timer.phase("forward_backward"):
                 self.buckets.expect_gradients()
-                outputs, losses = self._forward(X_shards, y_shards, loss_fn, n)
+                losses, corrects = self._forward(X_shards, y_shards, loss_fn, n)
                 torch.autograd.backward(losses)
             loss = sum(place(l.detach(), first) for l in losses)
             total = total + loss
             if meter is not None:
-                correct = sum(place(correct_count(o, t), first) for o, t in zip(outputs, y_shards))
-                meter.add(loss * n, correct, len(y_micro))
+                meter.add(loss * n, sum(place(c, first) for c in corrects), len(y_micro))
         with self.timer.phase("allreduce"):
             if len(self.devices) > 1:
                 self.buckets.allreduce(self.allreduce_algorithm)
@@ -158,10 +160,9 @@ class DataParallel:
 
     def _forward(self, X_shards, y_shards, loss_fn: LossFn, n: int):
         def run(i: int):
-            with autocast(self.devices[i], self.autocast):
-                out = self.replicas[i](X_shards[i])
-                weight = len(y_shards[i]) / n  # shard mean -> its share of the batch mean
-                return out, loss_fn(out, y_shards[i]) * weight
+            mean, correct = self.shard_step(self.replicas[i], X_shards[i], y_shards[i], loss_fn, self.autocast)
+            weight = len(y_shards[i]) / n  # shard mean -> its share of the batch mean
+            return mean * weight, correct
 
         if not self.sync_bn:
             results = [run(i) for i in range(len(self.devices))]

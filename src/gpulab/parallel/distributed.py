@@ -25,7 +25,7 @@ the parts differ in size by one sample.
 from __future__ import annotations
 
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
@@ -35,9 +35,10 @@ from gpulab.config import Sync
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, FIRST_BUCKET_BYTES, Buckets, weak_hook
 from gpulab.parallel.data_parallel import micro_batches
-from gpulab.parallel.meter import Meter, correct_count, summarize
+from gpulab.parallel.meter import Meter
 from gpulab.parallel.phases import PhaseTimer
-from gpulab.parallel.strategy import LossFn, autocast, eval_batch, set_lr
+from gpulab.parallel.ranks import OptimizerFactory, RankStrategy
+from gpulab.parallel.strategy import LossFn, eval_batch
 from gpulab.parallel.sync_bn import convert_across_ranks
 from gpulab.parallel.world import World
 
@@ -97,38 +98,7 @@ class GradSync:
         return self.buckets.unused_after_reduce()
 
 
-def broadcast_from_main(module: nn.Module, world: World) -> None:
-    """Every rank starts from rank 0's parameters and buffers."""
-    import torch.distributed as dist
-
-    with torch.no_grad(), world.collectives():
-        for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t, src=0, group=world.group)
-
-
-def reduce_over_ranks(meter: Meter, world: World) -> dict[str, float]:
-    """Every rank's loss sum, correct count and sample count, summed in one collective."""
-    import torch.distributed as dist
-
-    totals = torch.cat([meter.totals, meter.totals.new_tensor([meter.count])])
-    with world.collectives():
-        dist.all_reduce(totals, group=world.group)
-    return summarize(*totals.tolist())
-
-
-@torch.no_grad()
-def average_buffers(module: nn.Module, world: World) -> None:
-    """The floating-point buffers (BatchNorm's running statistics) averaged over ranks (collective)."""
-    import torch.distributed as dist
-
-    with world.collectives():
-        for b in module.buffers():
-            if b.is_floating_point():
-                dist.all_reduce(b, group=world.group)
-                b.div_(world.world_size)
-
-
-class Distributed:
+class Distributed(RankStrategy):
     """The training strategy of one torchrun rank (see the module docstring)."""
 
     sharded_checkpoint = False  # its state_dict() is whole on every process; rank 0 writes it
@@ -139,12 +109,13 @@ class Distributed:
         world: World,
         device: torch.device,
         batch_size: int,
-        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.1),
+        optimizer: OptimizerFactory = lambda p: torch.optim.SGD(p, lr=0.1),
         sync: str = "gpulab",
         accumulate: int = 1,
         sync_bn: bool = False,
         timer: PhaseTimer | None = None,
         autocast: torch.dtype | None = None,
+        compile: str = "off",
         bucket_bytes: int = BUCKET_BYTES,
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
         overlap: bool = True,
@@ -153,18 +124,8 @@ class Distributed:
         `sync_bn`: BatchNorm statistics over the whole global batch (a collective per BN layer)."""
         if sync not in SYNCS:
             raise UserError(f"--sync {sync}: choose one of {', '.join(SYNCS)}")
-        self.world = world
-        self.devices = [device]
-        self.num_replicas = world.world_size
-        self.batch_size = batch_size
-        self.accumulate = accumulate
-        self.autocast = autocast
-        self.buffers_stale = True
+        super().__init__(module, world, device, batch_size, accumulate, timer, autocast, compile)
         self.sync = sync
-        self.timer = timer or PhaseTimer([device], enabled=False)
-        self.module = module.to(device)
-        self.replicas = [self.module]  # this process's copies of the model (DataParallel has k)
-        broadcast_from_main(self.module, world)
         if sync_bn:
             import torch.distributed as dist
 
@@ -188,8 +149,6 @@ class Distributed:
             self.grad_sync = GradSync(buckets, world.group, overlap)
         self.module.train(True)
 
-    def set_lr(self, lr: float) -> None:
-        set_lr([self.optimizer], lr)
 
     # ------------------------------------------------------------------ training
 
@@ -205,13 +164,12 @@ class Distributed:
             for j, (X_micro, y_micro) in enumerate(parts):
                 last = j == len(parts) - 1
                 with self.timer.phase("forward_backward"), self._communication(last):
-                    with autocast(self.devices[0], self.autocast):
-                        out = self.model(X_micro)
-                        loss = loss_fn(out, y_micro) * (len(y_micro) / self.batch_size)
+                    mean, correct = self.shard_step(self.model, X_micro, y_micro, loss_fn, self.autocast)
+                    loss = mean * (len(y_micro) / self.batch_size)
                     (loss * scale).backward()
                 total = total + loss.detach()
                 if meter is not None:
-                    meter.add(loss.detach() * self.batch_size, correct_count(out, y_micro), len(y_micro))
+                    meter.add(loss.detach() * self.batch_size, correct, len(y_micro))
             with self.timer.phase("allreduce"):  # the exchange not hidden behind backward
                 unused = self.grad_sync.finish() if self.grad_sync else []
         # Parameters no rank used are skipped, as plain PyTorch skips a parameter whose .grad is None.
@@ -234,16 +192,6 @@ class Distributed:
         return nullcontext() if last_micro_batch else self.model.no_sync()
 
     # ------------------------------------------------------------------ metrics, evaluation, state
-
-    def reduce(self, meter: Meter) -> dict[str, float]:
-        return reduce_over_ranks(meter, self.world)
-
-    def sync_buffers(self) -> None:
-        """Average BatchNorm running statistics over ranks (each rank's drift apart). Collective:
-        every rank has made the same steps, so every rank agrees whether there is work to do."""
-        if self.buffers_stale:
-            self.buffers_stale = False
-            average_buffers(self.module, self.world)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn | None = None) -> dict:

@@ -19,7 +19,7 @@ multiplied by k, as for DDP: the result is the gradient of the global batch's me
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from pathlib import Path
 
@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from gpulab.parallel.data_parallel import micro_batches
-from gpulab.parallel.distributed import average_buffers, broadcast_from_main, reduce_over_ranks
-from gpulab.parallel.meter import Meter, correct_count
+from gpulab.parallel.meter import Meter
 from gpulab.parallel.phases import PhaseTimer
-from gpulab.parallel.strategy import LossFn, eval_batch, set_lr
+from gpulab.parallel.ranks import OptimizerFactory, RankStrategy
+from gpulab.parallel.strategy import LossFn, eval_batch
 from gpulab.parallel.world import World
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
@@ -70,7 +70,7 @@ def mixed_precision(dtype: torch.dtype | None):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
 
 
-class Sharded:
+class Sharded(RankStrategy):
     """The training strategy of one torchrun rank with a sharded model (see the module docstring)."""
 
     sharded_checkpoint = True  # checkpoints through save_shards / load_shards, every rank writing
@@ -81,23 +81,15 @@ class Sharded:
         world: World,
         device: torch.device,
         batch_size: int,
-        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.SGD(p, lr=0.1),
+        optimizer: OptimizerFactory = lambda p: torch.optim.SGD(p, lr=0.1),
         accumulate: int = 1,
         timer: PhaseTimer | None = None,
         autocast: torch.dtype | None = None,
+        compile: str = "off",
     ):
         """`batch_size`: the global batch (all ranks together) of every training step;
-        `autocast`: bf16 as FSDP's mixed-precision policy (mixed_precision())."""
-        self.world = world
-        self.devices = [device]
-        self.num_replicas = world.world_size
-        self.batch_size = batch_size
-        self.accumulate = accumulate
-        self.autocast = autocast  # applied by FSDP's policy, not by torch.autocast (mixed_precision())
-        self.buffers_stale = True
-        self.timer = timer or PhaseTimer([device], enabled=False)
-        self.module = module.to(device)
-        broadcast_from_main(self.module, world)  # the same start on every rank, then sharded
+        `autocast`: bf16 as FSDP's mixed-precision policy (mixed_precision()), not torch.autocast."""
+        super().__init__(module, world, device, batch_size, accumulate, timer, autocast, compile)
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
@@ -113,15 +105,11 @@ class Sharded:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(self.module, mesh=mesh, mp_policy=policy)
         self.model = self.module
-        self.replicas = [self.module]
         self.optimizer = optimizer(self.module.parameters())
         self.description = f"shard fsdp over {world.backend} ({len(self.units)} units + root)"
         if autocast is not None:
             self.description += f"; {str(autocast).removeprefix('torch.')} parameters gathered, fp32 gradients reduced"
         self.module.train(True)
-
-    def set_lr(self, lr: float) -> None:
-        set_lr([self.optimizer], lr)
 
     # ------------------------------------------------------------------ training
 
@@ -136,26 +124,18 @@ class Sharded:
                 # Gradients are reduce-scattered after the last micro-batch only (no_sync's role).
                 self.module.set_requires_gradient_sync(j == len(parts) - 1)
                 with self.timer.phase("forward_backward"):
-                    out = self.module(X_micro)
-                    loss = loss_fn(out, y_micro) * (len(y_micro) / self.batch_size)
+                    # no torch.autocast: FSDP's policy casts (mixed_precision())
+                    mean, correct = self.shard_step(self.module, X_micro, y_micro, loss_fn, None)
+                    loss = mean * (len(y_micro) / self.batch_size)
                     (loss * self.world.world_size).backward()  # FSDP averages over ranks; gpulab sums
                 total = total + loss.detach()
                 if meter is not None:
-                    meter.add(loss.detach() * self.batch_size, correct_count(out, y_micro), len(y_micro))
+                    meter.add(loss.detach() * self.batch_size, correct, len(y_micro))
             with self.timer.phase("optimizer"):
                 self.optimizer.step()
         return total
 
     # ------------------------------------------------------------------ metrics, evaluation, state
-
-    def reduce(self, meter: Meter) -> dict[str, float]:
-        return reduce_over_ranks(meter, self.world)
-
-    def sync_buffers(self) -> None:
-        """BatchNorm running statistics are not sharded: each rank's drift apart; averaged here."""
-        if self.buffers_stale:
-            self.buffers_stale = False
-            average_buffers(self.module, self.world)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn | None = None) -> dict:

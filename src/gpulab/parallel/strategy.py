@@ -1,18 +1,22 @@
 """What the training loop needs from a way of running a step: one small interface.
 
-Two strategies implement it:
+Three strategies implement it:
 
     DataParallel   one process, k devices (cpu*K, cuda:0,cuda:1, ...): replicate, split,
                    in-process allreduce, k optimizers stepping together
     Distributed    one device per torchrun rank: gpulab's bucketed gradient sync overlapped
                    with backward (--sync gpulab), or PyTorch's DDP as the reference (--sync ddp)
+    Sharded        one device per torchrun rank, the model sharded over the ranks (--shard fsdp:
+                   torch's FSDP2)
+(the last two share their rank's state and collectives: parallel/ranks.py).
 
-Both see the same global batches (`gpulab.data.GlobalBatches`) and compute the same update as
+All see the same global batches (`gpulab.data.GlobalBatches`) and compute the same update as
 one model stepped by plain PyTorch on those batches. Coordination between processes (who is
 the main one, who prints and writes, agreeing on errors) is the `World`'s job
 (`gpulab.parallel.world`), which the loop holds next to the strategy.
 
-The few steps both strategies take the same way are the functions below.
+The few steps every strategy takes the same way are below, among them ShardStep: one shard's
+forward and loss, eager or through torch.compile (`--compile`).
 """
 
 from __future__ import annotations
@@ -67,6 +71,49 @@ def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = lr
+
+
+COMPILE_MODES = ("off", "on", "graphs")
+
+
+def forward_and_loss(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+                     dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, top-1 hits) of one shard, on its device; the loss inside autocast too (it
+    computes it in fp32)."""
+    with autocast(X.device, dtype):
+        out = model(X)
+        loss = loss_fn(out, y)
+    return loss, correct_count(out, y)
+
+
+class ShardStep:
+    """One shard's forward and loss, and its top-1 hits: the part of a training step that
+    torch.compile takes over.
+
+    `compile`: "off" runs it eagerly; "on" through torch.compile, whose AOTAutograd compiles the
+    backward of what it traced too (the gradients then flow through two fused graphs, and the
+    optimizer step, fused itself, follows eagerly); "graphs" as "on", replayed as CUDA graphs
+    (mode="reduce-overhead": the kernel launches of a step become one replay). Shapes are static
+    (every training batch has the same size: GlobalBatches drops the remainder); a shard of
+    another size (an uneven split over devices) is one more compile. The loss's first call runs
+    eagerly: it checks its inputs with one host read (train.build.CheckedLoss), which would
+    break the graph."""
+
+    def __init__(self, compile: str = "off"):
+        self.compile = compile
+        self._compiled = None
+        if compile != "off":
+            mode = "reduce-overhead" if compile == "graphs" else None
+            self._compiled = torch.compile(forward_and_loss, mode=mode, dynamic=False)
+
+    def __call__(self, model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+                 dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._compiled is None or not getattr(loss_fn, "checked", True):
+            return forward_and_loss(model, X, y, loss_fn, dtype)
+        if self.compile == "graphs":
+            # a new step: the previous replay's outputs (already consumed) may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._compiled(model, X, y, loss_fn, dtype)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

@@ -22,7 +22,7 @@ from gpulab.parallel.meter import classifies
 from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.strategy import Strategy
 from gpulab.parallel.world import choose_backend
-from gpulab.train.precision import autocast_dtype, use_channels_last
+from gpulab.train.precision import autocast_dtype, compile_mode, use_channels_last
 from gpulab.train.recipe import make_optimizer
 
 
@@ -42,6 +42,8 @@ class Run:
     warmup_steps: int
     schedule_lr: bool = True
     """The recipe's schedule sets the learning rate each step; a caller's own optimizer keeps its own."""
+    compile: str = "off"
+    """How the step runs: off, on (torch.compile) or graphs (and CUDA graphs): --compile, resolved."""
     position: str = "set-up"
     """Where the loop is ("epoch 2, step 37"), for the message when another rank fails."""
     saved_epoch: int = 0
@@ -143,20 +145,25 @@ def check_sharding(cfg: TrainConfig, world: World) -> None:
 
 
 def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, devices: list[torch.device],
-                  batch_size: int, lr: float, timer: PhaseTimer | None = None, optimizer=None) -> Strategy:
-    optimizer = optimizer or make_optimizer(cfg.recipe_spec, lr)
+                  batch_size: int, lr: float, timer: PhaseTimer | None = None, optimizer=None,
+                  compile: str = "off") -> Strategy:
+    """`compile`: off, on or graphs (compile_mode's answer); a compiled step steps the recipe's
+    optimizer fused (a caller's own optimizer is left as given), except on FSDP's sharded
+    parameters (DTensors), which torch's fused SGD does not take: its foreach step there."""
+    sharded = world.world_size > 1 and cfg.shard == "fsdp"
+    optimizer = optimizer or make_optimizer(cfg.recipe_spec, lr, fused=compile != "off" and not sharded)
     autocast = autocast_dtype(cfg, devices)
-    if world.world_size > 1 and cfg.shard == "fsdp":
+    if sharded:
         return Sharded(model, world, devices[0], batch_size, optimizer, accumulate=cfg.accumulate, timer=timer,
-                       autocast=autocast)
+                       autocast=autocast, compile=compile)
     if world.world_size > 1:
         return Distributed(
             model, world, devices[0], batch_size, optimizer, sync=cfg.sync, accumulate=cfg.accumulate,
-            sync_bn=cfg.sync_bn, timer=timer, autocast=autocast,
+            sync_bn=cfg.sync_bn, timer=timer, autocast=autocast, compile=compile,
         )
     return DataParallel(
         model, devices, optimizer=optimizer, allreduce=cfg.allreduce, sync_bn=cfg.sync_bn, timer=timer,
-        autocast=autocast, accumulate=cfg.accumulate,
+        autocast=autocast, accumulate=cfg.accumulate, compile=compile,
     )
 
 
@@ -260,8 +267,9 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     if any(d.type == "cuda" for d in devices):
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
 
+    compile = world.all_or_none(lambda: compile_mode(cfg, devices))
     timer = PhaseTimer(devices)
-    strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, timer, optimizer)
+    strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, timer, optimizer, compile)
     # Linear scaling needs a warm-up: a k-times larger lr from step 0 diverges (Goyal et al. 2017).
     warmup_steps = len(train_loader) if cfg.scale_batch and replicas > 1 else 0
     return Run(
@@ -276,4 +284,5 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
         peak_lr=peak_lr,
         warmup_steps=warmup_steps,
         schedule_lr=optimizer is None,
+        compile=compile,
     )

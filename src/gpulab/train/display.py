@@ -29,9 +29,12 @@ def banner(run: Run, run_dir: RunDir) -> str:
     return (
         f"training {model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
         f"(~{run.batch_size // strategy.num_replicas} per {per}), {schedule}, "
-        f"{precision(strategy)}, {strategy.description} -> {run_dir.path}"
+        f"{precision(strategy)}{COMPILED[run.compile]}, {strategy.description} -> {run_dir.path}"
         + ("\n--sync-bn has no effect here: this model has no BatchNorm layers" if no_batchnorm else "")
     )
+
+
+COMPILED = {"off": "", "on": ", torch.compile", "graphs": ", torch.compile + CUDA graphs"}
 
 
 def precision(strategy: Strategy) -> str:
@@ -47,6 +50,8 @@ def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:
         metrics = f"loss {row['train_loss']:.4f}  train acc {row['train_acc']:.3f}  test acc {row['test_acc']:.3f}"
     line = (f"epoch {row['epoch']:>2}/{epochs}  {metrics}  {row['train_seconds']:.1f} s  "
             f"{row['samples_per_s']:,.0f} samples/s")
+    if row.get("compile_seconds", 0) >= 0.05:  # torch.compile's time, apart from the epoch's
+        line += f"  (+ {row['compile_seconds']:.1f} s compiling)"
     if strategy.num_replicas > 1 and not isinstance(strategy, Sharded):  # FSDP reduce-scatters inside backward
         shares = "/".join(f"{s:.0%}" for s in row["allreduce_share"])
         line += f"  waiting for gradients {shares}"

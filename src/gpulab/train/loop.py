@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.progress import Progress
 
 from gpulab import models
+from gpulab.compiler import CompileClock
 from gpulab.config import TrainConfig
 from gpulab.devices import synchronize
 from gpulab.errors import UserError
@@ -73,21 +74,10 @@ def rank_sum(world: World) -> Callable[[torch.Tensor], None] | None:
     return combine
 
 
-def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
-    """One pass over the training set. Reads the device once, at the end (with every rank's totals),
-    and every CHECK_EVERY steps the running non-finite flag (FiniteWatch: no per-step sync, and
-    on a GPU no wait), so that a diverged run stops within the epoch."""
+def run_steps(run: Run, epoch: int, meter: Meter, watch: FiniteWatch, progress: Progress | None, task) -> dict:
+    """The epoch's steps, then every rank's totals read (which waits for the device)."""
     cfg, loader = run.cfg, run.train_loader
-    loader.set_epoch(epoch)
     total_steps = cfg.epochs * len(loader)
-    meter = Meter(run.devices[0])
-    watch = FiniteWatch(meter, rank_sum(run.world))
-    run.timer.reset()
-    reset_peaks(run.devices)
-    task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
-    synchronize(run.devices)
-    cores = CoreWatch().start()
-    t0 = time.perf_counter()
     batches = iter(loader)
     for step in range(len(loader)):
         run.position = f"epoch {epoch + 1}, step {step + 1}/{len(loader)}"
@@ -105,7 +95,28 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
                 raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {seen[0]} by step {seen[1]}/{len(loader)}")
     stats = run.strategy.reduce(meter)  # also waits for the device: the epoch's time is complete
     synchronize(run.devices)
-    seconds = time.perf_counter() - t0
+    return stats
+
+
+def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
+    """One pass over the training set. Reads the device once, at the end (with every rank's totals),
+    and every CHECK_EVERY steps the running non-finite flag (FiniteWatch: no per-step sync, and
+    on a GPU no wait), so that a diverged run stops within the epoch."""
+    cfg, loader = run.cfg, run.train_loader
+    loader.set_epoch(epoch)
+    meter = Meter(run.devices[0])
+    watch = FiniteWatch(meter, rank_sum(run.world))
+    run.timer.reset()
+    reset_peaks(run.devices)
+    task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
+    synchronize(run.devices)
+    cores = CoreWatch().start()
+    with CompileClock() as compiling:
+        t0 = time.perf_counter()
+        stats = run_steps(run, epoch, meter, watch, progress, task)
+        # torch.compile's compiles (the first epoch's, a recompile) are reported apart from the epoch
+        compile_seconds = compiling.take()
+        seconds = time.perf_counter() - t0 - compile_seconds
     core_wait = cores.stop()
     if progress:
         progress.remove_task(task)
@@ -117,6 +128,7 @@ def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
         "train_loss": stats["loss"],
         "train_acc": stats["accuracy"] if run.loss_fn.classifies else None,
         "train_seconds": seconds,
+        "compile_seconds": compile_seconds,
         "samples_per_s": stats["count"] / seconds,
         "phases_s": phases,
         "allreduce_share": [s / seconds for s in phases.get("allreduce", [0.0])],

@@ -1,10 +1,15 @@
-"""How a step computes: bf16 autocast or fp32, channels_last or not (auto: what was measured faster)."""
+"""How a step computes: bf16 autocast or fp32, channels_last or not, compiled or not (auto: what
+was measured faster)."""
 
 from __future__ import annotations
 
 import torch
 
 from gpulab.config import TrainConfig
+from gpulab.errors import UserError
+
+# auto's choice for --compile, from the measurements in compile_mode's docstring
+AUTO_COMPILE = "off"
 
 
 def use_channels_last(cfg: TrainConfig, devices: list[torch.device]) -> bool:
@@ -28,3 +33,27 @@ def autocast_dtype(cfg: TrainConfig, devices: list[torch.device]) -> torch.dtype
         native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         return torch.bfloat16 if on_cpu and native_bf16 else None
     return torch.bfloat16 if cfg.precision == "bf16" else None
+
+
+def compile_mode(cfg: TrainConfig, devices: list[torch.device]) -> str:
+    """off, on or graphs (ShardStep): --compile, with auto's choice resolved.
+
+    auto: off, where measured. LeNet on this project's 2-core Zen 4 EPYC (native bf16; 2026-11-27,
+    two epochs per setting, benchmarks/results/cpu-amd-epyc-2core/compile_speed.txt): compiled,
+    an epoch took 5.08 s against 5.35 s eager in bf16 (batch 256), 4.92 against 5.33 at batch 512,
+    and in fp32 8.31 against 8.26 (256), 7.57 against 8.00 (512), for 5-20 s of compiling with a
+    cold cache - 0-8% that a run must win back first (oneDNN's convolutions are 60% of the step
+    either way, and compiled, their backward ran slower: torch.profiler, 12.5 against 10.2 ms). With torch's CPU kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, this machine standing
+    in for CI's AVX2-only class), the compiled training step gave NaN from its first step (torch
+    2.13), so auto must not turn it on there either. On CUDA, off until a GPU measurement says
+    which of on and graphs to take (docs/gpu-checklist.md has the command)."""
+    if cfg.compile == "auto":
+        return AUTO_COMPILE
+    if cfg.compile == "graphs" and not all(d.type == "cuda" for d in devices):
+        raise UserError("--compile graphs replays the step as CUDA graphs: it needs --devices cuda...; "
+                        "on a CPU use --compile on")
+    if cfg.compile != "off" and cfg.sync_bn and len(devices) > 1:
+        raise UserError("--compile with --sync-bn over several devices in one process: its replicas run in "
+                        "threads that meet inside forward, which torch.compile does not trace; drop one (or use "
+                        "torchrun ranks: gpulab launch)")
+    return cfg.compile

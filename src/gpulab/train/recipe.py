@@ -23,10 +23,14 @@ def lr_at(step: int, total_steps: int, peak: float, recipe: Recipe, warmup_steps
     return peak * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(recipe: Recipe, lr: float):
+def make_optimizer(recipe: Recipe, lr: float, fused: bool = False):
+    """The recipe's SGD. `fused`: torch's fused implementation, one kernel for every parameter
+    (what a compiled step pairs with; the same update up to float rounding)."""
+
     def factory(params):
         return torch.optim.SGD(
-            params, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov, weight_decay=recipe.weight_decay
+            params, lr=lr, momentum=recipe.momentum, nesterov=recipe.nesterov, weight_decay=recipe.weight_decay,
+            fused=fused or None,
         )
 
     return factory

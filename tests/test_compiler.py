@@ -1,0 +1,85 @@
+"""gpulab.compiler reads torch.compile through two private doors (compile callbacks, log
+artifacts): this pins what they give on the installed torch, with the cheapest backend ("eager":
+dynamo traces, nothing is generated), and that reading them changes nothing the user sees."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from gpulab.compiler import DYNAMO_ARTIFACTS, CompileClock, CompileWatch, _artifact_loggers
+from torch._logging._internal import log_state
+
+
+def user_line(frame) -> str | None:
+    while frame is not None:
+        if frame.f_code.co_filename == __file__:
+            return f"test_compiler.py:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def step(x: torch.Tensor) -> torch.Tensor:
+    y = torch.relu(x) * 2
+    if y.sum().item() > 1e9:  # a graph break: .item() inside the compiled function
+        y = y + 1
+    return y.sum()
+
+
+@pytest.fixture
+def watched():
+    torch._dynamo.reset()
+    events = []
+    watch = CompileWatch(events.append, user_line, lambda path, line: f"{path.rsplit('/', 1)[-1]}:{line}")
+    watch.install()
+    yield events
+    watch.remove()
+    torch._dynamo.reset()
+
+
+def test_compiles_recompiles_and_graph_breaks_come_with_their_reasons_and_lines(watched):
+    compiled = torch.compile(step, backend="eager", dynamic=False)
+    for n in (4, 6):
+        compiled(torch.randn(n, 3))  # the second size fails a guard: a recompile
+    kinds = [e.kind for e in watched]
+    assert "compile" in kinds and "graph_break" in kinds and "recompile" in kinds
+    recompile = next(e for e in watched if e.kind == "recompile")
+    assert "size mismatch at index 0" in recompile.reason and recompile.where.startswith("test_compiler.py:")
+    assert recompile.compile_id.endswith("/1")  # tied to the compile it caused: the frame's second
+    broke = next(e for e in watched if e.kind == "graph_break")
+    assert broke.where == f"test_compiler.py:{step.__code__.co_firstlineno + 2}" and "Tensor.item()" in broke.reason
+    compiles = [e for e in watched if e.kind == "compile"]
+    assert all(e.t1 >= e.t0 for e in compiles) and {e.trigger for e in compiles} == {"dynamo"}
+
+
+def test_reading_the_logs_prints_nothing_and_leaves_them_as_found(capfd):
+    before = {lg.name: (lg.level, lg.propagate, list(lg.handlers)) for a in DYNAMO_ARTIFACTS for lg in _artifact_loggers(a)}
+    enabled = set(log_state.artifact_names)
+    torch._dynamo.reset()
+    events = []
+    watch = CompileWatch(events.append, user_line, lambda path, line: f"{path}:{line}")
+    watch.install()
+    torch.compile(step, backend="eager")(torch.randn(4, 3))
+    watch.remove()
+    torch._dynamo.reset()
+    err = capfd.readouterr().err
+    assert "[__graph_breaks]" not in err and "[__recompiles]" not in err  # torch's own handler never saw them
+    assert any(e.kind == "graph_break" for e in events)
+    after = {lg.name: (lg.level, lg.propagate, list(lg.handlers)) for a in DYNAMO_ARTIFACTS for lg in _artifact_loggers(a)}
+    assert after == before and set(log_state.artifact_names) == enabled
+
+
+def test_the_clock_counts_compile_time_only():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: (x * 2).sum(), backend="eager")
+    with CompileClock() as clock:
+        compiled(torch.randn(3))
+        first = clock.take()
+        for _ in range(50):
+            compiled(torch.randn(3))  # cached: no compile
+        again = clock.take()
+    torch._dynamo.reset()
+    assert first > 0 and again == 0.0
