@@ -248,7 +248,7 @@ def test_steady_steps_leave_out_warmup_profiled_and_epoch_boundaries():
         s["profiled"] = True
     records[20]["t1"] = records[20]["t0"] + 5.0  # evaluation at an epoch boundary
     steady, excluded = select_steady(records, warmup_steps=2)
-    assert excluded == {"warmup": 2, "profiler_window": 3, "outliers": 1}
+    assert excluded == {"warmup": 2, "profiler_window": 3, "compiling": 0, "outliers": 1}
     assert len(steady) == 30 - 2 - 3 - 1
 
 

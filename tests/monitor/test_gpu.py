@@ -203,3 +203,9 @@ def test_api_on_cuda_times_item_and_restores_sync_debug_mode(tmp_path):
     assert items and items[0]["count"] == 12 and items[0]["seconds"] > 0
     assert torch.cuda.get_sync_debug_mode() == 0
     assert "item" not in vars(torch.Tensor)
+
+
+def test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix(tmp_path):
+    report = profile(tmp_path, "compile_cudagraph_skip.py")
+    skips = [f for f in report["findings"] if f["cause"] == "cudagraph_skip"]
+    assert skips and "mutated input" in skips[0]["evidence"] and "in place" in skips[0]["fix"]

@@ -38,7 +38,7 @@ def check_report_shape(report: dict) -> None:
     assert REPORT_KEYS <= set(report)
     assert isinstance(report["steps"], int)
     assert set(report["step_time_s"]) == {"median", "p90"}
-    assert set(report["phases"]) == {"data_wait", "compute", "collective", "sync", "h2d", "other"}
+    assert set(report["phases"]) == {"data_wait", "compute", "collective", "sync", "h2d", "compile", "other"}
     assert all(0 <= v <= 1 for v in report["phases"].values())
     assert report["findings"]
     for f in report["findings"]:

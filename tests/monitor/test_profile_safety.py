@@ -36,4 +36,6 @@ def test_a_job_under_collection_pressure_ends_as_it_would_and_holds_nothing_of_g
     assert told["most_weakrefs_on_tensors"] == "0" and told["most_finalizers_on_tensors"] == "0", told
     assert "error" not in report["memory"] and report["memory"]["sizes"]["activations"] > 0
     assert report["steps"] == 120
+    # an eager script: torch.compile's probe stays silent (it installs, and no compile happens)
+    assert report["compile"] is None and "compile" not in {f["cause"] for f in report["findings"]}
     assert not re.search(r"Warning|Traceback|Fatal", done.stderr), done.stderr[-2000:]

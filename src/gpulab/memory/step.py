@@ -131,7 +131,11 @@ class StepMemoryProbe:
 
     # ------------------------------------------------------------------ the measured step
 
-    def begin(self, modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    def begin(self, modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer],
+              per_module: bool = True) -> None:
+        """`per_module`: charge each saved tensor to the module that saved it, through global module
+        hooks - which torch.compile guards on: compiled code recompiles when they come and go, so a
+        compiling process measures without them (every activation then "(outside any module)")."""
         if self._profiler is None:
             self.prepare()
         self._begun = True
@@ -159,7 +163,8 @@ class StepMemoryProbe:
         self._module_classes: dict[str, str] = {}
         self._names = {id(m): name for root in self.modules for name, m in _named(root)}
         self._stack: list[str] = []
-        self._watch_modules()
+        if per_module:
+            self._watch_modules()
         self._watch_new_gradients()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         hooks.__enter__()

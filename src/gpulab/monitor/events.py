@@ -6,7 +6,8 @@ pay for it (2-3 s) and must not change the script's environment.
 
 A process's file holds, in order of writing, the records typed below (TypedDicts: the JSON
 objects themselves, so writing and reading cost nothing extra): process, start, rank (once
-torch.distributed's default group is up), loader*, then step*/fold*, kernels (CUDA), memory,
+torch.distributed's default group is up), loader*, rule*, cuda (once the GPU is used), compile*
+(torch.compile's), then step*/fold*, kernels (CUDA), memory,
 block* (the steps after the detailed window, summed), tail, oom (if it ran out of memory), end;
 and the whole-run tallies sites, hot, spans, facts, loader_use, rewritten at every flush (the last
 one wins). The file is read line by line and the blocks merged down to MAX_BLOCKS, so reading a
@@ -26,7 +27,7 @@ from typing import Literal, NotRequired, TypedDict
 
 from gpulab.memory.records import OutOfMemory, StepMemory
 
-CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "other")
+CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "compile", "other")
 EVENTS_PREFIX = "events-"
 TRANSFORM_PREFIX = "transform: "  # a step's count of seconds in one transform inside a DataLoader fetch
 DDP_WAIT_COUNT = "ddp_wait_s"  # a step's count of seconds DDP waited for its allreduce inside backward
@@ -129,6 +130,23 @@ class BlockRecord(TypedDict):
     profiled: int  # steps inside a measurement window
     durations: dict[str, int]  # step-time histogram: bin floor(8 log2(seconds)) -> steps
     longest: LongestStep | None
+
+
+class CompileRecord(TypedDict):
+    """torch.compile did or said something (record/compiled.py): kind "compile" (t0..t1: its
+    seconds; trigger: dynamo, lazy_backward, cudagraph_recording; compile_id "frame/attempt",
+    attempt > 0 a recompile), "recompile" (reason: the guards that failed), "graph_break"
+    (reason: torch's), "cudagraph_skip" (reason: torch's). where: the script's line - the call into
+    the compiled code, or the line that broke the graph."""
+    type: Literal["compile"]
+    kind: str
+    t0: float
+    t1: float
+    compile_id: str | None
+    trigger: str | None
+    function: str | None
+    where: str | None
+    reason: str | None
 
 
 class RuleRecord(TypedDict):
@@ -307,6 +325,7 @@ class Recording:
         self.oom: dict | None = None
         self._cuda_in_use: dict | None = None
         self._rule: str | None = None
+        self.compiles: list[dict] = []  # torch.compile's records, in order
         self.exit_code: int | None = None  # set by whoever knows it (the parent, for its own child)
         self.tally: tuple[int, float] | None = None  # (steps, t of the last) from tally-<pid>.bin
         self.crash: str | None = None  # faulthandler's report of a fatal signal
@@ -327,6 +346,8 @@ class Recording:
                 self._cuda_in_use = r
             elif kind == "rule":
                 self._rule = r["rule"]
+            elif kind == "compile":
+                self.compiles.append(r)
             elif kind == "fold":  # the steps so far belong to the next one (record/steps.py: step rules)
                 folded, self.steps = folded + self.steps, []
             elif kind == "step":

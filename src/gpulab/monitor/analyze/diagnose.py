@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import statistics
 
+from gpulab.monitor.analyze.compiled import compile_findings
 from gpulab.monitor.analyze.contention import core_use
 from gpulab.monitor.analyze.devices import device_busy, not_measured, summarize_devices, used_gpu_indices
 from gpulab.monitor.analyze.findings import finding
-from gpulab.monitor.analyze.phases import (StepCosts, aggregate_summary, percentile, select_steady, step_seconds,
-                                           steps_found)
+from gpulab.monitor.analyze.phases import (StepCosts, aggregate_summary, percentile, recorded_seconds, select_steady,
+                                           step_seconds, steps_found)
 from gpulab.monitor.analyze.process import costly_transforms, process_findings
 from gpulab.monitor.events import DDP_WAIT_COUNT, Recording
 
@@ -34,7 +35,7 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         "steps": rec.steps_done,
         "steps_found": steps_found(rec),
         "step_time_s": {"median": 0.0, "p90": 0.0},
-        "phases": dict.fromkeys(("data_wait", "compute", "collective", "sync", "h2d", "other"), 0.0),
+        "phases": dict.fromkeys(("data_wait", "compute", "collective", "sync", "h2d", "compile", "other"), 0.0),
         "devices": summarize_devices(samples, gpus, used, window, rec.start),
         "findings": [],
         "steady_steps": 0 if whole_run else len(steady),
@@ -75,6 +76,9 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     if whole_run:
         for f in findings:
             f["evidence"] = f"no training step ({steps_found(rec)}), so these shares are of the whole run; " + f["evidence"]
+    compiled = compile_findings(rec, recorded_seconds(rec))
+    if compiled:  # torch.compile's causes after the loop's (graph breaks are not timed: no share to rank)
+        findings = [f for f in findings if f["cause"] != "none"] + compiled
     report["findings"] = findings
     report["transforms"] = costly_transforms(rec, step)
     return report

@@ -16,7 +16,8 @@ import statistics
 from gpulab.monitor.events import BINS_PER_OCTAVE, CATEGORIES, Recording
 
 PHASE_NAMES = {
-    "data_wait": "data wait", "compute": "compute", "collective": "collectives", "sync": "host syncs", "h2d": "copies", "other": "other Python",
+    "data_wait": "data wait", "compute": "compute", "collective": "collectives", "sync": "host syncs", "h2d": "copies",
+    "compile": "compiling", "other": "other Python",
 }
 
 OUTLIER_FACTOR = 10.0  # a step 10x the median is an epoch boundary (evaluation, checkpoint), not a step
@@ -26,18 +27,31 @@ def step_seconds(step: dict) -> float:
     return step["t1"] - step["t0"]
 
 
+def recorded_seconds(rec: Recording) -> float:
+    """How long the process was recorded: from the recorder's start to its end (or, for a process
+    that died, to the end of the last step recorded)."""
+    if not rec.t_start:
+        return 0.0
+    ends = [s["t1"] for s in rec.steps[-1:]] + [b["t1"] for b in rec.blocks[-1:]]
+    ends += [x["t1"] for x in (rec.tail,) if x] + [x["t"] for x in (rec.end,) if x]
+    return max(ends, default=rec.t_start) - rec.t_start
+
+
 def select_steady(steps: list[dict], warmup_steps: int) -> tuple[list[dict], dict]:
-    """Steps that represent the loop: warm-up, the kernel window and epoch-boundary outliers excluded."""
+    """Steps that represent the loop: warm-up, gpulab's measurement windows, steps torch.compile
+    compiled in (their compile time: analyze/compiled.py) and epoch-boundary outliers excluded."""
     unprofiled = [s for s in steps if not s.get("profiled")]
-    after_warmup = [s for s in unprofiled if s["i"] >= warmup_steps]
-    candidates = after_warmup or unprofiled or list(steps)  # a very short run: use what there is
+    loop = [s for s in unprofiled if not s["excl"].get("compile", 0.0)] or unprofiled
+    after_warmup = [s for s in loop if s["i"] >= warmup_steps]
+    candidates = after_warmup or loop or list(steps)  # a very short run: use what there is
     if not candidates:
-        return [], {"warmup": 0, "profiler_window": 0, "outliers": 0}
+        return [], {"warmup": 0, "profiler_window": 0, "compiling": 0, "outliers": 0}
     median = statistics.median(step_seconds(s) for s in candidates)
     steady = [s for s in candidates if step_seconds(s) <= OUTLIER_FACTOR * median]
     return steady, {
-        "warmup": len(unprofiled) - len(after_warmup) if after_warmup else 0,
+        "warmup": len(loop) - len(after_warmup) if after_warmup else 0,
         "profiler_window": len(steps) - len(unprofiled),
+        "compiling": len(unprofiled) - len(loop),
         "outliers": len(candidates) - len(steady),
     }
 
@@ -84,8 +98,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def shown_phases(shares: dict[str, float]) -> list[tuple[str, float]]:
-    """The phases worth a word in a one-line summary: collectives only in a job that had any."""
-    return [(name, value) for name, value in shares.items() if name != "collective" or value > 0]
+    """The phases worth a word in a one-line summary: collectives and compiling only in a job that had any."""
+    return [(name, value) for name, value in shares.items() if name not in ("collective", "compile") or value > 0]
 
 
 class StepCosts:
@@ -97,8 +111,8 @@ class StepCosts:
         self.n = n
         total = {c: sum(s["excl"].get(c, 0.0) for s in steady) for c in CATEGORIES}
         self.S = sum(step_seconds(s) for s in steady) / n
-        self.D, self.H, self.C, self.K, self.Y, self.O = (
-            total[c] / n for c in ("data_wait", "h2d", "compute", "collective", "sync", "other"))
+        self.D, self.H, self.C, self.K, self.Y, self.M, self.O = (
+            total[c] / n for c in ("data_wait", "h2d", "compute", "collective", "sync", "compile", "other"))
         counts: dict[str, float] = {}
         for s in steady:
             for k, v in s.get("counts", {}).items():
@@ -120,7 +134,7 @@ class StepCosts:
 
     def shares(self) -> dict[str, float]:
         values = {"data_wait": self.D, "compute": self.C, "collective": self.K, "sync": self.Y, "h2d": self.H,
-                  "other": self.O}
+                  "compile": self.M, "other": self.O}
         return {k: round(v / self.S, 4) if self.S > 0 else 0.0 for k, v in values.items()}
 
 

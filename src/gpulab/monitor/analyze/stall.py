@@ -39,7 +39,8 @@ def find_stalls(lanes: list[Recording], warmup_steps: int, snapshots: list[dict]
 def _long_steps(rec: Recording, warmup_steps: int) -> list[dict]:
     """Steps far longer than the median of the detailed ones; after the detailed window, each
     block's longest step stands for the block."""
-    steps = [s for s in rec.steps if s["i"] >= warmup_steps and not s.get("profiled")]
+    # a step torch.compile compiled in is long for a reason of its own (analyze/compiled.py)
+    steps = [s for s in rec.steps if s["i"] >= warmup_steps and not s.get("profiled") and not s["excl"].get("compile")]
     if len(steps) < 3:
         return []
     median = statistics.median(step_seconds(s) for s in steps)

@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from gpulab.monitor.output import timeline, trace
 from gpulab.monitor.config import ProfileConfig
+from gpulab.monitor.analyze.compiled import compile_summary
 from gpulab.monitor.analyze.diagnose import diagnose
 from gpulab.monitor.analyze.failure import failure_finding, job_failure
 from gpulab.monitor.analyze.hang import hang_finding
@@ -36,6 +37,7 @@ def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler:
     end = rec.end or {}
     report.update({
         "memory": memory_summary(rec),
+        "compile": compile_summary(rec),
         "command": rec.start.get("command"),
         "exit_code": exit_code,
         "complete": rec.end is not None and exit_code == 0,
@@ -181,6 +183,11 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
                      f"{shares}[/]")
     if report.get("memory"):
         lines.append(f"  {escape(memory_line(report['memory']))}")
+    if report.get("compile"):
+        c = report["compile"]
+        lines.append(f"  torch.compile: {c['compiles']} compiles, {c['seconds']:.1f} s (recompiles "
+                     f"{c['recompile_seconds']:.1f} s), {sum(g['count'] for g in c['recompiles'])} recompiles, "
+                     f"{sum(g['count'] for g in c['graph_breaks'])} graph breaks - apart from the steady steps")
     for missing in report.get("not_measured", []):
         lines.append(f"  [yellow]not measured:[/] {escape(missing)}")
     for n, f in enumerate(report["findings"], 1):
@@ -192,8 +199,10 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
             lines.append(f"  [bold green]no bottleneck stands out[/]: {escape(f['evidence'])}")
             lines.append(f"     [dim]next:[/]  {escape(f['fix'])}")
             continue
-        lines.append(f"  [bold]{n}. {f['cause']}[/] [red]{f['share']:.0%}[/] of {f.get('share_of', 'step time')}"
-                     + (f" (rank {f['rank']})" if f.get("rank") is not None else ""))
+        share = f"[red]{f['share']:.0%}[/] of {f.get('share_of', 'step time')}"
+        if f.get("share_of", "").startswith("not timed"):
+            share = f"[dim]({escape(f['share_of'])})[/]"
+        lines.append(f"  [bold]{n}. {f['cause']}[/] {share}" + (f" (rank {f['rank']})" if f.get("rank") is not None else ""))
         lines.append(f"     [dim]evidence:[/] {escape(f['evidence'])}")
         if f["where"]:
             lines.append(f"     [dim]where:[/]    {escape(f['where'])}")

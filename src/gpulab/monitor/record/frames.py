@@ -14,8 +14,10 @@ from pathlib import Path
 from types import FrameType
 
 _MONITOR_DIR = str(Path(__file__).resolve().parent.parent)  # all of gpulab/monitor
-# gpulab/memory measures the memory window's step from inside it: the profiler's lines, not the user's
+# gpulab/memory measures the memory window's step from inside it, gpulab/compiler.py reads
+# torch.compile's callbacks and logs: the profiler's lines, not the user's
 _MEMORY_DIR = str(Path(__file__).resolve().parent.parent.parent / "memory")
+_COMPILER_FILE = str(Path(__file__).resolve().parent.parent.parent / "compiler.py")
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -28,7 +30,7 @@ def _library_roots() -> tuple[str, ...]:
         roots.add(str(Path(torch.__file__).resolve().parent))
     except ImportError:
         pass
-    return tuple(os.path.realpath(r) + os.sep for r in roots)
+    return (*(os.path.realpath(r) + os.sep for r in roots), os.path.realpath(_COMPILER_FILE))
 
 
 _ROOTS: tuple[str, ...] | None = None

@@ -36,8 +36,11 @@ class Seen:
 
 
 class MemoryWindow:
-    def __init__(self, emit: Callable[[dict], None], enabled: bool):
+    def __init__(self, emit: Callable[[dict], None], enabled: bool, compiling: Callable[[], bool] = lambda: False):
+        """`compiling()`: has the process compiled code (torch.compile)? Then the window adds no
+        global module hooks (StepMemoryProbe.begin: per_module), on which compiled code guards."""
         self._emit = emit
+        self._compiling = compiling
         self.done = not enabled
         self.models = Seen()  # outermost modules called (also for reading an out-of-memory error)
         self.optimizers = Seen()  # optimizers stepped
@@ -65,7 +68,7 @@ class MemoryWindow:
                     self._probe = StepMemoryProbe(self._device())
                     self._probe.prepare()
             elif not self._measuring:
-                self._probe.begin(list(self.models), list(self.optimizers))
+                self._probe.begin(list(self.models), list(self.optimizers), per_module=not self._compiling())
                 self._measuring, self._step = True, steps_done
             else:
                 record: MemoryRecord = {"type": "memory", "step": self._step, **self._probe.end()}

@@ -30,6 +30,9 @@ Patches (no hook exists for these; docs/profiling.md says why for each)
     (torch.cuda.set_sync_debug_mode, public)
 Process-wide
     os.register_at_fork   a forked child records as its own lane (a DataLoader worker: nothing)
+torch.compile (once the script imports torch._dynamo; compiled.py, gpulab.compiler)
+    torch._dynamo.callback's compile start/end callbacks; the log artifacts recompiles,
+    graph_breaks, perf_hints read by gpulab's handler (not passed on to torch's own)
 
 Every patch keeps the signature, name and docstring of what it replaces (functools.update_wrapper:
 `inspect.signature` follows `__wrapped__`), so frameworks that introspect them work: Lightning
@@ -58,7 +61,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from gpulab.errors import UserError
-from gpulab.monitor.record.frames import user_site
+from gpulab.monitor.record.frames import format_site, user_site
 from gpulab.monitor.record.interpreter import after_import
 
 # torch.distributed calls that block until the collective is done (unless async_op=True, when the
@@ -163,6 +166,7 @@ def install(rec) -> Patches:
     if rec.cfg.torch_threads:
         _force_torch_threads(p, rec.cfg.torch_threads)
     _follow_forks(rec, nesting)
+    p.on_undo(after_import("torch._dynamo", lambda dynamo: _watch_compiles(rec, p)))
     rec.cuda.install(p.patch)
     p.on_undo(rec.cuda.uninstall)  # first out: sync debug mode and the warning filter
     return p
@@ -401,6 +405,16 @@ def _autograd(rec, nesting: _Nesting, name: str, original):
             rec.steps.backward_done()
 
     return wrapper
+
+
+def _watch_compiles(rec, p: Patches) -> None:
+    """torch.compile's compiles and messages (compiled.py), once the script has imported
+    torch._dynamo: gpulab.compiler imports it, ~1 s that a script which never does is spared."""
+    from gpulab.compiler import CUDAGRAPH_MODULE, CompileWatch
+
+    rec.compiles.install(lambda on_event: CompileWatch(on_event, user_site, format_site))
+    p.on_undo(rec.compiles.remove)
+    p.on_undo(after_import(CUDAGRAPH_MODULE, lambda trees: rec.compiles.read_cudagraph_skips()))
 
 
 def _phase(rec, name: str):

@@ -9,6 +9,7 @@ the work, one job each:
     stacks.StackSampler     the hottest user line of each category
     transforms.TransformSpans   per-sample transforms inside a DataLoader fetch
     ddp.DdpWait             DDP's wait for its allreduce at the end of backward
+    compiled.CompileProbe   torch.compile's compiles (their own time), recompiles, graph breaks
     memory.MemoryWindow     one step measured for memory: the peak and what it is made of
     writer.EventWriter      records out (format: monitor/events.py)
     cuda.CudaHooks          CUDA only: host syncs, copies, the kernel window
@@ -36,6 +37,7 @@ from gpulab.memory.oom import is_out_of_memory, read_out_of_memory
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import EndRecord, OomRecord, ProcessRecord, RankRecord, StartRecord, events_file
 from gpulab.monitor.record import patches
+from gpulab.monitor.record.compiled import CompileProbe
 from gpulab.monitor.record.cuda import CudaHooks
 from gpulab.monitor.record.ddp import DdpWait
 from gpulab.monitor.record.frames import format_site, is_user_file, user_site
@@ -54,7 +56,7 @@ class Recorder:
         self.writer = EventWriter(events_path, self._snapshots, cfg.detail_steps)
         self.cuda = CudaHooks(self, window_after_step=cfg.warmup_steps, window_steps=cfg.kernel_window_steps)
         self.ddp = DdpWait()
-        self.memory = MemoryWindow(self.writer.emit, cfg.memory_window)
+        self.memory = MemoryWindow(self.writer.emit, cfg.memory_window, lambda: self.compiles.compiles > 0)
         self.error: str | None = None  # an uncaught exception (note_exception)
         self.error_where: str | None = None  # the innermost user line of its traceback
         self._ident: int | None = None
@@ -63,6 +65,7 @@ class Recorder:
         self.steps = StepAccounting(cfg.trace_steps, self.writer.emit, self._between_steps)
         self.transforms = TransformSpans(self.steps, cfg.warmup_steps)
         self.loaders = Loaders(self.writer.emit)
+        self.compiles = CompileProbe(lambda *span: self.steps.add_closed_span(*span), self.writer.emit, self.here)
         self._new_lane_state()
 
     def _new_lane_state(self) -> None:
@@ -122,7 +125,8 @@ class Recorder:
         self.steps = StepAccounting(self.cfg.trace_steps, self.writer.emit, self._between_steps)
         self.transforms.reset(self.steps)
         self.writer.new_lane(events_file(self.writer.path.parent, self._pid))
-        self.memory = MemoryWindow(self.writer.emit, self.cfg.memory_window)  # the parent's window is the parent's
+        self.memory = MemoryWindow(self.writer.emit, self.cfg.memory_window,  # the parent's window is the parent's
+                                   lambda: self.compiles.compiles > 0)
         self._ident = threading.get_ident()  # the forking thread is the child's only thread
         argv = list(getattr(sys, "orig_argv", sys.argv))
         process: ProcessRecord = {"type": "process", "pid": self._pid, "ppid": os.getppid(), "t": time.perf_counter(),

@@ -1,0 +1,182 @@
+"""torch.compile as a cause: what compiling cost the run, and what made it compile again or break
+its graphs - each with the script's line and the fix. Reads the "compile" records only
+(record/compiled.py).
+
+    compile_time    the run's seconds spent compiling (first compiles, recompiles, backward's
+                    lazy compile, CUDA graph recordings), when they are a share of the run
+    recompile       a compiled function compiled again: the guard that failed (a new input size,
+                    a Python number that changed, a dtype), the line that called it, the fix
+    graph_break     the line that broke a compiled graph and torch's reason, with the fix; not
+                    timed (each break runs the compiled code in pieces with Python between them),
+                    so it is named whatever its share
+    cudagraph_skip  (CUDA, mode="reduce-overhead") CUDA graphs not used, and why
+Compile steps are left out of the steady steps (phases.select_steady): what they cost is here.
+"""
+
+from __future__ import annotations
+
+import re
+
+from gpulab.monitor.analyze.findings import MIN_SHARE, finding
+from gpulab.monitor.events import Recording
+
+MAX_LISTED = 5  # recompile groups, graph breaks and skips named, each
+
+# A recompile's guard failure -> the fix (torch 2.13's wording of the guards).
+_RECOMPILE_FIXES = (
+    (re.compile(r"size mismatch at index (\d+)"), lambda m: (
+        f"the input's size at dimension {m[1]} changes: keep it fixed (DataLoader(drop_last=True), pad to one size), "
+        f"or tell torch it varies - torch._dynamo.mark_dynamic(x, {m[1]}) before the call, or "
+        "torch.compile(..., dynamic=True)")),
+    (re.compile(r"dtype mismatch"), lambda m: "the input's dtype changes: give the compiled code one dtype"),
+    (re.compile(r"requires_grad mismatch"), lambda m: (
+        "an input's requires_grad changes between calls: keep it the same (or detach the input)")),
+    (re.compile(r"(?:==|!=) -?[\d.e+-]+$|type\(.*\) .* float|___check_type_id"), lambda m: (
+        "a Python number (or object) the compiled code reads changed, and each value is a constant of its "
+        "own graph: pass it as a tensor (torch.tensor(value)) so that one graph serves every value")),
+    (re.compile(r"\.training"), lambda m: (
+        "the module switched between train() and eval(): one compile for each mode is expected; compile "
+        "the evaluation separately if it recompiles every epoch")),
+    (re.compile(r"grad_mode|GLOBAL_STATE"), lambda m: (
+        "the call switched between grad and no_grad: one compile for each is expected")),
+)
+_GRAPH_BREAK_FIXES = (
+    (re.compile(r"\.item\(\)|capture_scalar_outputs"), (
+        "keep the value on the device (no .item() inside the compiled code: use the tensor), or let torch "
+        "trace it: torch._dynamo.config.capture_scalar_outputs = True")),
+    (re.compile(r"\bprint\b|builtin.*print|logging", re.I), (
+        "move the print or logging out of the compiled code (log every N steps, outside it)")),
+    (re.compile(r"data.dependent|generic_jump|Data-dependent branching", re.I), (
+        "a Python `if` on a tensor's value: compute both sides and pick with torch.where (or torch.cond)")),
+    (re.compile(r"\.numpy\(\)|\.tolist\(\)|\.cpu\(\)"), (
+        "a read of the tensor's values into Python: keep the computation in torch inside the compiled code")),
+)
+_CUDAGRAPH_FIXES = (
+    (re.compile(r"mutated input", re.I), (
+        "the compiled code writes into one of its inputs in place: write into a new tensor (out = x + 1, "
+        "not x.add_(1)), or clone the input first")),
+    (re.compile(r"cpu (device|tensor)|non-cuda|cpu", re.I), (
+        "a CPU tensor enters the compiled code: move it to the GPU before the call (CUDA graphs replay "
+        "GPU work only)")),
+    (re.compile(r"dynamic shape", re.I), (
+        "the input's shape varies: keep it fixed (each shape records a graph of its own)")),
+)
+
+
+def compile_summary(rec: Recording) -> dict | None:
+    """The compile records in numbers: report.json's "compile"."""
+    if not rec.compiles:
+        return None
+    compiles = [r for r in rec.compiles if r["kind"] == "compile"]
+    first = [r for r in compiles if _attempt(r) == 0]
+    again = [r for r in compiles if _attempt(r) > 0]
+    return {
+        "compiles": len(compiles),
+        "seconds": round(_seconds(compiles), 3),
+        "first_compile_seconds": round(_seconds(first), 3),
+        "recompile_seconds": round(_seconds(again), 3),
+        "by_trigger": {t: round(_seconds([r for r in compiles if r["trigger"] == t]), 3)
+                       for t in sorted({r["trigger"] for r in compiles})},
+        "recompiles": _grouped([r for r in rec.compiles if r["kind"] == "recompile"], ("where", "reason"), "compile_id"),
+        "graph_breaks": _grouped([r for r in rec.compiles if r["kind"] == "graph_break"], ("where", "reason")),
+        "cudagraph_skips": _grouped([r for r in rec.compiles if r["kind"] == "cudagraph_skip"], ("where", "reason")),
+    }
+
+
+def compile_findings(rec: Recording, run_seconds: float) -> list[dict]:
+    """A finding per compile cause (module docstring); shares are of the run (`run_seconds`)."""
+    summary = compile_summary(rec)
+    if summary is None:
+        return []
+    findings = []
+    run = max(run_seconds, summary["seconds"], 1e-9)
+    share = summary["seconds"] / run
+    if share >= MIN_SHARE:
+        f = finding("compile_time", share, _compile_time_evidence(summary), _first_call_line(rec),
+                    fix=("compiling is paid once per shape and process: run long enough to win it back, keep "
+                         "shapes fixed so it happens once (see the recompiles), and keep torch's compile cache "
+                         "(TORCHINDUCTOR_CACHE_DIR, on by default) between runs: a second run compiles in a "
+                         "fraction of the time"))
+        findings.append(_of_the_run(f))
+    for group in summary["recompiles"][:MAX_LISTED]:
+        findings.append(_recompile_finding(rec, group, run))
+    for group in summary["graph_breaks"][:MAX_LISTED]:
+        f = finding("graph_break", 0.0, f"torch.compile breaks the graph at this line ({_times(group['count'])} while "
+                    f"compiling; every call then runs the compiled code in pieces): {group['reason']}",
+                    group["where"], fix=_fix(_GRAPH_BREAK_FIXES, group["reason"],
+                                            "rewrite that line in torch ops, or wrap it in torch.compiler.disable"))
+        f["share_of"] = "not timed: the compiled code runs in pieces with Python between them"
+        findings.append(f)
+    for group in summary["cudagraph_skips"][:MAX_LISTED]:
+        f = finding("cudagraph_skip", 0.0, f"CUDA graphs not used {_times(group['count'])}: {group['reason']}",
+                    group["where"], fix=_fix(_CUDAGRAPH_FIXES, group["reason"],
+                                            "see torch's reason: the compiled code cannot be replayed as a graph"))
+        f["share_of"] = "not timed: the step runs kernel by kernel instead of as one replay"
+        findings.append(f)
+    return findings
+
+
+def _recompile_finding(rec: Recording, group: dict, run: float) -> dict:
+    """A recompile's seconds: every compile of its id (forward, and backward's lazy compile)."""
+    ids = set(group["compile_ids"])
+    seconds = sum(r["t1"] - r["t0"] for r in rec.compiles if r["kind"] == "compile" and r.get("compile_id") in ids)
+    evidence = (f"the compiled code called here compiled again {_times(group['count'])} ({seconds:.2f} s); the guard "
+                f"that failed: {group['reason']}")
+    f = finding("recompile", seconds / run, evidence, group["where"],
+                fix=_fix(_RECOMPILE_FIXES, group["reason"], "keep what the failed guard checks the same between calls"))
+    return _of_the_run(f)
+
+
+def _compile_time_evidence(summary: dict) -> str:
+    parts = [f"{summary['compiles']} compiles took {summary['seconds']:.1f} s: first compiles "
+             f"{summary['first_compile_seconds']:.1f} s, recompiles {summary['recompile_seconds']:.1f} s"]
+    if "lazy_backward" in summary["by_trigger"]:
+        parts.append(f"backward's own compile {summary['by_trigger']['lazy_backward']:.1f} s of it")
+    if "cudagraph_recording" in summary["by_trigger"]:
+        parts.append(f"CUDA graph recording {summary['by_trigger']['cudagraph_recording']:.1f} s")
+    return "; ".join(parts) + " (left out of the steady steps)"
+
+
+def _of_the_run(f: dict) -> dict:
+    f["share_of"] = "the run"
+    return f
+
+
+def _first_call_line(rec: Recording) -> str | None:
+    return next((r["where"] for r in rec.compiles if r["kind"] == "compile" and r.get("where")), None)
+
+
+def _attempt(record: dict) -> int:
+    """The attempt in a compile id "frame/attempt" (0: the frame's first compile)."""
+    _, _, attempt = (record.get("compile_id") or "").partition("/")
+    return int(attempt) if attempt.isdigit() else 0
+
+
+def _seconds(records: list[dict]) -> float:
+    return sum(r["t1"] - r["t0"] for r in records)
+
+
+def _grouped(records: list[dict], keys: tuple[str, ...], collect: str | None = None) -> list[dict]:
+    """Records that say the same at the same line, counted (and `collect`'s values listed, as
+    "<collect>s"); most frequent first."""
+    groups: dict[tuple, dict] = {}
+    for r in records:
+        key = tuple(r.get(k) for k in keys)
+        group = groups.setdefault(key, {**{k: r.get(k) for k in keys}, "count": 0,
+                                        **({f"{collect}s": []} if collect else {})})
+        group["count"] += 1
+        if collect:
+            group[f"{collect}s"].append(r.get(collect))
+    return sorted(groups.values(), key=lambda g: g["count"], reverse=True)
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+def _fix(rules, reason: str | None, default: str) -> str:
+    for pattern, fix in rules:
+        m = pattern.search(reason or "")
+        if m:
+            return fix(m) if callable(fix) else fix
+    return default

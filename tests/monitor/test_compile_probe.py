@@ -1,0 +1,59 @@
+"""torch.compile as a profile cause (issue 35): the planted scripts' compile time split out of
+the steady steps, the recompile named with its guard failure, line and fix, the graph break with
+its reason, line and fix - each against what the script measures of itself. An eager script gets
+no compile report (test_profile_safety.py); the CUDA graph skip is in test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def profile(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "prof"
+    done = subprocess.run([sys.executable, "-m", "gpulab", "profile", "--out", str(out), "--", sys.executable,
+                           str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, json.loads((out / "report.json").read_text())
+
+
+def planted(script: str) -> str:
+    lines = (SCRIPTS / script).read_text().splitlines()
+    return f"{script}:{next(i for i, line in enumerate(lines, 1) if '# planted:' in line)}"
+
+
+def truth(stdout: str) -> dict[str, str]:
+    words = next(line for line in stdout.splitlines() if line.startswith("TRUTH ")).split()[1:]
+    return dict(zip(words[0::2], words[1::2]))
+
+
+def by_cause(report: dict, cause: str) -> list[dict]:
+    return [f for f in report["findings"] if f["cause"] == cause]
+
+
+def test_a_changing_batch_size_is_a_recompile_at_its_line_and_compiling_is_apart_from_the_steps(tmp_path):
+    done, report = profile(tmp_path, "compile_recompile.py")
+    told = truth(done.stdout)
+    compiled = report["compile"]
+    # the script's own clock: the steps that met a new size, compile and all
+    assert 0.5 * float(told["first_calls_s"]) <= compiled["seconds"] <= float(told["first_calls_s"]) * 1.05 + 0.1
+    assert report["excluded_steps"]["compiling"] >= 2  # the compiling steps are not steady steps
+    assert report["step_time_s"]["median"] < 10 * float(told["median_step_ms"]) / 1e3
+    (recompile,) = by_cause(report, "recompile")
+    assert recompile["where"].endswith(planted("compile_recompile.py"))
+    assert "size mismatch at index 0" in recompile["evidence"] and "mark_dynamic(x, 0)" in recompile["fix"]
+    (spent,) = by_cause(report, "compile_time")
+    assert spent["share"] >= 0.1 and spent["where"].endswith(planted("compile_recompile.py"))
+
+
+def test_an_item_in_forward_is_a_graph_break_at_its_line_with_the_fix(tmp_path):
+    done, report = profile(tmp_path, "compile_graph_break.py")
+    (broke,) = by_cause(report, "graph_break")
+    assert broke["where"].endswith(truth(done.stdout)["graph_break_line"]) and "Tensor.item()" in broke["evidence"]
+    assert "keep the value on the device" in broke["fix"]
+    assert "[__graph_breaks]" not in done.stderr and "[__recompiles]" not in done.stderr  # gpulab's reading is silent
+
