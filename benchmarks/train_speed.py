@@ -27,71 +27,30 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from gpulab import data
+from gpulab.bench import textbook
 from gpulab.bench.environment import environment
 from gpulab.devices import resolve, synchronize
 from gpulab.io import atomic_write_json
 from gpulab.train import TrainConfig, build
 from gpulab.train.loop import evaluate, train_epoch
 
-BATCH = 256
+BATCH = textbook.BATCH
 
 # ----------------------------------------------------------------------------- the textbook's way
 
 
-def textbook_params(device):
-    scale = 0.01
-    shapes = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
-    params = [torch.randn(s) * scale if len(s) > 1 else torch.zeros(s) for s in shapes]
-    return [p.to(device).requires_grad_() for p in params]
-
-
-def textbook_lenet(X, params):
-    h1 = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2, stride=2)
-    h2 = F.avg_pool2d(F.relu(F.conv2d(h1, params[2], params[3])), kernel_size=2, stride=2)
-    h2 = h2.reshape(h2.shape[0], -1)
-    h3 = F.relu(torch.mm(h2, params[4]) + params[5])
-    return torch.mm(h3, params[6]) + params[7]
-
-
-def textbook_allreduce(data):
-    for i in range(1, len(data)):
-        data[0][:] += data[i].to(data[0].device)
-    for i in range(1, len(data)):
-        data[i][:] = data[0].to(data[i].device)
-
-
-def textbook_train_batch(X, y, device_params, devices, lr):
-    X_shards = torch.nn.parallel.scatter(X, devices) if devices[0].type == "cuda" else [X]
-    y_shards = torch.nn.parallel.scatter(y, devices) if devices[0].type == "cuda" else [y]
-    ls = [
-        F.cross_entropy(textbook_lenet(Xs, W), ys, reduction="none").sum()
-        for Xs, ys, W in zip(X_shards, y_shards, device_params)
-    ]
-    for l in ls:
-        l.backward()
-    with torch.no_grad():
-        for i in range(len(device_params[0])):
-            textbook_allreduce([device_params[c][i].grad for c in range(len(devices))])
-    for params in device_params:
-        with torch.no_grad():
-            for p in params:
-                p -= lr * p.grad / X.shape[0]
-                p.grad.zero_()
-
-
 def run_textbook(train_split, test_split, device, steps: int) -> dict:
     torch.manual_seed(0)
-    params = textbook_params(device)
+    params = textbook.params(device)
     train_iter = DataLoader(data.ImageDataset(train_split), BATCH, shuffle=True, num_workers=4)
     test_iter = DataLoader(data.ImageDataset(test_split), BATCH, num_workers=4)
     done, t0 = 0, time.perf_counter()
     while done < steps:
         for X, y in train_iter:
-            textbook_train_batch(X.to(device), y.to(device), [params], [device], lr=0.2)
+            textbook.train_batch(X.to(device), y.to(device), [params], [device], lr=textbook.LR)
             synchronize([device])  # the chapter waits for every batch
             done += 1
             if done == steps:
@@ -100,7 +59,7 @@ def run_textbook(train_split, test_split, device, steps: int) -> dict:
     correct = total = 0
     with torch.no_grad():
         for X, y in test_iter:  # the chapter evaluates on one device, one batch at a time
-            correct += (textbook_lenet(X.to(device), params).argmax(1) == y.to(device)).sum().item()
+            correct += (textbook.lenet(X.to(device), params).argmax(1) == y.to(device)).sum().item()
             total += len(y)
     return {"samples_per_s": steps * BATCH / seconds, "seconds": seconds, "test_acc": correct / total}
 

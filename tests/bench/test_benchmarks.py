@@ -146,3 +146,25 @@ def test_gloo_ranks_in_threads_sum_exactly():
     finally:
         ranks.close()
     assert result.checks[-1].passed and t.median_s > 0
+
+
+def test_training_floor_counts_lenet_s_multiply_adds_from_its_layers():
+    from gpulab.bench import training
+
+    # conv1 26x26x20x(1x3x3), conv2 9x9x50x(20x5x5), fc 800x128 and 128x10; x2 FLOPs, x3 with backward
+    macs = 26 * 26 * 20 * 9 + 9 * 9 * 50 * 20 * 25 + 800 * 128 + 128 * 10
+    assert training.training_flops_per_sample() == 6 * macs
+
+
+def test_training_ratios_are_round_by_round_against_the_textbook():
+    from gpulab.bench import training
+    from gpulab.bench.report import Result
+
+    result = Result(name="training", lesson="", config={}, env={}, preset="tiny")
+    table = result.table("training", "", [])
+    runs = {training.TEXTBOOK: [{"wall_s": 20, "train_s": 9, "compile_s": 0, "test_acc": 0.8}] * 2,
+            training.EAGER: [{"wall_s": 5, "train_s": 2, "compile_s": 0, "test_acc": 0.9},
+                             {"wall_s": 10, "train_s": 2, "compile_s": 0, "test_acc": 0.9}]}
+    rows = training._rows(table, "cpu", runs, epochs=2)
+    assert rows[training.EAGER]["ratio_min"] == 2.0 and rows[training.EAGER]["ratio_max"] == 4.0
+    assert rows[training.EAGER]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch

@@ -1,0 +1,197 @@
+"""training: the textbook's LeNet chapter against `gpulab train`, eager and compiled, on the same
+data, each as a whole process - start-up, data, compiling and evaluation included - as a user
+runs it.
+
+Per device, `rounds` rounds; in each, every contender runs once, in turn (interleaved, so that the
+machine's drift hits all alike): the textbook's port (gpulab.bench.textbook: per-sample
+DataLoader with 4 workers, functional LeNet, manual SGD, a sync per batch), `gpulab train` as it
+is (eager), `gpulab train --compile on`, and on CUDA `--compile graphs`. Each trains `epochs`
+epochs. A row gives the medians over the rounds, [min .. max]: the whole process's seconds per
+epoch, the training seconds per epoch (gpulab's metrics.json, compile time apart; the
+textbook's epochs), the compile seconds, the test accuracy after the last epoch, and the ratio
+to the textbook's whole-process seconds per epoch, round by round.
+
+The floor beside the rows: LeNet's multiply-adds per sample (its layers' shapes, forward, and
+twice that for backward: ~13.5 MFLOP per training sample) times the epoch's samples, over the
+device's own peak as measured here (a large matmul in fp32, and in bf16 where autocast uses it):
+the seconds an epoch would take if every FLOP ran at matmul speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpulab import data, models
+from gpulab.data.fashion_mnist import find, write_subset
+from gpulab.bench.harness import measure
+from gpulab.bench.report import Column, Result, figure
+from gpulab.devices import format_devices
+
+LESSON = (
+    "Keeping the dataset on the device, reading nothing back inside the epoch and fusing the step "
+    "beat the textbook's per-sample pipeline several times over, whole process against whole process."
+)
+
+EAGER, COMPILED, GRAPHS, TEXTBOOK = "gpulab train", "gpulab train --compile on", "gpulab train --compile graphs", "textbook"
+
+
+@dataclass(kw_only=True)
+class Config:
+    epochs: int = 10
+    """Epochs per run: 10 gives the accuracy the recipe is known for (>= 0.90)."""
+    rounds: int = 3
+    samples: int | None = None
+    """Training samples (None: the whole of Fashion-MNIST); fewer for smoke tests."""
+    timeout_s: float = 3600.0
+
+
+PRESETS = {
+    "full": {},
+    "quick": dict(epochs=1, rounds=2),
+    "tiny": dict(epochs=1, rounds=1, samples=1024, timeout_s=600.0),
+}
+
+
+def contenders(device: torch.device) -> dict[str, list[str]]:
+    """Name -> the command after `python -m`."""
+    spec = format_devices([device]).strip("[]")
+    gpulab = ["gpulab", "train", "--devices", spec]
+    found = {TEXTBOOK: ["gpulab.bench.textbook"], EAGER: gpulab, COMPILED: [*gpulab, "--compile", "on"]}
+    if device.type == "cuda":
+        found[GRAPHS] = [*gpulab, "--compile", "graphs"]
+    return found
+
+
+def run_once(command: list[str], epochs: int, spec: str, data_dir: Path, out: Path, timeout_s: float) -> dict:
+    """One contender as its own process: whole-process seconds, and what it reports of itself."""
+    env_data = {"GPULAB_DATA": str(data_dir)}
+    if command[0] == "gpulab.bench.textbook":
+        argv = [sys.executable, "-m", *command, str(epochs), spec]
+    else:
+        argv = [sys.executable, "-m", *command, "--epochs", str(epochs), "--out", str(out)]
+    t0 = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env_data})
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    if command[0] == "gpulab.bench.textbook":
+        told = json.loads(done.stdout.strip().splitlines()[-1])
+        return {"wall_s": wall, "train_s": statistics.median(told["epoch_seconds"]), "compile_s": 0.0,
+                "test_acc": told["test_acc"]}
+    rows = json.loads((out / "metrics.json").read_text())
+    return {"wall_s": wall, "train_s": statistics.median(r["train_seconds"] for r in rows),
+            "compile_s": sum(r.get("compile_seconds", 0.0) for r in rows), "test_acc": rows[-1]["test_acc"]}
+
+
+def training_flops_per_sample() -> float:
+    """LeNet's multiply-adds per sample from its layers (output positions x kernel x channels),
+    x2 FLOPs, x3 for forward + backward (the input gradient and the weight gradient each cost
+    about a forward)."""
+    model = models.build("lenet")
+    macs, size = 0, 28
+    for layer in (model.conv1, model.conv2):
+        size = size - layer.kernel_size[0] + 1
+        macs += size * size * layer.out_channels * layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1]
+        size //= 2  # the 2x2 average pool
+    macs += sum(fc.in_features * fc.out_features for fc in (model.fc1, model.fc2))
+    return 2 * 3 * macs
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large matmul on `device` in `dtype`: what the device can do at best, here."""
+    n = 2048
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    timing = measure(lambda: a @ b, [device], repeats=5, max_total_s=3.0)
+    return 2 * n**3 / timing.median_s
+
+
+def run(cfg: Config, ctx, result: Result) -> None:
+    table = result.table("training", f"LeNet, {cfg.epochs} epoch(s) per run, {cfg.rounds} round(s), whole processes "
+                         "(medians [min .. max] over the rounds)", [
+        Column("device", "device"), Column("contender", "contender"),
+        Column("epoch_s", "s/epoch, whole process", "seconds"), Column("train_s", "s/epoch, training", "seconds"),
+        Column("compile_s", "compiling", "seconds"), Column("test_acc", "test acc", "num"),
+        Column("ratio", "vs textbook", "ratio"), Column("ratio_range", "[min .. max]"),
+    ])
+    summary = {}
+    with tempfile.TemporaryDirectory(prefix="gpulab-bench-training-") as tmp:
+        data_dir = _data(Path(tmp) / "data", cfg.samples)
+        samples = len(data.load(data_dir)[0])
+        for device in ctx.single_devices():
+            spec = format_devices([device]).strip("[]")
+            runs: dict[str, list[dict]] = {}
+            for r in range(cfg.rounds):
+                for name, command in contenders(device).items():
+                    ctx.progress(f"training {spec} round {r + 1}/{cfg.rounds}: {name}")
+                    out = Path(tmp) / f"run-{spec.replace(':', '')}-{r}-{len(runs.get(name, []))}-{name.split()[-1]}"
+                    runs.setdefault(name, []).append(run_once(command, cfg.epochs, spec, data_dir, out, cfg.timeout_s))
+            # the same training compiled or not: the same accuracy, within float32 reordering
+            for r_eager, r_compiled in zip(runs[EAGER], runs[COMPILED]):
+                result.check(f"{spec}: test accuracy compiled == eager", r_compiled["test_acc"], r_eager["test_acc"],
+                             rtol=0, atol=0.02)
+            summary[spec] = _rows(table, spec, runs, cfg.epochs)
+            summary[spec]["floor"] = _floor(result, device, samples)
+    fastest = {spec: max((v for k, v in s.items() if k != "floor"), key=lambda x: x["ratio"]) for spec, s in summary.items()}
+    result.summary = {"devices": summary, "headline": "; ".join(
+        f"{spec}: {best['contender']} {best['ratio']:.2f}x the textbook per epoch, whole process "
+        f"(test acc {best['test_acc']:.3f})" for spec, best in fastest.items())}
+
+
+def _rows(table, spec: str, runs: dict[str, list[dict]], epochs: int) -> dict:
+    median = statistics.median
+    textbook = [r["wall_s"] / epochs for r in runs[TEXTBOOK]]
+    rows = {}
+    for name, measured in runs.items():
+        per_epoch = [r["wall_s"] / epochs for r in measured]
+        ratios = [t / p for t, p in zip(textbook, per_epoch)]  # round by round
+        row = {"contender": name, "epoch_s": median(per_epoch), "train_s": median(r["train_s"] for r in measured),
+               "compile_s": median(r["compile_s"] for r in measured), "test_acc": median(r["test_acc"] for r in measured),
+               "ratio": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        table.add(device=spec, **row, ratio_range=f"[{min(ratios):.2f} .. {max(ratios):.2f}]")
+        rows[name] = row
+    return rows
+
+
+def _floor(result: Result, device: torch.device, samples: int) -> dict:
+    flops = training_flops_per_sample() * samples
+    floor = {"flops_per_epoch": flops}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        rate = peak_flops(device, dtype)
+        floor[name] = {"peak_flop_s": rate, "epoch_s": flops / rate}
+    result.note(f"{format_devices([device]).strip('[]')}: the floor - {flops / 1e9:.0f} GFLOP per epoch (LeNet, "
+                f"{training_flops_per_sample() / 1e6:.1f} MFLOP per training sample) at this device's matmul peak: "
+                f"{floor['fp32']['epoch_s']:.2f} s in fp32 ({floor['fp32']['peak_flop_s'] / 1e9:.0f} GFLOP/s), "
+                f"{floor['bf16']['epoch_s']:.2f} s in bf16 ({floor['bf16']['peak_flop_s'] / 1e9:.0f} GFLOP/s)")
+    return floor
+
+
+def _data(folder: Path, samples: int | None) -> Path:
+    """Fashion-MNIST where it is found (the whole of it), or its first `samples` images."""
+    if samples is None:
+        return Path(find()["train_images"]).parent
+    return write_subset(folder, samples, num_test=max(256, samples // 4))
+
+
+def plot(result: Result):
+    fig, (ax,) = figure(width=7.5, height=4.2)
+    rows = result.tables["training"].rows if "training" in result.tables else []
+    labels = [f"{r['device']}\n{r['contender'].replace('gpulab train', 'gpulab')}" for r in rows]
+    bars = ax.bar(range(len(rows)), [r["epoch_s"] for r in rows],
+                  color=["tab:gray" if r["contender"] == TEXTBOOK else "tab:blue" for r in rows])
+    ax.bar_label(bars, [f"{r['ratio']:.2f}x" for r in rows], fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("seconds per epoch (whole process)")
+    ax.set_title("LeNet on Fashion-MNIST: the textbook's chapter vs gpulab train")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
