@@ -33,7 +33,7 @@ from torch import nn
 from gpulab.models import build
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.record.recorder import Recorder
-from gpulab.monitor.sampler import Sampler
+from gpulab.monitor.parent.sampler import Sampler
 
 BUDGET = 0.01  # the requirement: the sampler costs <= 1 % of step time
 MODES = ("baseline", "sampler", "profile")

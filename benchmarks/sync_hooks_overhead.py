@@ -1,7 +1,7 @@
 """Host-sync detection: gpulab's Tensor method patches vs one TorchFunctionMode, cost per op and per step.
 
 On a CUDA build `gpulab profile` finds host syncs by replacing Tensor methods with timed wrappers
-(monitor/record/cuda.py: `CudaHooks.install`): item, tolist, numpy, cpu, nonzero, __bool__, __int__,
+(monitor/record/probes/cuda.py: `CudaSyncProbe.hook`): item, tolist, numpy, cpu, nonzero, __bool__, __int__,
 __float__, __index__, __repr__, __format__ (`_timed_sync`) and to, cuda (`_timed_copy`). The
 alternative (issue 24, item 4) is one public `torch.overrides.TorchFunctionMode` whose
 `__torch_function__` sees every torch function and Tensor method call and acts only on those
@@ -9,7 +9,7 @@ names. This script measures what each costs, on this machine's torch, side by si
 
   plain    torch as it is
   patches  the 13 Tensor methods replaced through gpulab's own `Patches` by gpulab's own wrappers
-           (`CudaHooks._timed_sync` / `_timed_copy`, with a stub recorder whose `here()` is the
+           (`CudaSyncProbe._timed_sync` / `_timed_copy`, with a stub sink whose `here()` is the
            real one: is the caller the recorded thread?)
   mode     a TorchFunctionMode whose `__torch_function__` looks `func` up in a dict of the same 13
            methods: a hit goes through the very same wrapper (same checks, same order), a miss
@@ -59,8 +59,8 @@ from torch.overrides import TorchFunctionMode
 from gpulab.bench.environment import OtherLoad, contention_warning, environment
 from gpulab.io import atomic_write_json
 from gpulab.models.lenet import LeNet
-from gpulab.monitor.record.cuda import SYNC_METHODS, CudaHooks
 from gpulab.monitor.record.patches import Patches
+from gpulab.monitor.record.probes.cuda import SYNC_METHODS, CudaSyncProbe
 
 COPY_METHODS = ("to", "cuda")
 VARIANTS = ("plain", "patches", "mode")
@@ -68,35 +68,32 @@ VARIANTS = ("plain", "patches", "mode")
 
 # ---------------------------------------------------------------------------------- the wrappers
 
-class StubRecorder:
-    """What the wrappers ask of gpulab's Recorder: `here()` (the same test) and the add_* sinks."""
+class StubSink:
+    """What the wrappers ask of gpulab's sink: `here()` (the same test) and where a sync or copy goes."""
 
     def __init__(self):
-        self._ident = threading.get_ident()
+        self.ident = threading.get_ident()
         self.recorded = 0
-        self.writer = self  # CudaHooks hands `writer.emit` to its kernel window (unused here)
-
-    def emit(self, record) -> None:
-        pass
+        self.steps_done = 0
 
     def here(self) -> bool:
-        return threading.get_ident() == self._ident
+        return threading.get_ident() == self.ident
 
-    def add_sync(self, *args) -> None:
+    def closed_span(self, *args) -> None:
         self.recorded += 1
 
-    def add_h2d(self, *args) -> None:
-        self.recorded += 1
+    def count(self, *args) -> None:
+        pass
 
 
 def make_hooks():
-    hooks = CudaHooks(StubRecorder(), 0, 0)
-    hooks.enabled = True  # what install() sets; sync_debug stays False, as before CUDA is initialised
+    hooks = CudaSyncProbe(warmup_steps=0)
+    hooks.sink = StubSink()  # what install() sets; sync debug mode stays off, as before CUDA is initialised
     return hooks
 
 
 def install_patches(hooks) -> Patches:
-    """What CudaHooks.install patches (install() itself returns early on a CPU build)."""
+    """What CudaSyncProbe.hook patches (it returns early on a CPU build)."""
     p = Patches()
     hooks.wrap_sync_points(p.patch)
     return p
@@ -347,7 +344,7 @@ def main() -> None:
     gc.enable()
     other_load["per_step"] = round(load.pct(), 1)
     t_steps = time.perf_counter()
-    assert hooks.rec.recorded == 0, "a CPU tensor must never be recorded"
+    assert hooks.sink.recorded == 0, "a CPU tensor must never be recorded"
 
     summary: dict = {"per_call": {}, "per_step": {}}
     say()

@@ -374,7 +374,7 @@ def check_plan_fits_cuda(check: Check, out: Path) -> str:
 
 SAMPLER_PROBE = textwrap.dedent("""
     import json, sys, threading, time, torch
-    from gpulab.monitor.sampler import GPM_MIN_GAP_S, Sampler
+    from gpulab.monitor.parent.sampler import GPM_MIN_GAP_S, Sampler
     s = Sampler(interval_s=0.05).start()
     x = torch.randn(4096, 4096, device="cuda")
     t_end = time.monotonic() + 2.0

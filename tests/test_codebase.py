@@ -3,7 +3,10 @@
 - gpulab's modules import one another one way only - no cycle of any length, imports inside
   functions included (a lazy import that closes a circle is still a circle);
 - the profiler is split at its event format: the analysis and the output read events, never
-  torch or the recorder; the parent process of `gpulab profile` never imports torch;
+  torch or the recorder; the parent process of `gpulab profile` (monitor/parent/) never imports
+  torch; the recording side is made of probes that never reach into one another (they write
+  through the sink and learn through notices);
+- no class of the profiler is over 200 lines;
 - `gpulab plan` is split the same way (issue 34): the side that starts the measuring children and
   reads their results never imports torch, and the child that profiles a step imports what it
   needs at its top.
@@ -117,14 +120,65 @@ def test_the_analysis_and_the_output_read_events_only():
 
 
 def test_gpulab_profile_s_parent_never_imports_torch():
-    """The runner, the sampler, the analysis and the output load without torch (2-3 s, and a
-    parent that imports torch could change the job's environment)."""
+    """The runner, the job, the hang watch, the sampler, --try, the analysis and the output load
+    without torch (2-3 s, and a parent that imports torch could change the job's environment); no
+    module of monitor/parent/ names torch or the recording side at all."""
     code = ("import sys\n"
-            "import gpulab.monitor.cli, gpulab.monitor.runner, gpulab.monitor.trial, gpulab.monitor.output.report\n"
-            "import gpulab.monitor.analyze.diagnose, gpulab.monitor.record.attach, gpulab.hardware.nvml\n"
+            "import gpulab.monitor.cli, gpulab.monitor.parent.runner, gpulab.monitor.parent.trial\n"
+            "import gpulab.monitor.parent.job, gpulab.monitor.parent.hangwatch, gpulab.monitor.parent.sampler\n"
+            "import gpulab.monitor.output.report, gpulab.monitor.analyze.diagnose, gpulab.monitor.record.attach\n"
+            "import gpulab.hardware.nvml\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+    files = _files_under("monitor/parent")
+    assert {p.name for p in files} >= {"runner.py", "job.py", "hangwatch.py", "sampler.py", "trial.py"}
+    for path in files:
+        forbidden = {m for m in imported_modules(path)
+                     if m.split(".")[0] == "torch" or m.startswith("gpulab.monitor.record")}
+        assert not forbidden, f"{path.relative_to(SRC)} imports {sorted(forbidden)}"
+
+
+MAX_CLASS_LINES = 200
+
+
+def classes_over(path: Path, limit: int) -> list[str]:
+    """`Name: N lines` for each class in the file longer than `limit` lines (nested ones too)."""
+    return [f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_the_class_length_check_counts_lines(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("class Small:\n    x = 1\n\n\nclass Big:\n" + "    y = 1\n" * 4)
+    assert classes_over(path, 4) == ["Big: 5 lines"]
+
+
+def test_no_class_of_the_profiler_is_over_200_lines():
+    files = _files_under("monitor")
+    assert len(files) > 40
+    long = [f"{path.relative_to(SRC)}: {c}" for path in files for c in classes_over(path, MAX_CLASS_LINES)]
+    assert not long, f"classes over {MAX_CLASS_LINES} lines: {long}"
+
+
+def test_a_probe_reaches_into_no_other_probe():
+    """A probe writes through the sink and learns what others see from notices: no probe module
+    imports the recorder or another module's probe (a helper function or part is fine: the CUDA
+    probe's device test, the distributed probe's DDP wait); the recorder imports every probe."""
+    probes = [p for p in _files_under("monitor/record/probes") if p.name != "__init__.py"]
+    assert len(probes) >= 10
+    for path in probes:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpulab.monitor.record"):
+                assert node.module != "gpulab.monitor.record.recorder", f"{path.name} imports the recorder"
+                if node.module.startswith("gpulab.monitor.record.probes."):
+                    taken = [a.name for a in node.names if a.name.endswith("Probe")]
+                    assert not taken, f"{path.name} imports {taken} from {node.module}"
+    recorder = imported_modules(SRC / "monitor" / "record" / "recorder.py")
+    defining = {module_name(p) for p in probes if "(Probe)" in p.read_text() or "(WindowProbe)" in p.read_text()}
+    assert len(defining) >= 10 and defining <= recorder, sorted(defining - recorder)
 
 
 def imports_inside_functions(path: Path) -> list[str]:

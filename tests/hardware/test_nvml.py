@@ -7,7 +7,7 @@ import pytest
 
 from gpulab.hardware.describe import describe
 from gpulab.hardware.nvml import Queries
-from gpulab.monitor.sampler import GpuReader
+from gpulab.monitor.parent.sampler import GpuReader
 from tests.hardware.fake_nvml import (
     MISSING, NVML_ERROR_FUNCTION_NOT_FOUND, NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NO_PERMISSION, NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_UNKNOWN, FakeGpu, FakeNVMLError, fake_pynvml, machine,

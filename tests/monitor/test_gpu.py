@@ -19,7 +19,7 @@ from torch import nn
 
 import gpulab.monitor
 from gpulab.cli import main
-from gpulab.monitor.sampler import GPM_METRICS, Sampler
+from gpulab.monitor.parent.sampler import GPM_METRICS, Sampler
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpulab.monitor.record.cuda import _asks_non_blocking
-from gpulab.monitor.record.kernels import kernel_statistics
+from gpulab.monitor.record.probes.cuda import _asks_non_blocking
+from gpulab.monitor.record.probes.kernels import kernel_statistics
 
 CPU = torch.autograd.DeviceType.CPU
 
@@ -120,7 +120,7 @@ def test_non_blocking_is_read_from_keyword_or_position(args, kwargs, expected):
 
 WINDOW_WITHOUT_DYNAMO = """
 import json, sys, torch
-from gpulab.monitor.record.kernels import KernelWindow
+from gpulab.monitor.record.probes.kernels import KernelWindow
 records = []
 window = KernelWindow(records.append, after_step=1, num_steps=2, device_type="cpu")
 x = torch.randn(64, 64)

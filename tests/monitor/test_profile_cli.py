@@ -186,7 +186,7 @@ def test_output_path_that_is_a_file_is_refused(tmp_path, capsys):
 
 def test_the_child_finds_gpulab_through_pythonpath(monkeypatch, tmp_path):
     from gpulab.monitor.config import ProfileConfig
-    from gpulab.monitor.runner import job_env
+    from gpulab.monitor.parent.runner import job_env
 
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
     src = Path(__file__).resolve().parents[2] / "src"

@@ -240,7 +240,7 @@ def test_a_script_without_torch_is_said_to_be_one(tmp_path):
 
 
 def test_try_calls_a_difference_inside_the_spread_no_change():
-    from gpulab.monitor.trial import verdict
+    from gpulab.monitor.parent.trial import verdict
 
     before = {"median_s": 0.010, "p10_s": 0.009, "p90_s": 0.012}
     assert verdict(before, {"median_s": 0.008}) == "faster"

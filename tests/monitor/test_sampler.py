@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from gpulab.monitor import sampler as sampler_module
-from gpulab.monitor.sampler import Sampler
+from gpulab.monitor.parent import sampler as sampler_module
+from gpulab.monitor.parent.sampler import Sampler
 
 PROCESS_KEYS = {"cpu_pct", "rss_mib", "threads", "workers", "workers_cpu_pct", "workers_rss_mib"}
 CORE_KEYS = {"ran_s", "waited_s", "busy_ran_s", "busy_waited_s", "busy_threads", "cores", "cores_busy_s",

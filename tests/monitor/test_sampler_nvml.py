@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpulab.monitor import sampler as sampler_module
-from gpulab.monitor.sampler import GPM_FAILURES_BEFORE_OFF, GPM_MIN_GAP_S, GpuReader
+from gpulab.monitor.parent import sampler as sampler_module
+from gpulab.monitor.parent.sampler import GPM_FAILURES_BEFORE_OFF, GPM_MIN_GAP_S, GpuReader
 from tests.hardware.fake_nvml import A100, FakeGpu, machine
 
 NOT_SUPPORTED, NOT_FOUND, NO_PERMISSION, FUNCTION_NOT_FOUND = 3, 6, 4, 13

@@ -1,4 +1,4 @@
-"""The stack sampler (record/stacks.py): samples by signal in the main thread, each weighing the
+"""The stack sampler (record/probes/stacks.py): samples by signal in the main thread, each weighing the
 wall time it stands for, so the hottest line is where the time went (issue 28, item 1); the
 script's own use of SIGALRM is never disturbed.
 """
@@ -19,7 +19,7 @@ import pytest
 from gpulab.cli import main
 from gpulab.monitor.record.frames import format_site
 from gpulab.monitor.record.patches import Patches
-from gpulab.monitor.record.stacks import StackSampler, hand_signal_back_on_request
+from gpulab.monitor.record.probes.stacks import StackSampler, hand_signal_back_on_request
 
 SCRIPTS = Path(__file__).parent / "scripts"
 INTERVAL_S = 0.01

@@ -1,6 +1,7 @@
 """The profiler's own per-sample cost must not move the data share (issue 28, item 8): per-sample
-transforms are timed only in a window of steps (record/transforms.py), every other fetch runs
-with the module hooks paused (record/patches.py), and the CUDA wrappers need a CUDA device.
+transforms are timed only in a window of steps (record/probes/transforms.py), every other fetch
+runs with the module hooks paused (record/probes/modules.py), and the CUDA wrappers need a CUDA
+device.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from gpulab.cli import main
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.record.cuda import CudaHooks
+from gpulab.monitor.record.probes.cuda import CudaSyncProbe
+from gpulab.monitor.record.probes.transforms import WINDOW_STEPS, TransformProbe, TransformSpans
 from gpulab.monitor.record.recorder import Recorder
-from gpulab.monitor.record.transforms import WINDOW_STEPS, TransformSpans
 
 SCRIPT = Path(__file__).parent / "scripts" / "many_cheap_transforms.py"
 
@@ -61,7 +62,7 @@ def test_per_sample_transforms_do_not_move_the_data_share(tmp_path, capfd):
 
 
 def test_the_window_opens_after_warm_up_and_the_other_windows_only_if_there_are_transforms():
-    spans = TransformSpans(steps=None, warmup_steps=2)
+    spans = TransformSpans(sink=None, warmup_steps=2)
     assert spans.timing  # the warm-up: are there any?
     spans.calls["Normalize"] = {"calls": 64, "where": "data.py:3"}
     spans.on_step_end(2, may_open=False)  # the memory window runs
@@ -73,7 +74,7 @@ def test_the_window_opens_after_warm_up_and_the_other_windows_only_if_there_are_
         spans.on_step_end(done, may_open=True)
     assert opened == [True] * WINDOW_STEPS + [False] and not spans.timing
 
-    none_seen = TransformSpans(steps=None, warmup_steps=2)
+    none_seen = TransformSpans(sink=None, warmup_steps=2)
     none_seen.on_step_end(2, may_open=True)
     assert not none_seen.timing and not none_seen.window_active  # no window: no steps lost
 
@@ -103,18 +104,19 @@ def test_pausing_the_hooks_in_fetches_does_not_recompile_a_compiled_model():
             optimizer.step()
     finally:
         rec.stop()
-    assert rec.steps.index == 16 and rec.transforms.calls["Identity"]["calls"] > 0
+    transforms = next(p for p in rec.probes if isinstance(p, TransformProbe))
+    assert rec.sink.steps_done == 16 and transforms.spans.calls["Identity"]["calls"] > 0
     assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_cuda_wrappers_need_a_cuda_device(monkeypatch):
     """A CUDA build on a machine without a GPU (issue 28: mnist_rnn's fetch 4.6 -> 5.3 ms by them)."""
-    patched = []
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     for count, installs in ((0, False), (1, True)):
         monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
-        patched.clear()
-        hooks = CudaHooks(Recorder(ProfileConfig()), window_after_step=2, window_steps=3)
-        hooks.install(lambda owner, name, make_wrapper: patched.append(name))
-        hooks.uninstall()
-        assert bool(patched) is installs
+        probe = CudaSyncProbe(warmup_steps=2)
+        probe.install(Recorder(ProfileConfig()).sink)
+        patched = "item" in vars(torch.Tensor)
+        probe.remove()
+        assert patched is installs
+        assert "item" not in vars(torch.Tensor)

@@ -14,7 +14,7 @@ import pytest
 
 from gpulab.cli import main
 from gpulab.errors import UserError
-from gpulab.monitor import trial
+from gpulab.monitor.parent import trial
 from tests.conftest import assert_one_line_error, run_cli
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -108,14 +108,15 @@ def test_runs_alternate_in_pairs_stop_once_the_ratios_agree_and_threads_are_forc
 
 
 def test_runs_that_disagree_are_called_not_reliable_with_their_spread(tmp_path, monkeypatch, capsys):
-    """Runs 1..6 sleep 1, 1, 1, 2, 1, 2 x 30 ms: pairs (as is, changed), (changed, as is), (as is,
-    changed) give ratios 1.0, 2.0 and 0.5: no answer, however the steps inside each run agree."""
-    result, runs = try_noise(tmp_path, "1,1,1,2,1,2", ["num_workers=1"], monkeypatch)
-    assert [float(r[0]) for r in runs] == [1, 1, 1, 2, 1, 2]
+    """Runs 1..4 sleep 2, 1, 2, 1 x 30 ms: pairs (as is, changed), (changed, as is) give ratios 2.0
+    and 0.5, faster in one pair and slower in the other: no answer after --max-pairs 2, however
+    the steps inside each run agree."""
+    result, runs = try_noise(tmp_path, "2,1,2,1", ["num_workers=1"], monkeypatch, max_pairs=2)
+    assert [float(r[0]) for r in runs] == [2, 1, 2, 1]
     assert not result["reliable"]
     ratios = result["pairs"]
-    assert ratios == pytest.approx([1.0, 2.0, 0.5], rel=0.15)
-    assert result["verdict"].startswith(f"not reliable: spread {min(ratios):.2f}x .. {max(ratios):.2f}x over 3 pairs")
+    assert ratios == pytest.approx([2.0, 0.5], rel=0.15)
+    assert result["verdict"].startswith(f"not reliable: spread {min(ratios):.2f}x .. {max(ratios):.2f}x over 2 pairs")
     assert "not reliable" in capsys.readouterr().err
 
 

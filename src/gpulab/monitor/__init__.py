@@ -3,15 +3,16 @@
     profile(out=...)   profile a training loop in this process (`with ... as p:`; `p.step()`)
     Sampler            background sampling of GPUs (NVML, GPM) and the process (psutil)
 
-`gpulab profile -- python script.py` does the same for an unmodified script (runner.py runs it
-under bootstrap.py); `gpulab train --profile` for gpulab's own trainer, whose per-phase step
-timer is gpulab.parallel.phases.PhaseTimer (the profiler listens to its phases).
+`gpulab profile -- python script.py` does the same for an unmodified script (parent/runner.py
+runs it with record/autostart/ on its PYTHONPATH); `gpulab train --profile` for gpulab's own
+trainer, whose per-phase step timer is gpulab.parallel.phases.PhaseTimer (the profiler listens to
+its phases).
 
 Importing this package does not import torch: the profiler's bootstrap must let the user's script
 be the one that imports it (a script may set OMP_NUM_THREADS first).
 """
 
-from gpulab.monitor.sampler import Sampler
+from gpulab.monitor.parent.sampler import Sampler
 
 
 def profile(out="profile", **settings):

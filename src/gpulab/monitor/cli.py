@@ -60,7 +60,7 @@ def add_profile_parser(sub) -> None:
 
 
 def run_profile(args) -> int:
-    from gpulab.monitor.runner import profile_command
+    from gpulab.monitor.parent.runner import profile_command
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     settings = {"interval_s": args.interval} if args.interval is not None else {}
@@ -68,7 +68,7 @@ def run_profile(args) -> int:
                         on_hang=args.on_hang)
     out = Path(args.out) if args.out else None
     if args.try_:
-        from gpulab.monitor.trial import try_command
+        from gpulab.monitor.parent.trial import try_command
 
         return try_command(command, out, cfg, args.try_, args.steps, args.max_pairs)
     return profile_command(command, out, cfg)

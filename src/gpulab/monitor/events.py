@@ -133,7 +133,7 @@ class BlockRecord(TypedDict):
 
 
 class CompileRecord(TypedDict):
-    """torch.compile did or said something (record/compiled.py): kind "compile" (t0..t1: its
+    """torch.compile did or said something (record/probes/compiled.py): kind "compile" (t0..t1: its
     seconds; trigger: dynamo, lazy_backward, cudagraph_recording; compile_id "frame/attempt",
     attempt > 0 a recompile), "recompile" (reason: the guards that failed), "graph_break"
     (reason: torch's), "cudagraph_skip" (reason: torch's). where: the script's line - the call into
@@ -218,7 +218,7 @@ def events_file(directory: Path | str, pid: int) -> Path:
     return Path(directory) / f"{EVENTS_PREFIX}{pid}.jsonl"
 
 
-# Beside the events files, while the job runs (record/heartbeat.py writes, hangwatch.py reads):
+# Beside the events files, while the job runs (record/heartbeat.py writes, parent/hangwatch.py reads):
 STATUS_PREFIX = "status-"  # status-<pid>.json: steps, when the process last made progress
 HANG_REQUEST = "hang-request"  # the parent asks every process where it is blocked
 HANG_PREFIX = "hang-"  # hang-<pid>.json: the answer

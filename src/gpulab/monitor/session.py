@@ -25,7 +25,7 @@ from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
 from gpulab.monitor.output.report import build_report, print_report, write_outputs
 from gpulab.monitor.record.recorder import Recorder
-from gpulab.monitor.sampler import Sampler
+from gpulab.monitor.parent.sampler import Sampler
 from gpulab.io import CannotWrite, check_writable
 
 

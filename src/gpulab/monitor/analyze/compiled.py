@@ -1,6 +1,6 @@
 """torch.compile as a cause: what compiling cost the run, and what made it compile again or break
 its graphs - each with the script's line and the fix. Reads the "compile" records only
-(record/compiled.py).
+(record/probes/compiled.py).
 
     compile_time    the run's seconds spent compiling (first compiles, recompiles, backward's
                     lazy compile, CUDA graph recordings), when they are a share of the run

@@ -81,7 +81,7 @@ def finding(cause: str, share: float, evidence: str, where: str | None, fix_key:
 
 def hottest(rec: Recording, category: str) -> str | None:
     """The user's line where `category` spent the most time: stack samples weigh the wall time
-    each stands for (record/stacks.py)."""
+    each stands for (record/probes/stacks.py)."""
     lines = rec.hot.get(category) or {}
     return max(lines, key=lines.get) if lines else None
 

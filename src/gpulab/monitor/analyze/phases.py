@@ -104,7 +104,7 @@ def shown_phases(shares: dict[str, float]) -> list[tuple[str, float]]:
 
 class StepCosts:
     """Mean seconds per steady step of each quantity in the model above (DDP's wait for its
-    allreduce inside backward is collective already: record/ddp.py)."""
+    allreduce inside backward is collective already: record/probes/ddp.py)."""
 
     def __init__(self, steady: list[dict]):
         n = len(steady)

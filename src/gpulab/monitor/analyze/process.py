@@ -40,7 +40,7 @@ MANY_KERNELS_PER_STEP = 20
 
 def costly_transforms(rec: Recording, step: "StepCosts") -> list[dict]:
     """Per-sample transforms run inside the fetch, costliest first: share of a steady step, where
-    built. They are timed only in a window of steps left out of the steady ones (record/
+    built. They are timed only in a window of steps left out of the steady ones (record/probes/
     transforms.py): their seconds per step come from the window, or in a run too short for one,
     from the warm-up steps that timed them."""
     sites = rec.facts.get("transforms") or {}

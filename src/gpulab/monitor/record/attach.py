@@ -9,8 +9,9 @@ friends are read when torch loads, and scripts set them before their `import tor
 that never imports torch (torchrun's agent, a tokenizer worker) costs nothing more.
 
 How a recording ends: at interpreter exit (atexit), at the end of a multiprocessing child (which
-leaves with os._exit, skipping atexit: patches.py hooks Process._bootstrap), or on SIGTERM /
-SIGHUP when the script has no handler of its own (flush, then die of the signal as before).
+leaves with os._exit, skipping atexit: probes/processes.py patches Process._bootstrap), or on
+SIGTERM / SIGHUP when the script has no handler of its own (flush, then die of the signal as
+before).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ not compute. Categories (events.CATEGORIES):
     collective inside a torch.distributed call (all_reduce, broadcast, barrier, ...) or waiting
                for an asynchronous one (Work.wait), and gpulab's own wait for its gradient
                buckets; DDP's wait for its allreduce at the end of backward, in C++, found
-               from gradient hooks (ddp.py)
+               from gradient hooks (probes/ddp.py)
     sync       blocked in a host sync on CUDA (`.item()`, `print(t)`, `.cpu()`, synchronize, ...)
     other      anything else: the user's Python between those calls (and torch ops called
                outside any nn.Module, e.g. a functional loss or a manual SGD update)
@@ -45,12 +45,17 @@ class StepAccounting:
 
     `emit(record)` writes a record; `after_step(steps_done)` is the recorder's own work between
     two steps (it may flush, or end the process), returning whether the next step runs inside
-    the kernel window. Its time belongs to neither step."""
+    a measurement window. Its time belongs to neither step."""
 
     def __init__(self, trace_steps: int, emit: Callable[[dict], None], after_step: Callable[[int], bool]):
         self.trace_steps = trace_steps
         self._emit = emit
         self._after_step = after_step
+        self.new_lane()
+
+    def new_lane(self) -> None:
+        """Everything from scratch: at the start, and in a forked child that records as its own
+        lane (in place, so that the methods the sink hands out stay this object's)."""
         self._stack: list[tuple[str, str, float]] = []  # (name, category, t0)
         self._t_last: float | None = None  # charged up to here; None before the first event
         self.index = 0  # steps done

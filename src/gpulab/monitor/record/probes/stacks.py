@@ -1,5 +1,6 @@
-"""Where the time goes, by line: samples of the training thread's Python stack, each weighing the
-wall time it stands for, tallied under the category charged at that moment.
+"""The stack probe: where the time goes, by line - samples of the training thread's Python stack,
+each weighing the wall time it stands for, tallied under the category charged at that moment
+(the sink's charged_category()): the hottest user line of each category.
 
 A sample is taken one of two ways:
 
@@ -36,6 +37,7 @@ from collections.abc import Callable
 
 from gpulab.monitor.record.frames import user_site
 from gpulab.monitor.record.interpreter import block_signals_in_this_thread
+from gpulab.monitor.record.probe import Probe
 
 # A thread running pure Python hands the GIL over only every sys.getswitchinterval() (5 ms by
 # default), so the thread sampler's samples would land on the next torch call rather than inside
@@ -49,6 +51,41 @@ _set_timer = getattr(signal, "setitimer", None)
 _get_timer = getattr(signal, "getitimer", None)
 _SIGALRM = getattr(signal, "SIGALRM", None)  # neither exists on Windows: the thread it is
 _ITIMER_REAL = getattr(signal, "ITIMER_REAL", None)
+
+
+class StackProbe(Probe):
+    """`interval_s`: the sampling period; 0: no sampling (the snapshot says so)."""
+
+    def __init__(self, interval_s: float):
+        self._interval_s = interval_s
+        self._sampler: StackSampler | None = None
+
+    def hook(self) -> None:
+        if self._interval_s > 0:
+            # the script taking SIGALRM later stops the signal sampler first (then a forked lane's)
+            hand_signal_back_on_request(self.patches.patch, lambda: self._sampler)
+            self._start_sampler()
+
+    def _start_sampler(self) -> None:
+        self._sampler = StackSampler(self._interval_s, lambda: self.sink.ident, self.sink.charged_category)
+        self._sampler.start()
+
+    def after_fork(self) -> None:
+        if self._sampler is not None:
+            self._sampler.forget_in_child()  # the parent's sampler: its timer or thread stayed there
+
+    def new_lane(self) -> None:
+        if self._interval_s > 0:
+            self._start_sampler()
+
+    def finish(self) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def snapshots(self) -> list[dict]:
+        if self._sampler is None:
+            return [{"type": "hot", "interval_s": self._interval_s, "lines": {}}]
+        return [self._sampler.snapshot()]
 
 
 class StackSampler:

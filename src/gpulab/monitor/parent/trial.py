@@ -26,7 +26,7 @@ from gpulab.io import atomic_write_json, check_writable, writing_results
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.phases import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
-from gpulab.monitor.runner import default_out_dir, run_job, split_python_command
+from gpulab.monitor.parent.runner import default_out_dir, run_job, split_python_command
 
 TRYABLE = {"num_workers": int, "prefetch_factor": int, "pin_memory": bool, "persistent_workers": bool, "threads": int}
 WORKER_SETTINGS = ("prefetch_factor", "persistent_workers")  # DataLoader ignores them without workers

@@ -1,5 +1,12 @@
-"""The DataLoaders of one process: where each was built, its real batch size, and which one the
-training steps waited on.
+"""The data-loading probe: every DataLoader's fetches as data wait, the line that built each
+loader, its real batch size, and which one the training steps waited on.
+
+Patches (torch.utils.data has no hooks):
+    DataLoader.__init__          where each loader was built; `gpulab profile --try`: the DataLoader
+                                 settings tried, forced on every loader the script builds
+    DataLoader.__iter__          a new pass: a data wait (its workers start here); the loop is back
+    _BaseDataLoaderIter.__next__ a fetch: a data wait; the loop is back; which loader fed the step
+Notices sent: BATCH_FETCHED (the memory window's inputs).
 
 Frameworks make this harder than it looks. Lightning iterates the validation loader first (its
 sanity check) and calls every loader from inside `trainer.fit(...)`; under DDP it re-creates the
@@ -13,15 +20,91 @@ sampler where the DataLoader has none.
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import weakref
 from types import FrameType
 
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
 from gpulab.monitor.events import LoaderRecord
 from gpulab.monitor.record.frames import format_site, is_user_file, user_site
+from gpulab.monitor.record.notices import BATCH_FETCHED, STEP_ENDED
+from gpulab.monitor.record.probe import Probe, timed
+
+
+class LoaderProbe(Probe):
+    """`overrides`: DataLoader arguments forced on every loader (`--try num_workers=2`)."""
+
+    def __init__(self, overrides: dict):
+        self._overrides = overrides
+        self.loaders: Loaders | None = None
+
+    def hook(self) -> None:
+        sink = self.sink
+        loaders = self.loaders = Loaders(sink.emit)
+        batch_fetched = sink.sender(BATCH_FETCHED)
+
+        def next_batch(iterator):  # the loop is back for data: a backward-rule step ended; then this fetch
+            sink.loop_is_back()
+            loaders.fetching(iterator)
+
+        self.patches.patch(DataLoader, "__init__", self._building)
+        self.patches.patch(DataLoader, "__iter__", self._iterating)
+        self.patches.patch(_BaseDataLoaderIter, "__next__",
+                           timed(sink, "data_wait", "next(DataLoader)", next_batch, after=batch_fetched))
+        self.listen(STEP_ENDED, lambda steps_done: loaders.step_ended())
+
+    def new_lane(self) -> None:
+        self.loaders.new_lane()
+
+    def snapshots(self) -> list[dict]:
+        return [self.loaders.snapshot()] if self.loaders is not None else []  # none before install
+
+    def _building(self, original):
+        """Every DataLoader built: note the line that built it (from any thread: a loader made
+        elsewhere may be iterated in the training thread). `--try num_workers=4`: each one gets
+        these settings."""
+        overrides, loaders = self._overrides, self.loaders
+        signature = inspect.signature(original)
+
+        def __init__(loader, *args, **kwargs):
+            if overrides:
+                bound = signature.bind(loader, *args, **kwargs)
+                bound.apply_defaults()
+                bound.arguments.update(overrides)
+                if not bound.arguments.get("num_workers"):  # these only exist with workers
+                    bound.arguments["persistent_workers"] = False
+                    bound.arguments["prefetch_factor"] = None
+                args, kwargs = bound.args[1:], bound.kwargs
+            original(loader, *args, **kwargs)
+            loaders.built(loader, sys._getframe(1))
+
+        return __init__
+
+    def _iterating(self, original):
+        """A new pass over a DataLoader: a data wait (its workers start here); a backward-rule step
+        ended (the loop is back for data); note the loader and which iterator is its."""
+        sink, loaders = self.sink, self.loaders
+        timed_iter = timed(sink, "data_wait", "DataLoader.__iter__")(original)
+
+        def __iter__(loader):
+            if not sink.here():
+                return original(loader)
+            sink.loop_is_back()
+            iterator = timed_iter(loader)
+            loaders.iterated(loader, iterator, sys._getframe(1))
+            return iterator
+
+        return __iter__
 
 
 class Loaders:
+    """The loaders seen, where each was built, and the steps each fed; `emit(record)`: where a
+    loader's record goes."""
+
     def __init__(self, emit):
         self._emit = emit
         # loader -> the line that built it; kept across a fork (a child iterates its parent's loaders)

@@ -1,12 +1,12 @@
-"""CUDA-only instrumentation: host syncs and host->device copies (and, through kernels.py, a
-short kernel capture).
+"""The CUDA probe: host syncs and host->device copies, each with the user's line (sites.py), and
+a "cuda" record as soon as the script has memory on a GPU (the kernel window is kernels.py's).
 
 Host syncs. A CUDA call returns before the GPU has run it; `.item()`, `print(t)`, `.cpu()`,
 `if t:` and friends make the host wait until the device has caught up, so the GPU idles while
 Python prepares the next step. Two mechanisms, used together:
-- torch's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`) makes torch report every
-  synchronizing operation it knows of as a warning; gpulab intercepts those warnings (the user
-  never sees them) and notes the user's line;
+- torch's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`, sync_debug.py) makes torch
+  report every synchronizing operation it knows of as a warning; gpulab intercepts those warnings
+  (the user never sees them) and notes the user's line;
 - the Python-level entry points that sync (Tensor.item/tolist/cpu/numpy/nonzero, bool/int/float/
   index/repr/format of a tensor, Tensor.to(cpu), torch.cuda.synchronize, Event/Stream.synchronize)
   are wrapped and timed, so the time the host sat blocked is known. A wrapped call counts as a
@@ -22,25 +22,25 @@ Why Tensor-method wrappers and not one torch.overrides.TorchFunctionMode, which 
 calls: a mode is entered for every torch op of the step, the wrappers only for these methods
 (docs/profiling.md has the measurement).
 
-Nothing here is installed without a CUDA device.
+Nothing here is installed without a CUDA device. gpulab's own CUDA calls (a window's profiler,
+its synchronize) run inside the sink's own_work(), where these wrappers record nothing.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
-import warnings
 from contextlib import contextmanager
 
 import torch
 
 from gpulab.monitor.events import CudaRecord, CudaUsage
 from gpulab.monitor.record.frames import user_site
-from gpulab.monitor.record.kernels import KernelWindow
-
-SYNC_WARNING = "called a synchronizing CUDA operation"
+from gpulab.monitor.record.notices import STEP_ENDED
+from gpulab.monitor.record.probe import Probe
+from gpulab.monitor.record.probes.sites import SyncSites
+from gpulab.monitor.record.probes.sync_debug import SyncDebugMode
 
 # Tensor methods that wait for the device when called on a CUDA tensor.
 SYNC_METHODS = (
@@ -62,43 +62,36 @@ def _asks_non_blocking(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(a, bool) and a for a in args[:3])
 
 
-class CudaHooks:
-    def __init__(self, recorder, window_after_step: int, window_steps: int):
-        self.rec = recorder
-        self.enabled = False
-        self.sync_debug = False  # torch's sync debug mode is on (our sync detector)
-        self.sync_debug_used = False  # ... and was, at some point of the session
-        self._previous_debug_mode = 0
-        self._state = _ThreadState()
-        self._warning_filter = None
-        self._original_showwarning = None
-        self.window = KernelWindow(recorder.writer.emit, window_after_step, window_steps)
-        self._usage_written = False  # the "cuda" record: the script put work on the GPU
+def cuda_device_present() -> bool:
+    """A CUDA build with a CUDA device to use. torch.cuda.device_count() asks NVML where it can,
+    unlike is_available(), which initialises the CUDA driver in a script that may never use the
+    GPU (and makes forked DataLoader workers unsafe)."""
+    return torch.backends.cuda.is_built() and torch.cuda.device_count() > 0
 
-    @property
-    def window_active(self) -> bool:
-        return self.window.active
+
+class CudaSyncProbe(Probe):
+    def __init__(self, warmup_steps: int):
+        self._warmup_steps = warmup_steps
+        self.enabled = False
+        self.sites = SyncSites(warmup_steps)
+        self._state = _ThreadState()
+        self._debug_mode = SyncDebugMode(self._on_sync_reported)
+        self._usage_written = False  # the "cuda" record: the script put work on the GPU
 
     # ------------------------------------------------------------------ install
 
-    def install(self, patch) -> None:
+    def hook(self) -> None:
         # Only with a CUDA device to use: on a CUDA build without one the wrappers would cost the
         # script's every .to() and tensor repr for nothing (issue 28: ~1 ms of mnist_rnn's 5.5 ms
-        # fetch of 64 samples). torch.cuda.device_count() asks NVML where it can, unlike
-        # is_available(), which initialises the CUDA driver in a script that may never use the GPU
-        # (and makes forked DataLoader workers unsafe). With a device the wrappers are inert until
-        # a CUDA tensor shows up.
-        if not torch.backends.cuda.is_built() or torch.cuda.device_count() == 0:
+        # fetch of 64 samples). With a device the wrappers are inert until a CUDA tensor shows up.
+        if not cuda_device_present():
             return
         self.enabled = True
-        self._intercept_sync_warnings()
-        # Enabling sync debug mode needs CUDA initialised; don't initialise it ourselves (a script
-        # that never uses the GPU must not get a CUDA context, or fork-unsafe DataLoader workers):
-        # queue it to run when the script's first CUDA call initialises CUDA.
-        lazy_call = getattr(torch.cuda, "_lazy_call", None)
-        if lazy_call is not None:
-            lazy_call(self._enable_sync_debug)
-        self.wrap_sync_points(patch)
+        self._debug_mode.install()
+        self.wrap_sync_points(self.patches.patch)
+        self.patches.on_undo(self.sink.guard_own_work(self.suppressed))
+        self.listen(STEP_ENDED, self._step_ended)
+        self.patches.on_undo(self._uninstall)  # first out: sync debug mode and the warning filter
 
     def wrap_sync_points(self, patch) -> None:
         """Replace, through `patch(owner, name, make_wrapper)`, the Python entry points that sync or copy."""
@@ -110,51 +103,12 @@ class CudaHooks:
         patch(torch.cuda.Event, "synchronize", lambda orig: self._timed_explicit(orig, "Event.synchronize"))
         patch(torch.cuda.Stream, "synchronize", lambda orig: self._timed_explicit(orig, "Stream.synchronize"))
 
-    def uninstall(self) -> None:
-        if not self.enabled:
-            return
+    def _uninstall(self) -> None:
         self.enabled = False
-        if self.sync_debug and torch.cuda.is_initialized():
-            torch.cuda.set_sync_debug_mode(self._previous_debug_mode)
-        self.sync_debug = False
-        if warnings.showwarning is self._showwarning:
-            warnings.showwarning = self._original_showwarning
-        if self._warning_filter in warnings.filters:
-            warnings.filters.remove(self._warning_filter)
-            warnings._filters_mutated()
+        self._debug_mode.uninstall()
 
-    def _enable_sync_debug(self) -> None:
-        if not self.enabled or self.sync_debug:
-            return
-        try:
-            self._previous_debug_mode = torch.cuda.get_sync_debug_mode()
-            # Turning the mode on warns once that it "is a prototype feature": a note to gpulab,
-            # not to the user, whose stderr it would otherwise reach.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
-                torch.cuda.set_sync_debug_mode("warn")
-            self.sync_debug = self.sync_debug_used = True
-        except (AttributeError, RuntimeError):
-            self.sync_debug = False
-
-    def _intercept_sync_warnings(self) -> None:
-        # "always": Python's default shows a warning once per line, and every sync counts.
-        warnings.filterwarnings("always", message=re.escape(SYNC_WARNING))
-        self._warning_filter = warnings.filters[0]
-        self._original_showwarning = warnings.showwarning
-        warnings.showwarning = self._showwarning
-
-    def _showwarning(self, message, category, filename, lineno, file=None, line=None):
-        if str(message).startswith(SYNC_WARNING):
-            self._on_sync_reported()
-            return
-        self._original_showwarning(message, category, filename, lineno, file, line)
-
-    def _on_sync_reported(self) -> None:
-        if self._state.depth:
-            self._state.synced = True  # the timed call around us records it, with its duration
-        elif self.rec.here():
-            self.rec.add_untimed_sync(user_site(sys._getframe(2)))
+    def new_lane(self) -> None:
+        self.sites = SyncSites(self._warmup_steps)
 
     @contextmanager
     def suppressed(self):
@@ -165,15 +119,44 @@ class CudaHooks:
         finally:
             self._state.depth -= 1
 
+    # ------------------------------------------------------------------ what is recorded
+
+    def _note_sync(self, op: str, t0: float, t1: float, where: str | None) -> None:
+        sink = self.sink
+        sink.closed_span(f"sync: {op}", "sync", t0, t1)
+        sink.count("sync")
+        self.sites.note("sync", op, where, sink.steps_done, seconds=t1 - t0)
+
+    def _on_sync_reported(self) -> None:
+        """torch reported a sync (sync debug mode): the timed call around it records it, with its
+        duration; else it happened inside a call gpulab does not time (e.g. x[mask])."""
+        if self._state.depth:
+            self._state.synced = True
+        elif self.sink.here():
+            self.sink.count("sync_untimed")
+            self.sites.note("sync", "untimed", user_site(sys._getframe(2)), self.sink.steps_done, untimed=1)
+
+    def _note_h2d(self, op: str, t0: float, t1: float, nbytes: int, pinned: bool, blocking: bool,
+                  where: str | None) -> None:
+        """A host-to-device copy. Kinds: h2d_pageable (staged through a driver buffer),
+        h2d_pinned_blocking (pinned, but the host waited: no non_blocking=True), h2d_pinned (async)."""
+        sink = self.sink
+        kind = "h2d_pageable" if not pinned else "h2d_pinned_blocking" if blocking else "h2d_pinned"
+        label = "pageable" if not pinned else "pinned, blocking" if blocking else "pinned"
+        sink.closed_span(f"copy: {op} ({label})", "h2d", t0, t1)
+        sink.count(kind)
+        sink.count(kind + "_bytes", nbytes)
+        self.sites.note(kind, op, where, sink.steps_done, seconds=t1 - t0, nbytes=nbytes)
+
     # ------------------------------------------------------------------ wrappers
 
     def _timed_sync(self, original, op: str):
-        rec, state, hooks = self.rec, self._state, self
+        sink, state, mode, note_sync = self.sink, self._state, self._debug_mode, self._note_sync
         is_compiling = torch.compiler.is_compiling
 
         def wrapper(tensor, *args, **kwargs):
             # is_compiling() first: under torch.compile the rest folds away and the call is traced as is.
-            if is_compiling() or state.depth or not tensor.is_cuda or not rec.here():
+            if is_compiling() or state.depth or not tensor.is_cuda or not sink.here():
                 return original(tensor, *args, **kwargs)
             state.depth, state.synced = 1, False
             t0 = time.perf_counter()
@@ -182,17 +165,17 @@ class CudaHooks:
             finally:
                 t1 = time.perf_counter()
                 state.depth = 0
-                if state.synced or not hooks.sync_debug:
-                    rec.add_sync(op, t0, t1, user_site(sys._getframe(1)))
+                if state.synced or not mode.on:
+                    note_sync(op, t0, t1, user_site(sys._getframe(1)))
 
         return wrapper
 
     def _timed_copy(self, original, op: str):
-        rec, state, hooks = self.rec, self._state, self
+        sink, state, mode = self.sink, self._state, self._debug_mode
         is_compiling = torch.compiler.is_compiling
 
         def wrapper(tensor, *args, **kwargs):
-            if is_compiling() or state.depth or not rec.here():
+            if is_compiling() or state.depth or not sink.here():
                 return original(tensor, *args, **kwargs)
             from_cuda = tensor.is_cuda
             state.depth, state.synced = 1, False
@@ -209,19 +192,19 @@ class CudaHooks:
                     # the host still waits for it. Torch's sync debug mode reports exactly those
                     # copies (measured on an H100, torch 2.11: pinned+blocking warns,
                     # pinned+non_blocking does not); without that mode, read the argument.
-                    blocking = state.synced if hooks.sync_debug else not _asks_non_blocking(args, kwargs)
-                    rec.add_h2d(op, t0, t1, tensor.nbytes, tensor.is_pinned(), blocking, where)
-                elif state.synced or not hooks.sync_debug:
-                    rec.add_sync(f"{op}(cpu)", t0, t1, where)
+                    blocking = state.synced if mode.on else not _asks_non_blocking(args, kwargs)
+                    self._note_h2d(op, t0, t1, tensor.nbytes, tensor.is_pinned(), blocking, where)
+                elif state.synced or not mode.on:
+                    self._note_sync(f"{op}(cpu)", t0, t1, where)
             return out
 
         return wrapper
 
     def _timed_explicit(self, original, op: str):
-        rec, state = self.rec, self._state
+        sink, state, note_sync = self.sink, self._state, self._note_sync
 
         def wrapper(*args, **kwargs):
-            if state.depth or not rec.here():
+            if state.depth or not sink.here():
                 return original(*args, **kwargs)
             state.depth = 1
             t0 = time.perf_counter()
@@ -230,51 +213,51 @@ class CudaHooks:
             finally:
                 t1 = time.perf_counter()
                 state.depth = 0
-                rec.add_sync(op, t0, t1, user_site(sys._getframe(1)))
+                note_sync(op, t0, t1, user_site(sys._getframe(1)))
 
         return wrapper
 
     # ------------------------------------------------------------------ steps and the end
 
-    def on_step_end(self, steps_done: int) -> None:
-        if not self.enabled:
-            return
-        if not self.sync_debug and torch.cuda.is_initialized():
-            self._enable_sync_debug()  # torch without _lazy_call: enable once CUDA is up
+    def _step_ended(self, steps_done: int) -> None:
+        if not self._debug_mode.on and torch.cuda.is_initialized():
+            self._debug_mode.enable()  # torch without _lazy_call: enable once CUDA is up
         if not self._usage_written and torch.cuda.is_initialized():
             self._write_usage()
-        self.window.on_step_end(steps_done)
 
     def _write_usage(self) -> None:
         """Once the script has memory on a GPU, say so at once: a process that dies before its end
         record must still read as a GPU job, not as one that never used the GPU (issue 33)."""
-        usage = self.usage()
+        usage = cuda_usage(self._debug_mode.used)
         if usage["devices"]:
             self._usage_written = True
             record: CudaRecord = {"type": "cuda", **usage}
-            self.rec.writer.emit(record)
+            self.sink.emit(record)
 
-    def finish(self, steps_done: int) -> None:
-        if self.enabled:
-            self.window.finish(steps_done)
+    def snapshots(self) -> list[dict]:
+        return [self.sites.snapshot()]
 
-    def usage(self) -> CudaUsage:
-        """Did the script use CUDA, and which devices (by UUID, to match NVML's GPUs)?"""
-        initialized = torch.backends.cuda.is_built() and torch.cuda.is_initialized()
-        out = {"available": torch.cuda.is_available(), "initialized": initialized,
-               "sync_debug_mode": self.sync_debug_used, "devices": []}
-        if not initialized:
-            return out
-        for i in range(torch.cuda.device_count()):
-            peak = torch.cuda.max_memory_allocated(i)
-            if peak == 0:
-                continue
-            props = torch.cuda.get_device_properties(i)
-            out["devices"].append({
-                "index": i,
-                "name": props.name,
-                "uuid": str(getattr(props, "uuid", "")),
-                "capability": f"{props.major}.{props.minor}",
-                "peak_allocated_mib": peak / 2**20,
-            })
+    def end_fields(self) -> dict:
+        return {"cuda": cuda_usage(self._debug_mode.used)}
+
+
+def cuda_usage(sync_debug_used: bool) -> CudaUsage:
+    """Did the script use CUDA, and which devices (by UUID, to match NVML's GPUs)?"""
+    initialized = torch.backends.cuda.is_built() and torch.cuda.is_initialized()
+    out = {"available": torch.cuda.is_available(), "initialized": initialized,
+           "sync_debug_mode": sync_debug_used, "devices": []}
+    if not initialized:
         return out
+    for i in range(torch.cuda.device_count()):
+        peak = torch.cuda.max_memory_allocated(i)
+        if peak == 0:
+            continue
+        props = torch.cuda.get_device_properties(i)
+        out["devices"].append({
+            "index": i,
+            "name": props.name,
+            "uuid": str(getattr(props, "uuid", "")),
+            "capability": f"{props.major}.{props.minor}",
+            "peak_allocated_mib": peak / 2**20,
+        })
+    return out

@@ -8,7 +8,7 @@ GIL time.
 
 This process never imports torch: it would add seconds to every run for nothing.
 
-Stopping (signals, leftovers, a job that ignores SIGTERM): monitor/job.py. The report is written
+Stopping (signals, leftovers, a job that ignores SIGTERM): parent/job.py. The report is written
 from what was recorded, and the exit code is the script's (128 + N for signal N).
 """
 
@@ -31,16 +31,16 @@ from gpulab.errors import UserError
 from gpulab.io import CannotWrite, check_writable, writing_results
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording, read_lanes
-from gpulab.monitor.hangwatch import HangWatch
-from gpulab.monitor.job import Job
-from gpulab.monitor.sampler import Sampler
+from gpulab.monitor.parent.hangwatch import HangWatch
+from gpulab.monitor.parent.job import Job
+from gpulab.monitor.parent.sampler import Sampler
 
 _PYTHON = re.compile(r"^python(\d+(\.\d+)*)?(\.exe)?$")
 _OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
 _OPTIONS_THAT_HIDE_THE_JOB = {"-I": "-I ignores PYTHONPATH", "-E": "-E ignores PYTHONPATH", "-S": "-S skips site start-up"}
 _USAGE = "gpulab profile [--out DIR] -- python your_script.py [args ...]"
 FLIGHT_RECORDER_ENTRIES = 2000
-_AUTOSTART = Path(__file__).resolve().parent / "record" / "autostart"
+_AUTOSTART = Path(__file__).resolve().parent.parent / "record" / "autostart"
 
 
 def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) -> int:

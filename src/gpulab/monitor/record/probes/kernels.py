@@ -1,4 +1,5 @@
-"""The kernel window: after warm-up, a few steps captured with torch's profiler (CUDA only).
+"""The kernel window probe: after warm-up, a few steps captured with torch's profiler (CUDA only:
+a CUDA device present, and the script using it).
 
 Kernels per step, their median duration, and the time the device computed per step (the union
 of kernel intervals). A launch-bound loop shows many short kernels and a device idle between them.
@@ -18,8 +19,43 @@ import torch
 
 from gpulab.io import native_stderr_hidden
 from gpulab.monitor.events import KernelsRecord
+from gpulab.monitor.record.probe import WindowProbe
+from gpulab.monitor.record.probes.cuda import cuda_device_present
 
 _RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+class KernelProbe(WindowProbe):
+    """The first of the measurement windows to take its turn (windows.py). A forked lane goes on
+    with its parent's window: one that ran there does not run again."""
+
+    def __init__(self, after_step: int, num_steps: int):
+        self._after_step = after_step
+        self._num_steps = num_steps
+        self.enabled = False
+        self.window: KernelWindow | None = None
+
+    def hook(self) -> None:
+        self.enabled = cuda_device_present()
+        self.window = KernelWindow(self.sink.emit, self._after_step, self._num_steps)
+
+    @property
+    def active(self) -> bool:
+        return self.window.active
+
+    @property
+    def holds_back_later_windows(self) -> bool:
+        """Running, or about to: it goes first whenever the script uses CUDA."""
+        window = self.window
+        return window.active or (not window.done and self.enabled and torch.cuda.is_initialized())
+
+    def on_step_end(self, steps_done: int, may_open: bool) -> None:
+        if self.enabled:
+            self.window.on_step_end(steps_done)
+
+    def finish(self) -> None:
+        if self.enabled:
+            self.window.finish(self.sink.steps_done)
 
 
 class KernelWindow:

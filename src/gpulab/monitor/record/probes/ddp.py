@@ -1,4 +1,5 @@
-"""DistributedDataParallel's wait for its gradients' allreduce, inside backward.
+"""DistributedDataParallel's wait for its gradients' allreduce, inside backward (part of the
+distributed probe, which hands it MODULE_CALLED and BACKWARD_ENDING).
 
 DDP starts each bucket's allreduce while backward still computes, and waits for the last ones at
 the end of backward, in C++ (an autograd callback) where no Python hook reaches: the recorder
@@ -24,20 +25,21 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gpulab.monitor.events import DDP_WAIT_COUNT
-from gpulab.monitor.record.steps import StepAccounting
+from gpulab.monitor.record.sink import Sink
 
 WAIT_SPAN = "DDP allreduce wait"
 
 
 class DdpWait:
-    def __init__(self):
+    def __init__(self, sink: Sink):
+        self._sink = sink
         self._hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         self._handles: list = []
         self._syncing = False  # the last DDP forward will allreduce its gradients (not inside no_sync())
         self._last_grad_t: float | None = None
 
-    def note_module(self, module: torch.nn.Module) -> None:
-        """A top-level module call: a DDP module's parameters get the hook once."""
+    def module_called(self, module: torch.nn.Module, args) -> None:
+        """A top-level module call (MODULE_CALLED): a DDP module's parameters get the hook once."""
         if not isinstance(module, DistributedDataParallel):
             return
         self._syncing = getattr(module, "require_backward_grad_sync", True)
@@ -49,14 +51,14 @@ class DdpWait:
     def _gradient_ready(self, param: torch.Tensor) -> None:
         self._last_grad_t = time.perf_counter()
 
-    def backward_ended(self, steps: StepAccounting) -> None:
+    def backward_ended(self) -> None:
         """The top-level backward returned: from its last DDP gradient to now, DDP waited for the allreduce."""
         t0, self._last_grad_t = self._last_grad_t, None
         if t0 is None or not self._syncing:
             return
         t1 = time.perf_counter()
-        steps.add_closed_span(WAIT_SPAN, "collective", t0, t1)
-        steps.count(DDP_WAIT_COUNT, t1 - t0)  # DDP's part of the collectives, in the report
+        self._sink.closed_span(WAIT_SPAN, "collective", t0, t1)
+        self._sink.count(DDP_WAIT_COUNT, t1 - t0)  # DDP's part of the collectives, in the report
 
     def remove_hooks(self) -> None:
         while self._handles:

@@ -1,0 +1,79 @@
+"""The autograd and optimizer probe: backward, autograd.grad, the optimizers' step and zero_grad,
+each a compute span, and the two step rules they carry (steps.py).
+
+    torch.autograd.backward, .grad   patched: autograd's hooks are per tensor or per graph node
+                                     (register_hook, register_multi_grad_hook); nothing fires when
+                                     a backward call starts and ends. The top-level call is the
+                                     span; a step ends after it when the loop comes back (backward
+                                     rule); BACKWARD_ENDING just before it returns (DDP's wait)
+    Optimizer.step                   global step pre/post hooks (public): the span; OPTIMIZER_STEPPED
+                                     (the memory window's optimizers), then the optimizer rule
+    Optimizer.zero_grad              patched: the global optimizer hooks cover step() only
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from gpulab.monitor.record.notices import BACKWARD_ENDING, OPTIMIZER_STEPPED
+from gpulab.monitor.record.probe import Probe, timed
+
+
+class AutogradProbe(Probe):
+    def __init__(self):
+        self._in_backward = False  # inside the top-level backward: inner calls add nothing but cost
+        self._optimizer_tokens: dict[int, int] = {}  # id(optimizer) -> its open step span
+
+    def hook(self) -> None:
+        self._optimizer_stepped = self.sink.sender(OPTIMIZER_STEPPED)
+        self.patches.patch(torch.autograd, "backward", self._timed_backward("backward"))
+        self.patches.patch(torch.autograd, "grad", self._timed_backward("autograd.grad"))
+        self.patches.patch(torch.optim.Optimizer, "zero_grad",
+                           timed(self.sink, "compute", lambda optimizer: f"{type(optimizer).__name__}.zero_grad"))
+        for handle in (register_optimizer_step_pre_hook(self._optimizer_step_begins),
+                       register_optimizer_step_post_hook(self._optimizer_step_ended)):
+            self.patches.on_undo(handle.remove)
+
+    def new_lane(self) -> None:
+        """A forked lane starts outside backward, with no optimizer step open."""
+        self._in_backward = False
+        self._optimizer_tokens = {}
+
+    def _timed_backward(self, name: str):
+        sink = self.sink
+        is_compiling = torch.compiler.is_compiling
+        backward_ending = sink.sender(BACKWARD_ENDING)
+
+        def make_wrapper(original):
+            def wrapper(*args, **kwargs):
+                if self._in_backward or is_compiling() or not sink.here():
+                    return original(*args, **kwargs)
+                sink.loop_is_back()  # a loop with neither a DataLoader nor a module call
+                self._in_backward = True
+                token = sink.enter(name, "compute")
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self._in_backward = False
+                    backward_ending()  # DDP's wait for its allreduce, at the end of backward
+                    sink.exit(token)
+                    sink.backward_finished()
+
+            return wrapper
+
+        return make_wrapper
+
+    def _optimizer_step_begins(self, optimizer, args, kwargs) -> None:
+        if self.sink.here():
+            self._optimizer_tokens[id(optimizer)] = self.sink.enter(f"{type(optimizer).__name__}.step", "compute")
+
+    def _optimizer_step_ended(self, optimizer, args, kwargs) -> None:
+        sink = self.sink
+        if not sink.here():
+            return
+        token = self._optimizer_tokens.pop(id(optimizer), None)
+        if token is not None:
+            sink.exit(token)
+        self._optimizer_stepped(optimizer)  # the notice first: a step that ends here may open the memory window
+        sink.optimizer_stepped(optimizer)

@@ -1,0 +1,60 @@
+"""The compile probe: torch.compile in the recorded process - its compiles as time of their own
+("compile"), and what it says of recompiles, graph breaks and CUDA graphs it skips, each with the
+script's line. Each compile is also a COMPILED notice (the memory window then adds no global
+module hooks, on which compiled code guards).
+
+gpulab.compiler reads torch's two private doors (compile callbacks, log artifacts); this probe
+turns what it reads into records. It installs when the script's process imports torch._dynamo
+(a script that never compiles still does, for its optimizer: torch.optim imports it), and costs
+nothing between compiles: no hook runs on a step. A compile in the recorded thread is a closed
+span of category "compile", so the step it happened in says how much of it was compiling;
+every compile, recompile, graph break and skip is also one "compile" record (they are few: one
+per compile of a frame, and torch stops recompiling a frame after its recompile limit).
+"""
+
+from __future__ import annotations
+
+from gpulab.monitor.events import CompileRecord
+from gpulab.monitor.record.frames import format_site, user_site
+from gpulab.monitor.record.interpreter import after_import
+from gpulab.monitor.record.notices import COMPILED
+from gpulab.monitor.record.probe import Probe
+
+
+class CompileProbe(Probe):
+    def __init__(self):
+        self._watch = None
+
+    def hook(self) -> None:
+        self.patches.on_undo(after_import("torch._dynamo", self._watch_compiles))
+
+    def _watch_compiles(self, dynamo) -> None:
+        """Once the script has imported torch._dynamo: gpulab.compiler imports it, ~1 s that a
+        script which never does is spared."""
+        from gpulab.compiler import CUDAGRAPH_MODULE, CompileWatch
+
+        self._watch = CompileWatch(self._on_event, user_site, format_site)
+        self._watch.install()
+        self.patches.on_undo(self._stop_watching)
+        self.patches.on_undo(after_import(CUDAGRAPH_MODULE, self._read_cudagraph_skips))
+
+    def _read_cudagraph_skips(self, trees) -> None:
+        """Once inductor's CUDA graph trees are imported (mode="reduce-overhead")."""
+        if self._watch is not None:
+            self._watch.read_cudagraph_skips()
+
+    def _stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+
+    def _on_event(self, event) -> None:
+        sink = self.sink
+        if event.kind == "compile":
+            sink.send(COMPILED)
+            if sink.here():
+                sink.closed_span(f"compile {event.compile_id} ({event.trigger})", "compile", event.t0, event.t1)
+        record: CompileRecord = {"type": "compile", "kind": event.kind, "t0": event.t0, "t1": event.t1,
+                                 "compile_id": event.compile_id, "trigger": event.trigger,
+                                 "function": event.function, "where": event.where, "reason": event.reason}
+        self.sink.emit(record)

@@ -1,0 +1,151 @@
+"""The modules probe: nn.Module calls, through torch's global forward pre/post hooks
+(register_module_forward_pre_hook / register_module_forward_hook, always_call: the span also
+ends when forward raises).
+
+The outermost module call is a compute span (a model's submodules add nothing but cost), and a
+MODULE_CALLED notice (DDP's gradient hooks, the memory window's models and inputs); when it
+returns, PROGRESS (for the hang watch: an evaluation loop is no hang). A module called inside a
+DataLoader fetch is a transform: while the transforms probe wants them (FETCH_MODULES_WANTED), it
+hears of each (FETCH_MODULE_ENTERED / _EXITED). In every other fetch the hooks are paused, by a
+patch of DataLoader.__iter__ and _BaseDataLoaderIter.__next__ around the loaders probe's: global
+hooks send every module call through torch's slow path (~1.3 us each, more with what they do),
+which per-sample transforms pay per sample - 8 points of data share in issue 28's mnist_rnn. The
+iterator's start is paused too: DataLoader workers are forked there, and run without the hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from gpulab.monitor.record.notices import (FETCH_MODULE_ENTERED, FETCH_MODULE_EXITED, FETCH_MODULES_WANTED,
+                                          MODULE_CALLED, PROGRESS)
+from gpulab.monitor.record.probe import Probe
+
+
+class ModuleProbe(Probe):
+    """Installed after the loaders probe: its pause goes around their fetch spans."""
+
+    def __init__(self):
+        self._in_forward = False  # inside the outermost module call: inner calls add nothing but cost
+        self._open_calls: list[tuple[torch.nn.Module, int | None]] = []  # (module, span token; None: in a fetch)
+        self._fetch_modules_wanted = False
+
+    def hook(self) -> None:
+        hooks = PausableHooks(register_module_forward_pre_hook(self._make_before()),
+                              register_module_forward_hook(self._make_after(), always_call=True))
+        self.patches.on_undo(hooks.remove)
+        # torch warns that global hooks fire for a compiled module's wrapper too; these expect it (the
+        # wrapper is the outermost call) and the warning is about gpulab, not the script.
+        self.patches.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks")
+        self.patches.patch(DataLoader, "__iter__", self._paused_in(hooks, lambda: True))
+        self.patches.patch(_BaseDataLoaderIter, "__next__",
+                           self._paused_in(hooks, lambda: not self._fetch_modules_wanted))
+        self.listen(FETCH_MODULES_WANTED, self._wanted)
+
+    def new_lane(self) -> None:
+        """A forked lane starts outside any module call."""
+        self._in_forward = False
+        self._open_calls.clear()
+
+    def _wanted(self, wanted: bool) -> None:
+        self._fetch_modules_wanted = wanted
+
+    def _make_before(self):
+        sink, open_calls = self.sink, self._open_calls
+        is_compiling = torch.compiler.is_compiling
+        module_called = sink.sender(MODULE_CALLED)
+        fetch_module_entered = sink.sender(FETCH_MODULE_ENTERED)
+
+        def before(module, args):
+            if is_compiling() or self._in_forward or not sink.here():
+                return
+            if sink.loading_data():
+                if self._fetch_modules_wanted:
+                    open_calls.append((module, None))
+                    fetch_module_entered(module)
+                return
+            sink.loop_is_back()
+            module_called(module, args)
+            self._in_forward = True
+            open_calls.append((module, sink.enter(type(module).__name__, "compute")))
+
+        return before
+
+    def _make_after(self):
+        sink, open_calls = self.sink, self._open_calls
+        is_compiling = torch.compiler.is_compiling
+        fetch_module_exited = sink.sender(FETCH_MODULE_EXITED)
+        progress = sink.sender(PROGRESS)
+
+        def after(module, args, output):
+            # is_compiling() first: torch.compile traces global hooks, and folds this one away here.
+            if is_compiling() or not open_calls or open_calls[-1][0] is not module:
+                return
+            _, token = open_calls.pop()
+            if token is None:
+                fetch_module_exited()
+            else:
+                self._in_forward = False
+                sink.exit(token)
+                progress()
+
+        return after
+
+    def _paused_in(self, hooks: "PausableHooks", pause):
+        """A make_wrapper: the original with the module hooks paused, when `pause()` says so (in
+        the recorded thread)."""
+        sink = self.sink
+
+        def make_wrapper(original):
+            def wrapper(*args, **kwargs):
+                if not (sink.here() and pause()):
+                    return original(*args, **kwargs)
+                hooks.pause()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    hooks.resume()
+
+            return wrapper
+
+        return make_wrapper
+
+
+class PausableHooks:
+    """Global hooks that can be paused: taken out of torch's hook dicts and put back under the
+    same key. Not remove() and a new registration: that gives them a new key each time, and
+    torch.compile, which guards on those keys, then recompiles the model at every call (measured,
+    torch 2.13). The dicts are the ones each hook's RemovableHandle removes it from."""
+
+    def __init__(self, *handles):
+        self._handles = handles
+        self._paused: list[tuple[dict, int, object]] = []  # (torch's dict, key, value)
+        self._depth = 0  # nested pauses (a fetch inside a fetch): the outermost one resumes
+
+    def pause(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        for handle in self._handles:
+            for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+                hooks = ref()
+                if hooks is not None and handle.id in hooks:
+                    self._paused.append((hooks, handle.id, hooks.pop(handle.id)))
+
+    def resume(self) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        for hooks, key, value in self._paused:
+            hooks[key] = value
+        self._paused.clear()
+
+    def remove(self) -> None:
+        for hooks, key, value in self._paused:  # stopped during a pause (an exception in a fetch)
+            hooks[key] = value
+        self._paused.clear()
+        for handle in self._handles:
+            handle.remove()

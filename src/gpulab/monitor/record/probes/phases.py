@@ -1,0 +1,30 @@
+"""The trainer-phases probe: gpulab's own trainer reports its phases through PhaseTimer, and each
+phase is a span of the category it belongs to (gpulab.parallel.phases.add_phase_listener, once
+that module is imported: public, gpulab's own hook).
+"""
+
+from __future__ import annotations
+
+from gpulab.monitor.record.interpreter import after_import
+from gpulab.monitor.record.probe import Probe
+
+# gpulab's own trainer reports its phases through PhaseTimer; this is where each one belongs.
+PHASE_CATEGORY = {
+    "data": "data_wait",
+    "scatter": "h2d",
+    "forward_backward": "compute",
+    "allreduce": "collective",
+    "optimizer": "compute",
+}
+
+
+class TrainerPhasesProbe(Probe):
+    def hook(self) -> None:
+        self.patches.on_undo(after_import("gpulab.parallel.phases", self._listen_to_phases))
+
+    def _listen_to_phases(self, phases) -> None:
+        self.patches.on_undo(phases.add_phase_listener(self._phase))
+
+    def _phase(self, name: str):
+        """A phase of gpulab's own trainer is a span of its category."""
+        return self.sink.span(name, PHASE_CATEGORY.get(name, "compute"))

@@ -1,0 +1,98 @@
+"""The processes probe: the process itself - the children it forks, how a multiprocessing child
+ends, and torch's threads under `gpulab profile --try threads=N`.
+
+    os.register_at_fork            a forked child: FORKED (the recorder gives it its own lane, or,
+                                   a DataLoader worker, nothing)
+    BaseProcess._bootstrap         patched: a multiprocessing child leaves with os._exit, which
+                                   skips atexit: PROCESS_ENDING (the recorder stops); its target's
+                                   exception never reaches sys.excepthook either: EXCEPTION
+    torch.set_num_threads          patched, for --try threads=N only: the threads tried
+It also tells the "facts" snapshot how many threads torch uses, and whether this process is a
+DataLoader worker.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import weakref
+
+import torch
+
+from gpulab.monitor.record.notices import EXCEPTION, FORKED, PROCESS_ENDING
+from gpulab.monitor.record.probe import Probe
+
+
+class ProcessProbe(Probe):
+    """`torch_threads`: torch's intra-op threads forced (`--try threads=N`); 0: as the script sets them."""
+
+    def __init__(self, torch_threads: int):
+        self._torch_threads = torch_threads
+        self._installed = False
+
+    def hook(self) -> None:
+        self._installed = True
+        self.patches.on_undo(self._uninstalled)
+        self.patches.patch(multiprocessing.process.BaseProcess, "_bootstrap", self._ending_the_recording)
+        if self._torch_threads:
+            self._force_torch_threads(self._torch_threads)
+        self._follow_forks()
+
+    def facts(self) -> dict:
+        return {"dataloader_worker": torch.utils.data.get_worker_info() is not None,
+                "torch_threads": torch.get_num_threads()}
+
+    def _uninstalled(self) -> None:
+        self._installed = False
+
+    def _ending_the_recording(self, original):
+        """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here.
+        Its target's exception never reaches sys.excepthook either (_bootstrap prints it itself):
+        it is noted on its way out of run()."""
+        send = self.sink.send
+
+        def _bootstrap(process, *args, **kwargs):
+            run = process.run
+
+            def run_noting_its_exception():
+                try:
+                    return run()
+                except BaseException as e:
+                    send(EXCEPTION, e, e.__traceback__)
+                    raise
+
+            process.run = run_noting_its_exception
+            try:
+                return original(process, *args, **kwargs)
+            finally:
+                send(PROCESS_ENDING)
+
+        return _bootstrap
+
+    def _force_torch_threads(self, threads: int) -> None:
+        """`--try threads=N`: torch's intra-op threads are N in this process, also when the script sets
+        its own (its torch.set_num_threads(k) sets N instead), as --try forces DataLoader settings."""
+        torch.set_num_threads(threads)
+
+        def wrap(original):
+            def set_num_threads(requested: int) -> None:
+                return original(threads)
+
+            return set_num_threads
+
+        self.patches.patch(torch, "set_num_threads", wrap)
+
+    def _follow_forks(self) -> None:
+        """A fork's child inherits the patches and the recorder's state; FORKED lets the recorder
+        decide what it records. Fork handlers cannot be removed: this one holds the probe weakly
+        and does nothing once the probe is removed."""
+        if not hasattr(os, "register_at_fork"):  # not POSIX: nothing forks
+            return
+        ref = weakref.ref(self)
+
+        def in_child() -> None:
+            probe = ref()
+            if probe is not None and probe._installed:
+                probe.sink.send(FORKED)
+
+        os.register_at_fork(after_in_child=in_child)

@@ -1,0 +1,176 @@
+"""The transforms probe: per-sample transforms inside a DataLoader fetch, each timed as its own
+data-wait span so the report can rank them by cost, with the line that built or called them.
+
+What it sees: the modules called inside a fetch (torchvision's transforms are nn.Modules), from
+the module probe's notices (FETCH_MODULE_ENTERED / _EXITED), which it asks for while it times them
+(FETCH_MODULES_WANTED); and torchvision's Compose (v1, once imported), patched: its __init__ for
+where the transforms were built, its __call__ for a span per member (v1 members are plain
+callables; v2's are nn.Modules, which the module hooks see).
+
+Timing them costs: the module hooks that see them send every module call through torch's slow
+path, and each span reads the clock and keeps a record - a few microseconds per sample and
+transform, enough to move the data share of a loop of cheap transforms by 8 points (issue 28).
+So they are timed only while `timing` is True: in the warm-up steps (are there any?) and then,
+if there are, in a window of WINDOW_STEPS steps once the other measurement windows are over;
+the window's steps are left out of the statistics like theirs, and the report ranks the
+transforms from them. In every other step a fetch runs with the module hooks paused
+(probes/modules.py): a per-sample transform costs nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from gpulab.monitor.events import TRANSFORM_PREFIX
+from gpulab.monitor.record.frames import user_site
+from gpulab.monitor.record.interpreter import after_import
+from gpulab.monitor.record.notices import FETCH_MODULE_ENTERED, FETCH_MODULE_EXITED, FETCH_MODULES_WANTED
+from gpulab.monitor.record.probe import WindowProbe
+from gpulab.monitor.record.sink import Sink
+
+_MAX_DEPTH = 2  # a Compose and its members; deeper calls are part of their transform
+WINDOW_STEPS = 3  # steps whose transforms are timed, after warm-up (~200 calls each at batch 64)
+
+
+class TransformProbe(WindowProbe):
+    """Installed after the module probe, which keeps its hooks paused in fetches until told that
+    fetch modules are wanted (here, at install: the warm-up times them)."""
+
+    def __init__(self, warmup_steps: int):
+        self._warmup_steps = warmup_steps
+        self.spans: TransformSpans | None = None
+        self._open: list[int | None] = []  # the spans of the fetch modules inside their calls
+
+    def hook(self) -> None:
+        self.spans = TransformSpans(self.sink, self._warmup_steps)
+        for module, members_call in (("torchvision.transforms.transforms", True),
+                                     ("torchvision.transforms.v2._container", False)):
+            self.patches.on_undo(after_import(module, lambda m, c=members_call: self._patch_compose(m.Compose, c)))
+        self.listen(FETCH_MODULE_ENTERED, self._module_entered)
+        self.listen(FETCH_MODULE_EXITED, self._module_exited)
+        self.sink.send(FETCH_MODULES_WANTED, self.spans.timing)
+
+    @property
+    def active(self) -> bool:
+        return self.spans.window_active
+
+    def on_step_end(self, steps_done: int, may_open: bool) -> None:
+        timing = self.spans.timing
+        self.spans.on_step_end(steps_done, may_open)
+        if self.spans.timing != timing:
+            self.sink.send(FETCH_MODULES_WANTED, self.spans.timing)
+
+    def new_lane(self) -> None:
+        self.spans.new_lane()
+        self._open.clear()
+        self.sink.send(FETCH_MODULES_WANTED, self.spans.timing)
+
+    def facts(self) -> dict:
+        return {"transforms": self.spans.calls if self.spans is not None else {}}
+
+    def _module_entered(self, module) -> None:
+        self._open.append(self.spans.begin(module))
+
+    def _module_exited(self) -> None:
+        token = self._open.pop() if self._open else None
+        if token is not None:
+            self.spans.end(token)
+
+    def _patch_compose(self, compose, members_call: bool) -> None:
+        """torchvision's Compose: note where each transform was built; v1 (whose members need not be
+        nn.Modules): time each member as its own transform span."""
+        sink, spans = self.sink, self.spans
+
+        def wrap_init(original):
+            def __init__(composed, transforms, *args, **kwargs):
+                spans.note_built(transforms, user_site(sys._getframe(1)))
+                return original(composed, transforms, *args, **kwargs)
+            return __init__
+
+        def wrap_call(original):
+            def __call__(composed, img):
+                if not (spans.timing and sink.here() and sink.loading_data()):
+                    return original(composed, img)
+                for t in composed.transforms:  # what Compose.__call__ does, one span per member
+                    img = t(img) if isinstance(t, torch.nn.Module) else spans.call(t, t, img)
+                return img
+            return __call__
+
+        self.patches.patch(compose, "__init__", wrap_init)
+        if members_call:
+            self.patches.patch(compose, "__call__", wrap_call)
+
+
+class TransformSpans:
+    """The transforms timed, and when: `sink` takes their spans."""
+
+    def __init__(self, sink: Sink, warmup_steps: int):
+        self.sink = sink
+        self.calls: dict[str, dict] = {}  # "Normalize" -> {calls, where}
+        self._depth = 0
+        self._built_at: dict[int, str] = {}  # id(transform) -> where the user built it
+        self._warmup_steps = warmup_steps
+        self._phase = "warm-up"  # -> "waiting" (for the other windows) -> "window" -> "done"
+        self._window_ends = 0
+
+    @property
+    def timing(self) -> bool:
+        """Are transforms timed in the current step (the module hooks see them)?"""
+        return self._phase in ("warm-up", "window")
+
+    @property
+    def window_active(self) -> bool:
+        """Is the current step in the window (left out of the statistics)?"""
+        return self._phase == "window"
+
+    def on_step_end(self, steps_done: int, may_open: bool) -> None:
+        """After `steps_done` steps: the window opens once warm-up is over, if the warm-up saw
+        transforms, and when no other measurement window runs (`may_open`)."""
+        if self._phase == "warm-up" and steps_done >= self._warmup_steps:
+            self._phase = "waiting" if self.calls else "done"
+        if self._phase == "waiting" and may_open:
+            self._phase, self._window_ends = "window", steps_done + WINDOW_STEPS
+        elif self._phase == "window" and steps_done >= self._window_ends:
+            self._phase = "done"
+
+    def new_lane(self) -> None:
+        """A new lane (a forked child): count again, from its own warm-up; where transforms were
+        built still holds."""
+        self.calls = {}
+        self._depth = 0
+        self._phase = "warm-up"
+
+    def begin(self, transform) -> int | None:
+        """A transform inside a fetch starts: its own span (None: not timing now, or nested too
+        deep: part of its parent's span)."""
+        if not self.timing or self._depth >= _MAX_DEPTH:
+            return None
+        name = type(transform).__name__
+        entry = self.calls.get(name)
+        if entry is None:
+            where = self._built_at.get(id(transform)) or user_site(sys._getframe(1))
+            entry = self.calls[name] = {"calls": 0, "where": where}
+        entry["calls"] += 1
+        self._depth += 1
+        return self.sink.enter(TRANSFORM_PREFIX + name, "data_wait")
+
+    def end(self, token: int) -> None:
+        self.sink.exit(token)
+        self._depth -= 1
+
+    def call(self, transform, call, *args, **kwargs):
+        """call(*args, **kwargs) as the span of `transform` (one that is no nn.Module)."""
+        token = self.begin(transform)
+        if token is None:
+            return call(*args, **kwargs)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.end(token)
+
+    def note_built(self, transforms, where: str | None) -> None:
+        """Where the user built these transforms (a Compose of them)."""
+        for t in transforms:
+            self._built_at.setdefault(id(t), where)

@@ -1,0 +1,94 @@
+"""The one narrow way a probe writes into the recording.
+
+    here()                     is the caller the recorded (training) thread? Only its calls count
+    enter(name, category)      a span opens: time from now is charged to `category` ...
+    exit(token)                ... until it closes (any span left open above it closes too)
+    closed_span(name, category, t0, t1)   a span classified only after it returned (a sync)
+    span(name, category)       the same as a context manager
+    count(key, n)              add to this step's count `key` (syncs, copies, their bytes)
+    emit(record)               a record for the events file (monitor/events.py is the format)
+    loop_is_back()             the step rules (steps.py): the loop came back for data or a
+    backward_finished()        forward; a top-level backward finished; an optimizer stepped; an
+    optimizer_stepped(opt)     explicit step mark (the Python API's p.step())
+    mark_step()
+    listen(notice, listener) / send(notice, ...) / sender(notice)   notices (notices.py)
+    own_work()                 gpulab's own calls into torch (a window's profiler, its
+                               synchronize): no probe takes them for the script's
+    steps_done, loading_data(), charged_category()   where the step accounting stands
+
+A forked child keeps its sink: the step accounting starts again in place (steps.new_lane), so
+what the sink hands out stays valid.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager, nullcontext
+
+from gpulab.monitor.record.notices import Notices
+from gpulab.monitor.record.steps import StepAccounting
+
+
+class Sink:
+    def __init__(self, steps: StepAccounting, emit: Callable[[dict], None], notices: Notices):
+        self.ident: int | None = None  # the recorded thread (the recorder sets it; None: none)
+        self._steps = steps
+        self._guards: list[Callable] = []
+        # The step accounting's own methods, not wrappers around them: a probe calls these a few
+        # times per step (the spans of forward, backward, the optimizer, each fetch), and each
+        # wrapper would be one more Python call on the script's time.
+        self.enter = steps.enter
+        self.exit = steps.exit
+        self.closed_span = steps.add_closed_span
+        self.count = steps.count
+        self.loading_data = steps.loading_data
+        self.charged_category = steps.charged_category
+        self.loop_is_back = steps.end_step_after_backward
+        self.backward_finished = steps.backward_done
+        self.optimizer_stepped = steps.optimizer_stepped
+        self.mark_step = steps.mark_step
+        self.emit = emit
+        self.listen = notices.listen
+        self.send = notices.send
+        self.sender = notices.sender
+
+    def here(self) -> bool:
+        """Is the caller the recorded (training) thread?"""
+        return threading.get_ident() == self.ident
+
+    @property
+    def steps_done(self) -> int:
+        return self._steps.index
+
+    @contextmanager
+    def span(self, name: str, category: str):
+        if not self.here():
+            yield
+            return
+        token = self.enter(name, category)
+        try:
+            yield
+        finally:
+            self.exit(token)
+
+    def guard_own_work(self, guard: Callable) -> Callable[[], None]:
+        """`guard()`: a context manager inside which a probe records nothing (the CUDA probe's
+        wrappers); own_work() enters every guard. Returns the undo."""
+        self._guards.append(guard)
+        return lambda: self._guards.remove(guard) if guard in self._guards else None
+
+    def own_work(self):
+        """A context manager around gpulab's own calls into torch (between every two steps: one
+        made once, where no probe guards its own work)."""
+        return self._guarded() if self._guards else _NOTHING_TO_GUARD
+
+    @contextmanager
+    def _guarded(self):
+        with ExitStack() as stack:
+            for guard in list(self._guards):
+                stack.enter_context(guard())
+            yield
+
+
+_NOTHING_TO_GUARD = nullcontext()
