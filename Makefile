@@ -13,11 +13,12 @@ TORCH  ?= torch==2.13.0
 demo: setup data
 	$(VENV)/bin/gpulab train --devices auto
 
+# --durations=15: the run ends with its 15 slowest tests (README's "Tests" says what the suite takes where).
 test: setup data
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-all: setup data
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -m "" --durations=15
 
 bench: setup data
 	$(VENV)/bin/gpulab bench all

@@ -1,9 +1,12 @@
-"""Shared fixtures (small Fashion-MNIST-shaped datasets written as real IDX files) and CLI helpers."""
+"""Shared fixtures (small Fashion-MNIST-shaped datasets written as real IDX files), CLI helpers, and
+the machine's measured slowness that the tests' timeouts scale with (`scaled`)."""
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,6 +34,63 @@ def make_idx_dataset(folder: Path, num_train: int = 512, num_test: int = 256, se
         write_idx(folder / (FILES[f"{part}_images"] + ".gz"), images)
         write_idx(folder / (FILES[f"{part}_labels"] + ".gz"), labels)
     return folder
+
+
+# ----------------------------------------------------------------------------- machine speed
+
+# What `workload_seconds()` takes on the machine the tests' timeouts were set on: the project's
+# 2-core AMD EPYC (Zen 4, native bf16) VM, 0.085 s; 0.098 s there with AVX2 only
+# (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, the slower class's instruction set).
+REFERENCE_WORKLOAD_S = 0.085
+
+
+def workload_seconds() -> float:
+    """A fixed torch workload: 10 forward+backward passes of a LeNet-sized network on a batch of 64,
+    fp32, one thread; the best of 3 (a moment of load on a shared machine does not count)."""
+    from torch import nn
+
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 10))
+    X, y = torch.randn(64, 1, 28, 28, generator=generator), torch.randint(0, 10, (64,), generator=generator)
+    best = float("inf")
+    with one_thread():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                model.zero_grad()
+                nn.functional.cross_entropy(model(X), y).backward()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.cache
+def slowness() -> float:
+    """How many times slower than the reference machine this one is, measured once per session
+    (~0.3 s): 1.0 on the reference machine or a faster one, ~1.15 there with AVX2 only, more on a
+    slower CPU. $GPULAB_TEST_SLOWNESS sets it instead (a number >= 1)."""
+    given = os.environ.get("GPULAB_TEST_SLOWNESS")
+    if given:
+        return max(1.0, float(given))
+    return max(1.0, workload_seconds() / REFERENCE_WORKLOAD_S)
+
+
+def scaled(seconds: float) -> float:
+    """A test's timeout for this machine: `seconds`, set on the reference machine, times slowness().
+    For the limits that only end a test that would otherwise hang (subprocess timeouts, waits for
+    a file) and bounds that include starting processes; not for the bounds a feature promises
+    (a job stopped within N s of a signal)."""
+    return seconds * slowness()
+
+
+def pytest_report_header(config):
+    return f"gpulab: machine slowness {slowness():.2f} (timeouts x that; tests/conftest.py:slowness)"
+
+
+@pytest.fixture(scope="session")
+def machine_slowness() -> float:
+    """slowness(), for tests that take it as a fixture."""
+    return slowness()
 
 
 @contextmanager

@@ -4,7 +4,7 @@ usage (under torchrun): ddp_faults.py hang | eval | mismatch | raise | kill | st
   hang      rank 1 skips one all_reduce: rank 0 waits in it, rank 1 goes on to the final barrier;
             both block inside gloo, where a Python signal handler never runs
   eval      no fault: after step 20 rank 0 alone evaluates for EVAL_S (forward calls, no step, no
-            collective) while rank 1 waits in a barrier - a common pattern, and no hang
+            collective; default 8 s) while rank 1 waits in a barrier - a common pattern, and no hang
   mismatch  rank 1's all_reduce is of 2 elements, rank 0's of 1 (gloo aborts the collective)
   raise     rank 1 raises a RuntimeError
   kill      rank 1 sends itself SIGKILL (as the kernel's out-of-memory killer would)
@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 MODE = sys.argv[1]
 RANK = int(os.environ.get("RANK", "0"))
 FAULT_STEP = 20
-EVAL_S = 8.0
+EVAL_S = float(os.environ.get("EVAL_S", "8"))
 STALL_S = float(os.environ.get("STALL_S", "30"))
 STEP_S = 0.02  # each step's own time (a sleep): long enough that every rank's steps reach its recording
 
