@@ -9,7 +9,8 @@ is (eager), `gpulab train --compile on`, and on CUDA `--compile graphs`. Each tr
 epochs. A row gives the medians over the rounds, [min .. max]: the whole process's seconds per
 epoch, the training seconds per epoch (gpulab's metrics.json, compile time apart; the
 textbook's epochs), the compile seconds, the test accuracy after the last epoch, and the ratio
-to the textbook's whole-process seconds per epoch, round by round.
+to the textbook's whole-process seconds per epoch, round by round. The tiny preset (a smoke test)
+runs the textbook and eager `gpulab train` only.
 
 The floor beside the rows: LeNet's multiply-adds per sample (its layers' shapes, forward, and
 twice that for backward: ~13.5 MFLOP per training sample) times the epoch's samples, over the
@@ -53,22 +54,28 @@ class Config:
     samples: int | None = None
     """Training samples (None: the whole of Fashion-MNIST); fewer for smoke tests."""
     timeout_s: float = 3600.0
+    compiled: bool = True
+    """Also `gpulab train --compile on` (and `graphs` on CUDA); the tiny preset leaves them out:
+    compiling the step takes longer than its one small epoch, and tests/train/test_compile.py
+    checks compiled training on its own."""
 
 
 PRESETS = {
     "full": {},
     "quick": dict(epochs=1, rounds=2),
-    "tiny": dict(epochs=1, rounds=1, samples=1024, timeout_s=600.0),
+    "tiny": dict(epochs=1, rounds=1, samples=1024, timeout_s=600.0, compiled=False),
 }
 
 
-def contenders(device: torch.device) -> dict[str, list[str]]:
+def contenders(device: torch.device, compiled: bool = True) -> dict[str, list[str]]:
     """Name -> the command after `python -m`."""
     spec = format_devices([device]).strip("[]")
     gpulab = ["gpulab", "train", "--devices", spec]
-    found = {TEXTBOOK: ["gpulab.bench.textbook"], EAGER: gpulab, COMPILED: [*gpulab, "--compile", "on"]}
-    if device.type == "cuda":
-        found[GRAPHS] = [*gpulab, "--compile", "graphs"]
+    found = {TEXTBOOK: ["gpulab.bench.textbook"], EAGER: gpulab}
+    if compiled:
+        found[COMPILED] = [*gpulab, "--compile", "on"]
+        if device.type == "cuda":
+            found[GRAPHS] = [*gpulab, "--compile", "graphs"]
     return found
 
 
@@ -87,10 +94,11 @@ def run_once(command: list[str], epochs: int, spec: str, data_dir: Path, out: Pa
     if command[0] == "gpulab.bench.textbook":
         told = json.loads(done.stdout.strip().splitlines()[-1])
         return {"wall_s": wall, "train_s": statistics.median(told["epoch_seconds"]), "compile_s": 0.0,
-                "test_acc": told["test_acc"]}
+                "test_acc": told["test_acc"], "epochs": len(told["epoch_seconds"])}
     rows = json.loads((out / "metrics.json").read_text())
     return {"wall_s": wall, "train_s": statistics.median(r["train_seconds"] for r in rows),
-            "compile_s": sum(r.get("compile_seconds", 0.0) for r in rows), "test_acc": rows[-1]["test_acc"]}
+            "compile_s": sum(r.get("compile_seconds", 0.0) for r in rows), "test_acc": rows[-1]["test_acc"],
+            "epochs": len(rows)}
 
 
 def training_flops_per_sample() -> float:
@@ -123,8 +131,12 @@ def run(cfg: Config, ctx, result: Result) -> None:
         Column("compile_s", "compiling", "seconds"), Column("test_acc", "test acc", "num"),
         Column("ratio", "vs textbook", "ratio"), Column("ratio_range", "[min .. max]"),
     ])
+    if not cfg.compiled:
+        result.skip("compiled rows (gpulab train --compile on/graphs)", "left out of this preset: compiling takes "
+                    "longer than its epoch (run the full or quick preset)")
     if not any(d.type == "cuda" for d in ctx.single_devices()):
-        result.skip("GPU rows (gpulab train --compile graphs: the step replayed as a CUDA graph)", ctx.no_gpu_reason())
+        result.skip("GPU rows (the same contenders on a GPU, and --compile graphs: the step replayed as a CUDA graph)",
+                    ctx.no_gpu_reason())
     summary = {}
     with tempfile.TemporaryDirectory(prefix="gpulab-bench-training-") as tmp:
         data_dir = _data(Path(tmp) / "data", cfg.samples)
@@ -133,12 +145,15 @@ def run(cfg: Config, ctx, result: Result) -> None:
             spec = format_devices([device]).strip("[]")
             runs: dict[str, list[dict]] = {}
             for r in range(cfg.rounds):
-                for name, command in contenders(device).items():
+                for name, command in contenders(device, cfg.compiled).items():
                     ctx.progress(f"training {spec} round {r + 1}/{cfg.rounds}: {name}")
                     out = Path(tmp) / f"run-{spec.replace(':', '')}-{r}-{len(runs.get(name, []))}-{name.split()[-1]}"
-                    runs.setdefault(name, []).append(run_once(command, cfg.epochs, spec, data_dir, out, cfg.timeout_s))
+                    ran = run_once(command, cfg.epochs, spec, data_dir, out, cfg.timeout_s)
+                    # a run that stopped early would look fast: each must have trained every epoch
+                    result.check(f"{spec}: {name} trained {cfg.epochs} epoch(s)", ran["epochs"], cfg.epochs, rtol=0, atol=0)
+                    runs.setdefault(name, []).append(ran)
             # the same training compiled or not: the same accuracy, within float32 reordering
-            for r_eager, r_compiled in zip(runs[EAGER], runs[COMPILED]):
+            for r_eager, r_compiled in zip(runs[EAGER], runs.get(COMPILED, [])):
                 result.check(f"{spec}: test accuracy compiled == eager", r_compiled["test_acc"], r_eager["test_acc"],
                              rtol=0, atol=0.02)
             summary[spec] = _rows(table, spec, runs, cfg.epochs)
