@@ -168,3 +168,20 @@ def test_training_ratios_are_round_by_round_against_the_textbook():
     rows = training._rows(table, "cpu", runs, epochs=2)
     assert rows[training.EAGER]["ratio_min"] == 2.0 and rows[training.EAGER]["ratio_max"] == 4.0
     assert rows[training.EAGER]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_training_floor_in_bf16_only_where_the_device_has_it(monkeypatch, native):
+    """Without native bf16 (AVX2 only) torch emulates it: a 2048 matmul took 213 s there. The floor
+    then has no bf16 row, and says why."""
+    from gpulab.bench import training
+    from gpulab.bench.report import Result
+
+    measured = []
+    monkeypatch.setattr(training, "native_bf16", lambda device: native)
+    monkeypatch.setattr(training, "peak_flops", lambda device, dtype: measured.append(dtype) or 1e11)
+    result = Result(name="training", lesson="", config={}, env={}, preset="tiny")
+    floor = training._floor(result, torch.device("cpu"), samples=1000)
+    assert measured == ([torch.float32, torch.bfloat16] if native else [torch.float32])
+    assert ("bf16" in floor) is native and floor["fp32"]["epoch_s"] == pytest.approx(1000 * training.training_flops_per_sample() / 1e11)
+    assert ("no native bf16" in result.notes[-1]) is not native
