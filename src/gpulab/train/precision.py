@@ -43,9 +43,11 @@ def compile_mode(cfg: TrainConfig, devices: list[torch.device]) -> str:
     an epoch took 5.08 s against 5.35 s eager in bf16 (batch 256), 4.92 against 5.33 at batch 512,
     and in fp32 8.31 against 8.26 (256), 7.57 against 8.00 (512), for 5-20 s of compiling with a
     cold cache - 0-8% that a run must win back first (oneDNN's convolutions are 60% of the step
-    either way, and compiled, their backward ran slower: torch.profiler, 12.5 against 10.2 ms). With torch's CPU kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2, this machine standing
-    in for CI's AVX2-only class), the compiled training step gave NaN from its first step (torch
-    2.13), so auto must not turn it on there either. On CUDA, off until a GPU measurement says
+    either way, and compiled, their backward ran slower: torch.profiler, 12.5 against 10.2 ms).
+    (A NaN, then an index out of bounds, once seen with ATEN_CPU_CAPABILITY=avx2 came from
+    inductor's on-disk cache, shared between that and the native instruction set on one machine:
+    with a cache of its own the compiled step trains there as the eager one does - tests/train/test_compile.py
+    passed so.) On CUDA, off until a GPU measurement says
     which of on and graphs to take (docs/gpu-checklist.md has the command)."""
     if cfg.compile == "auto":
         return AUTO_COMPILE
