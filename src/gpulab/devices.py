@@ -45,6 +45,15 @@ def try_all_gpus() -> list[torch.device]:
     return [gpu(i) for i in range(num_gpus())] or [cpu()]
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Does `device` compute bf16 in hardware? A CPU needs oneDNN's bf16 (AVX512-BF16 or AMX):
+    with AVX2 only torch emulates it (a 2048 matmul: 0.4 GFLOP/s against 185 in fp32, on a Zen 4
+    held to AVX2)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def describe_available() -> str:
     gpus = [f"cuda:{i}" for i in range(num_gpus())]
     return ", ".join(["cpu", *gpus]) + ("" if gpus else " (no CUDA GPU visible to torch)")

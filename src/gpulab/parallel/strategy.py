@@ -73,9 +73,6 @@ def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
             group["lr"] = lr
 
 
-COMPILE_MODES = ("off", "on", "graphs")
-
-
 def forward_and_loss(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
                      dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, top-1 hits) of one shard, on its device; the loss inside autocast too (it

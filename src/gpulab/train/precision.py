@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from gpulab.config import TrainConfig
+from gpulab.devices import native_bf16
 from gpulab.errors import UserError
 
 # auto's choice for --compile, from the measurements in compile_mode's docstring
@@ -30,8 +31,7 @@ def autocast_dtype(cfg: TrainConfig, devices: list[torch.device]) -> torch.dtype
     """
     if cfg.precision == "auto":
         on_cpu = all(d.type == "cpu" for d in devices)
-        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if on_cpu and native_bf16 else None
+        return torch.bfloat16 if on_cpu and native_bf16(devices[0]) else None
     return torch.bfloat16 if cfg.precision == "bf16" else None
 
 
