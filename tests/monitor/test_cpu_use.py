@@ -185,9 +185,9 @@ def own_truth(output: str) -> tuple[float, float]:
 @two_cores
 def test_a_busy_process_beside_compute_bound_steps_is_the_first_finding(tmp_path, capfd):
     with busy_processes():
-        shared = profile(tmp_path, "shared", "shared_cpu.py", "30")
+        shared = profile(tmp_path, "shared", "shared_cpu.py", "20")
     step_s, wait = own_truth(capfd.readouterr().out)
-    quiet = profile(tmp_path, "quiet", "shared_cpu.py", "30")
+    quiet = profile(tmp_path, "quiet", "shared_cpu.py", "20")
     quiet_step_s, quiet_wait = own_truth(capfd.readouterr().out)
     top = shared["findings"][0]
     assert top["cause"] == "cpu_contention", shared["findings"]

@@ -129,20 +129,23 @@ def test_long_work_outside_collectives_is_no_hang(tmp_path, monkeypatch, capfd):
     """Rank 0 evaluates alone for 5 s (forward calls, no step) while rank 1 waits in a barrier;
     a single process pauses 4.5 s between steps: with --hang-after 3 neither is called a hang nor
     stopped (the watch counts finished module calls as progress, and calls a job hung only with
-    a rank inside a collective). Either silence is past --hang-after and the watch's 1 s poll."""
+    a rank inside a collective). Either silence is past --hang-after and the watch's 1 s poll.
+    The two jobs run side by side: both mostly wait."""
     monkeypatch.setenv("FAULT_DIR", str(tmp_path))
     monkeypatch.setenv("EVAL_S", "5")
-    code = main(["profile", "--hang-after", "3", "--out", str(tmp_path / "ddp"), "--",
-                 *TORCHRUN, str(SCRIPTS / "ddp_faults.py"), "eval"])
-    assert code == 0, capfd.readouterr().err[-3000:]
     pause = ("import time, torch\nm = torch.nn.Linear(4, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
              "for i in range(20):\n    m(torch.randn(2, 4)).sum().backward(); o.step()\n    if i == 10: time.sleep(4.5)\n")
-    code = main(["profile", "--hang-after", "3", "--out", str(tmp_path / "one"), "--", sys.executable, "-c", pause])
-    assert code == 0
+    one = subprocess.Popen([sys.executable, "-m", "gpulab", "profile", "--hang-after", "3", "--out", str(tmp_path / "one"),
+                            "--", sys.executable, "-c", pause], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code = main(["profile", "--hang-after", "3", "--out", str(tmp_path / "ddp"), "--",
+                 *TORCHRUN, str(SCRIPTS / "ddp_faults.py"), "eval"])
+    _, one_err = one.communicate(timeout=scaled(120))
+    assert code == 0, capfd.readouterr().err[-3000:]
+    assert one.returncode == 0, one_err[-3000:]
     for out in ("ddp", "one"):
         report = json.loads((tmp_path / out / "report.json").read_text())
         assert "hang" not in report and all(f["cause"] != "hang" for f in report["findings"])
-    assert "the job hangs" not in capfd.readouterr().err
+    assert "the job hangs" not in capfd.readouterr().err and "the job hangs" not in one_err
 
 
 def profile_fault(tmp_path: Path, monkeypatch, mode: str, *options: str) -> tuple[int, dict]:
@@ -205,7 +208,9 @@ def test_a_rank_that_crashes_in_native_code_is_named_with_its_python_line(tmp_pa
     failure = report["findings"][0]
     assert failure["cause"] == "failure" and failure["rank"] == 1, report["findings"]
     assert "failed first, after 21 steps: Fatal Python error: Segmentation fault" in failure["evidence"]
-    assert failure["where"].endswith(f"ddp_faults.py:{planted_line('ctypes.string_at(0)')}")
+    # (once, in a full run, `where` was None: faulthandler's text says why, if it comes back)
+    assert (failure["where"] or "").endswith(f"ddp_faults.py:{planted_line('ctypes.string_at(0)')}"), \
+        report["failure"]["first"].get("stacks")
     assert report["failure"]["first"]["how"] == "crash"
 
 

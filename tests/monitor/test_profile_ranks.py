@@ -49,8 +49,18 @@ def test_a_planted_straggler_is_named_with_its_rank_phase_and_line(tmp_path, mod
     assert top["where"].endswith(f"ddp_ranks.py:{planted}")
 
 
-def test_a_balanced_job_has_no_straggler(tmp_path):
-    report = profile_job(tmp_path, "balanced")
+@pytest.fixture(scope="module")
+def balanced(tmp_path_factory) -> dict:
+    """The balanced job's report, profiled once through the `torchrun` command itself when it
+    stands next to this Python (else `python -m torch.distributed.run`): {"report", "out", "launcher"}."""
+    out = tmp_path_factory.mktemp("balanced")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun), "--standalone", "--nproc-per-node", "2"] if torchrun.exists() else TORCHRUN
+    return {"report": profile_job(out, "balanced", launcher), "out": out / "prof", "launcher": launcher}
+
+
+def test_a_balanced_job_has_no_straggler(balanced):
+    report = balanced["report"]
     assert {k: p["steps"] for k, p in ranks(report).items()} == {0: 40, 1: 40}
     assert "straggler" not in [f["cause"] for f in report["findings"]]
     assert "unbalanced_data" not in [f["cause"] for f in report["findings"]]
@@ -79,12 +89,10 @@ def test_explicit_all_reduce_calls_are_collective_time_at_their_line(tmp_path):
     assert comm["where"].endswith(f"ddp_ranks.py:{planted}")
 
 
-def test_the_torchrun_command_itself_can_be_profiled(tmp_path):
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
+def test_the_torchrun_command_itself_can_be_profiled(balanced):
+    if balanced["launcher"] == TORCHRUN:
         pytest.skip("no torchrun script next to this Python")
-    report = profile_job(tmp_path, "balanced", [str(torchrun), "--standalone", "--nproc-per-node", "2"])
-    assert sorted(ranks(report)) == [0, 1]
+    assert sorted(ranks(balanced["report"])) == [0, 1]
 
 
 def test_killing_gpulab_stops_every_rank(tmp_path):
@@ -109,9 +117,8 @@ def test_killing_gpulab_stops_every_rank(tmp_path):
     assert not list((tmp_path / "prof").glob(".events-*"))
 
 
-def test_the_trace_has_one_process_per_rank(tmp_path):
-    profile_job(tmp_path, "balanced")
-    events = json.loads((tmp_path / "prof" / "trace.json").read_text())["traceEvents"]
+def test_the_trace_has_one_process_per_rank(balanced):
+    events = json.loads((balanced["out"] / "trace.json").read_text())["traceEvents"]
     names = [e["args"]["name"] for e in events if e["name"] == "process_name"]
     assert sum(n.startswith("rank 0 ") for n in names) == 1 and sum(n.startswith("rank 1 ") for n in names) == 1
 

@@ -129,18 +129,44 @@ def test_check_parity_under_torchrun(tiny_data, tmp_path):
     assert float64 <= 1e-9
 
 
-def test_several_devices_per_rank_is_one_clear_error(tiny_data, tmp_path):
-    result = torchrun(2, ["--devices", "cpu*2", "--out", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
-    assert result.returncode != 0
-    lines = error_lines(result.stderr)
+# The refusals: each job is start-up and one check, so they run side by side (one by one, each
+# would leave a core idle while its processes import torch). name: gpulab train's options.
+REFUSED = {
+    "several devices": ["--devices", "cpu*2"],
+    "epochs 0": ["--epochs", "0"],
+    "fsdp sync-bn": ["--shard", "fsdp", "--sync-bn"],
+    "fsdp sync-ddp": ["--shard", "fsdp", "--sync", "ddp"],
+}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple[str, Path]]:
+    """{name: (the 2 ranks' stderr, the --out that must not exist)} for each job of REFUSED."""
+    root = tmp_path_factory.mktemp("refused")
+    data = make_idx_dataset(root / "fashion")
+    jobs = {}
+    for i, (name, options) in enumerate(REFUSED.items()):
+        out = root / f"run{i}"
+        jobs[name] = (subprocess.Popen(torchrun_cmd(2, [*options, "--out", str(out)]), cwd=root, env=env_for(data),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out)
+    done = {}
+    for name, (job, out) in jobs.items():
+        _, err = job.communicate(timeout=scaled(180))
+        assert job.returncode != 0, (name, err[-3000:])
+        done[name] = (err, out)
+    return done
+
+
+def test_several_devices_per_rank_is_one_clear_error(refused):
+    err, out = refused["several devices"]
+    lines = error_lines(err)
     assert len(lines) == 1 and "each process drives one" in lines[0]
-    assert not (tmp_path / "run").exists()
+    assert not out.exists()
 
 
-def test_bad_option_is_said_once(tiny_data, tmp_path):
-    result = torchrun(2, ["--epochs", "0"], tiny_data, cwd=tmp_path)
-    assert result.returncode != 0
-    assert error_lines(result.stderr) == ["gpulab: error: [rank 0] --epochs 0: train for at least 1 epoch"]
+def test_bad_option_is_said_once(refused):
+    err, _ = refused["epochs 0"]
+    assert error_lines(err) == ["gpulab: error: [rank 0] --epochs 0: train for at least 1 epoch"]
 
 
 # ----------------------------------------------------------------------------- failures
@@ -213,22 +239,6 @@ def test_killed_rank_on_another_machine_then_resume_from_the_first_machine(tiny_
     w_resumed, w_reference = weights(node0 / "runs/job"), weights(uninterrupted)
     for name in w_reference:  # two machines and one compute the same thing, bit for bit
         assert torch.equal(w_resumed[name], w_reference[name]), name
-
-
-def test_killed_rank_on_the_same_machine_stops_the_others(tiny_data, tmp_path):
-    """Here torchrun's agent also sends SIGTERM to the survivors; they still say who failed."""
-    cmd = torchrun_cmd(3, [*ARGS, "--out", str(tmp_path / "run")])
-    paused = tmp_path / "paused"
-    job = subprocess.Popen(cmd, cwd=tmp_path, env=env_for(tiny_data, (2, IN_EPOCH_2, paused)), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    wait_for(paused, job)
-    worker_with_rank(job, 2).kill()  # SIGKILL, in the middle of epoch 2
-    killed_at = time.monotonic()
-    _, err = job.communicate(timeout=scaled(90))
-    assert job.returncode != 0 and time.monotonic() - killed_at < 30
-    lines = error_lines(err)
-    assert len(lines) == 1 and re.search(rf"{WHERE}: rank 2 stopped answering", lines[0]), err[-2000:]
-    assert torch.load(tmp_path / "run" / CHECKPOINT, weights_only=False)["epoch"] >= 1  # intact
 
 
 def torchrun_script(source: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -484,26 +494,31 @@ sys.exit(main(["train", "--devices", "cpu", "--epochs", "1", "--precision", "fp3
 '''
 
 
-def test_under_launch_a_dead_rank_is_named_in_launch_s_words(tiny_data, tmp_path):
-    """gpulab launch prints its own one-line summary, not torchrun's, and is what the user runs again."""
+def test_under_launch_a_dead_rank_stops_the_others_and_is_named_in_launch_s_words(tiny_data, tmp_path):
+    """Rank 2 of 3 is killed in epoch 2. torchrun's agent also sends SIGTERM to the survivors; they
+    still say who failed, once, in gpulab launch's words (not torchrun's): launch is what the user
+    runs again. Epoch 1's checkpoint is intact."""
     run, paused = tmp_path / "run", tmp_path / "paused"
     job = subprocess.Popen(
-        [sys.executable, "-m", "gpulab", "launch", "-n", "2", "--", *ARGS, "--out", str(run)],
-        cwd=tmp_path, env=env_for(tiny_data, (1, IN_EPOCH_2, paused)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "gpulab", "launch", "-n", "3", "--", *ARGS, "--out", str(run)],
+        cwd=tmp_path, env=env_for(tiny_data, (2, IN_EPOCH_2, paused)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
     wait_for(paused, job)
-    rank_1 = worker_with_rank(job, 1)
-    assert rank_1.environ().get("GPULAB_LAUNCH") == "1"
-    rank_1.kill()  # SIGKILL, in the middle of epoch 2
+    rank_2 = worker_with_rank(job, 2)
+    assert rank_2.environ().get("GPULAB_LAUNCH") == "1"
+    rank_2.kill()  # SIGKILL, in the middle of epoch 2
+    killed_at = time.monotonic()
     out, err = job.communicate(timeout=scaled(90))
+    assert job.returncode != 0 and time.monotonic() - killed_at < 30
     lines = error_lines(err)
     assert len(lines) == 1, err[-3000:]
-    assert re.search(rf"{WHERE}: rank 1 stopped answering \(gpulab launch's last line shows how it exited\)\. "
+    assert re.search(rf"{WHERE}: rank 2 stopped answering \(gpulab launch's last line shows how it exited\)\. "
                      rf"Last checkpoint: epoch \d, in {re.escape(str(run))}; continue with gpulab launch \(the same "
                      rf"options\) -- --resume {re.escape(str(run))}$", lines[0]), lines[0]
     assert "torchrun" not in lines[0]
-    assert "gpulab launch: rank 1 was killed by SIGKILL" in out
+    assert "gpulab launch: rank 2 was killed by SIGKILL" in out
+    assert torch.load(run / CHECKPOINT, weights_only=False)["epoch"] >= 1  # intact
 
 
 # ----------------------------------------------------------------------------- --shard fsdp
@@ -554,52 +569,28 @@ def test_fsdp_check_parity_on_three_ranks(tiny_data, tmp_path):
     assert float64 <= 1e-9
 
 
-STOP_AFTER_EPOCH_1 = """
-import sys
-from gpulab.train import TrainConfig, train
-
-def stop(row):
-    if row["epoch"] == 1:
-        raise KeyboardInterrupt
-
-cfg = TrainConfig(epochs=2, seed=3, precision="fp32", batch_size=32, channels_last="off", shard="fsdp", out=sys.argv[1])
-try:
-    train(cfg, on_epoch_end=stop)
-except KeyboardInterrupt:
-    pass
-"""
+@pytest.mark.parametrize("name, words", [
+    ("fsdp sync-bn", "--sync-bn with --shard fsdp is not supported"),
+    ("fsdp sync-ddp", "--sync ddp replicates the model"),
+])
+def test_fsdp_refuses_what_it_cannot_do_in_one_line(refused, name, words):
+    err, out = refused[name]
+    lines = error_lines(err)
+    assert len(lines) == 1 and words in lines[0], err[-2000:]
+    assert not out.exists()
 
 
-def test_fsdp_resumes_on_another_number_of_ranks(tiny_data, tmp_path, fsdp_runs):
-    """2 ranks for epoch 1 (SGD with momentum: optimizer state too), then 3 for epoch 2: the
-    shards are made again from the whole state, and the run ends as an uninterrupted one."""
-    script = tmp_path / "stop.py"
-    script.write_text(STOP_AFTER_EPOCH_1)
-    first = subprocess.run([*torchrun_cmd(2, [])[:-3], str(script), str(tmp_path / "run")], cwd=tmp_path,
-                           env=env_for(tiny_data), capture_output=True, text=True, timeout=scaled(180))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert [r["epoch"] for r in metrics(tmp_path / "run")] == [1]
-    resumed = torchrun(3, ["--resume", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    rows, expected = metrics(tmp_path / "run"), metrics(fsdp_runs["one"])
-    assert [r["replicas"] for r in rows] == [2, 3]
-    assert rows[1]["train_loss"] == pytest.approx(expected[1]["train_loss"], abs=1e-4)
-
-
-@pytest.mark.parametrize("ranks,extra,words", [
-    (1, [], "--shard fsdp shards the model over torchrun ranks"),
-    (2, ["--sync-bn"], "--sync-bn with --shard fsdp is not supported"),
-    (2, ["--sync", "ddp"], "--sync ddp replicates the model"),
-], ids=["outside-torchrun", "sync-bn", "sync-ddp"])
-def test_fsdp_refuses_what_it_cannot_do_in_one_line(tiny_data, tmp_path, ranks, extra, words):
-    result = torchrun(ranks, ["--shard", "fsdp", *extra, "--out", str(tmp_path / "run")], tiny_data, cwd=tmp_path)
-    assert result.returncode != 0
-    lines = error_lines(result.stderr)
-    assert len(lines) == 1 and words in lines[0], result.stderr[-2000:]
+def test_fsdp_outside_torchrun_is_refused_in_one_line(tiny_data, tmp_path, capsys):
+    assert main(["train", "--shard", "fsdp", "--out", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--shard fsdp shards the model over torchrun ranks" in line
     assert not (tmp_path / "run").exists()
 
 
 def test_fsdp_killed_rank_stops_the_others_then_the_run_resumes_on_three_ranks(tiny_data, tmp_path, fsdp_runs):
+    """Rank 1 of 2 is killed in epoch 2; the run resumes from epoch 1's shards on 3 ranks (SGD with
+    momentum: optimizer state too): the shards are made again from the whole state, and the run
+    ends as the uninterrupted one."""
     args = [*FSDP_ARGS, "--shard", "fsdp", "--timeout", "15"]
     paused = tmp_path / "paused"
     job = subprocess.Popen(torchrun_cmd(2, [*args, "--out", str(tmp_path / "run")]), cwd=tmp_path,
