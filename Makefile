@@ -13,12 +13,22 @@ TORCH  ?= torch==2.13.0
 demo: setup data
 	$(VENV)/bin/gpulab train --devices auto
 
-# --durations=15: the run ends with its 15 slowest tests (README's "Tests" says what the suite takes where).
+# The suite in two parts (tests/conftest.py says why): the tests that may share the cores, two at a
+# time (-n auto: a pytest-xdist worker per core; --dist loadscope: a module's tests in one worker,
+# so its shared runs are made once), then those marked `alone` (the profiler's: they measure the
+# machine) one after another. Both parts run even when the first fails; each ends with its 15
+# slowest tests (README's "Tests" says what the suite takes where).
+SHARED = -n auto --dist loadscope
+
 test: setup data
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 $(SHARED) -m "not slow and not alone"; shared=$$?; \
+	$(PY) -m pytest -q --durations=15 -m "not slow and alone"; alone=$$?; \
+	exit $$(( shared || alone ))
 
 test-all: setup data
-	$(PY) -m pytest -q -m "" --durations=15
+	$(PY) -m pytest -q --durations=15 $(SHARED) -m "not alone"; shared=$$?; \
+	$(PY) -m pytest -q --durations=15 -m "alone"; alone=$$?; \
+	exit $$(( shared || alone ))
 
 bench: setup data
 	$(VENV)/bin/gpulab bench all

@@ -38,6 +38,28 @@ def make_idx_dataset(folder: Path, num_train: int = 512, num_test: int = 256, se
     return folder
 
 
+# ----------------------------------------------------------------------------- two at a time
+
+# `make test` runs the suite in two parts (Makefile): first every test not marked `alone`, two at
+# a time (pytest-xdist, one worker per core, whole modules per worker so that a module's shared
+# runs are made once); then the `alone` ones, one after another with nothing beside them. The
+# profiler's tests are `alone`: they measure the machine (a process beside the job is a finding -
+# a shared CPU - and their planted causes are shares of a step's time).
+MEASURE_THE_MACHINE = Path(__file__).parent / "monitor"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on two cores: each trains on one thread, and so does every process it starts
+    # (torch's OpenMP threads spin-wait for a core another worker holds: see one_thread below).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.is_relative_to(MEASURE_THE_MACHINE):
+            item.add_marker(pytest.mark.alone)
+
+
 # ----------------------------------------------------------------------------- machine speed
 
 # What `workload_seconds()` takes on the machine the tests' timeouts were set on: the project's

@@ -214,6 +214,7 @@ def test_each_test_is_a_row_and_a_pytest_that_dies_costs_only_the_test_it_was_in
     assert all(row.part_of == "tests-fake" for row in done_rows)
 
 
+@pytest.mark.alone  # its 4 s budget includes starting pytest: nothing beside it
 def test_tests_the_budget_leaves_no_time_for_are_not_run_budget(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_slow.py").write_text(textwrap.dedent("""
