@@ -53,8 +53,8 @@ SHARE_THE_CORES = {"test_profile_faults.py", "test_memory.py", "test_compile_pro
                    "test_profile_safety.py"}
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers on two cores: each trains on one thread, and so does every process it starts
-    # (torch's OpenMP threads spin-wait for a core another worker holds: see one_thread below).
+    # A worker per core: each trains on one thread, and so does every process it starts (torch's
+    # OpenMP threads spin-wait for a core another worker holds: see one_thread below).
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
