@@ -57,3 +57,18 @@ def test_an_item_in_forward_is_a_graph_break_at_its_line_with_the_fix(tmp_path):
     assert "keep the value on the device" in broke["fix"]
     assert "[__graph_breaks]" not in done.stderr and "[__recompiles]" not in done.stderr  # gpulab's reading is silent
 
+
+
+def test_gpulab_train_compiled_and_profiled_runs_and_its_compiles_are_apart(tmp_path, tiny_data):
+    # gpulab train imports gpulab.compiler, which imports torch._dynamo: the probe's hook on that
+    # import finds gpulab.compiler half-executed (it once failed the run with an ImportError)
+    out = tmp_path / "prof"
+    done = subprocess.run([sys.executable, "-m", "gpulab", "profile", "--out", str(out), "--", sys.executable, "-m",
+                           "gpulab", "train", "--devices", "cpu", "--epochs", "1", "--compile", "on",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    told = json.loads((tmp_path / "run" / "metrics.json").read_text())[-1]["compile_seconds"]
+    # gpulab train's own compile clock and the profile's read the same compiles
+    assert report["compile"]["compiles"] >= 2 and abs(report["compile"]["seconds"] - told) <= 0.1 * told + 0.05
+    assert report["excluded_steps"]["compiling"] >= 1

@@ -6,13 +6,16 @@ module hooks, on which compiled code guards).
 gpulab.compiler reads torch's two private doors (compile callbacks, log artifacts); this probe
 turns what it reads into records. It installs when the script's process imports torch._dynamo
 (a script that never compiles still does, for its optimizer: torch.optim imports it), and costs
-nothing between compiles: no hook runs on a step. A compile in the recorded thread is a closed
+nothing between compiles: no hook runs on a step. gpulab.compiler is imported then, not before:
+it imports torch._dynamo itself, ~1 s that a script which never does is spared. A compile in the recorded thread is a closed
 span of category "compile", so the step it happened in says how much of it was compiling;
 every compile, recompile, graph break and skip is also one "compile" record (they are few: one
 per compile of a frame, and torch stops recompiling a frame after its recompile limit).
 """
 
 from __future__ import annotations
+
+import importlib
 
 from gpulab.monitor.events import CompileRecord
 from gpulab.monitor.record.frames import format_site, user_site
@@ -26,17 +29,22 @@ class CompileProbe(Probe):
         self._watch = None
 
     def hook(self) -> None:
-        self.patches.on_undo(after_import("torch._dynamo", self._watch_compiles))
+        # The watch starts once gpulab.compiler has been executed whole. A script that imports
+        # torch._dynamo has gpulab.compiler imported for it; a script that imports gpulab.compiler
+        # (gpulab train, profiled) imports torch._dynamo from inside it - that import's hook then
+        # finds gpulab.compiler half-executed, and the watch starts when gpulab.compiler's own
+        # import ends.
+        self.patches.on_undo(after_import("gpulab.compiler", self._watch_compiles))
+        self.patches.on_undo(after_import("torch._dynamo", self._import_compiler))
 
-    def _watch_compiles(self, dynamo) -> None:
-        """Once the script has imported torch._dynamo: gpulab.compiler imports it, ~1 s that a
-        script which never does is spared."""
-        from gpulab.compiler import CUDAGRAPH_MODULE, CompileWatch
+    def _import_compiler(self, dynamo) -> None:
+        importlib.import_module("gpulab.compiler")  # half-executed already: returned as it is
 
-        self._watch = CompileWatch(self._on_event, user_site, format_site)
+    def _watch_compiles(self, compiler) -> None:
+        self._watch = compiler.CompileWatch(self._on_event, user_site, format_site)
         self._watch.install()
         self.patches.on_undo(self._stop_watching)
-        self.patches.on_undo(after_import(CUDAGRAPH_MODULE, self._read_cudagraph_skips))
+        self.patches.on_undo(after_import(compiler.CUDAGRAPH_MODULE, self._read_cudagraph_skips))
 
     def _read_cudagraph_skips(self, trees) -> None:
         """Once inductor's CUDA graph trees are imported (mode="reduce-overhead")."""
