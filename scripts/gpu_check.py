@@ -706,7 +706,8 @@ def no_crash_check(repeat: int, jobs: int) -> Check:
 # Minutes each (torch.compile's first compile, then whole training runs): not in the default list,
 # added by --compile (or named with --only).
 
-COMPILE_TESTS = ["tests/monitor/test_gpu.py::test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix"]
+COMPILE_TESTS = ["tests/parallel/test_graphed.py",
+                 "tests/monitor/test_gpu.py::test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix"]
 
 
 def check_compile_parity(mode: str) -> Callable[[Check, Path], str]:
@@ -763,18 +764,18 @@ COMPILE_CHECKS = {"compile-parity-on", "compile-parity-graphs", "tests-compile",
 
 def compile_checks() -> list[Check]:
     return [
-        Check("compile-parity-on", "gpu", "gpulab train --devices cuda --compile on --check-parity: parity PASS",
-              check_compile_parity("on")),
         Check("compile-parity-graphs", "gpu", "gpulab train --devices cuda --compile graphs --check-parity: parity PASS",
               check_compile_parity("graphs")),
-        Check("profile-train-graphs", "gpu", "gpulab profile -- gpulab train --compile graphs: exit 0, the card's busy share",
-              check_profile_train("graphs")),
-        Check("profile-train-off", "gpu", "gpulab profile -- gpulab train --compile off: exit 0, the card's busy share",
-              check_profile_train("off")),
         Check("bench-training", "gpu", "gpulab bench training --devices cuda (10 epochs x 3 rounds): every run trains; "
               "compiled test acc >= 0.90; ratios recorded (target >= 10x the textbook per epoch)", check_bench_training),
+        Check("profile-train-graphs", "gpu", "gpulab profile -- gpulab train --compile graphs: exit 0, the card's busy share",
+              check_profile_train("graphs")),
         Check("tests-compile", "gpu", f"pytest {' '.join(COMPILE_TESTS)}: every test passes (a row per test)",
               tests_as_rows(COMPILE_TESTS)),
+        Check("compile-parity-on", "gpu", "gpulab train --devices cuda --compile on --check-parity: parity PASS",
+              check_compile_parity("on")),
+        Check("profile-train-off", "gpu", "gpulab profile -- gpulab train --compile off: exit 0, the card's busy share",
+              check_profile_train("off")),
     ]
 
 

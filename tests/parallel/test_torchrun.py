@@ -418,7 +418,7 @@ def test_sigterm_from_a_scheduler_stops_every_rank_with_one_line(long_epochs, tm
          "--out", str(tmp_path / "run")],
         cwd=tmp_path, env=env_for(long_epochs), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    wait_for(tmp_path / "run" / "curves.png")
+    wait_for(tmp_path / "run" / "metrics.json")  # epoch 1 is saved
     time.sleep(0.5)
     job.terminate()
     t0 = time.monotonic()

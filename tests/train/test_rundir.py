@@ -89,3 +89,18 @@ def test_read_errors_name_the_run_as_its_reader_was_given_it(tmp_path):
         RunDir(tmp_path).check_is_run()
     with pytest.raises(UserError, match=f"^{here}/nope does not exist; give the directory of a gpulab train run$"):
         RunDir(tmp_path / "nope").check_is_run()
+
+
+def test_curves_are_drawn_after_the_last_epoch_and_at_most_every_so_often_before(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"model": "lenet", "devices": "cpu"}))
+    run_dir = RunDir(tmp_path)
+    run_dir.write_metrics([row(1, 0.9, 0.7)], last=False)  # a short run's epoch 1: no picture yet
+    assert (tmp_path / "metrics.json").exists() and not (tmp_path / "curves.png").exists()
+    monkeypatch.setattr("gpulab.train.rundir.PLOT_EVERY_S", 0.0)  # as if the last picture were old
+    run_dir.write_metrics([row(1, 0.9, 0.7), row(2, 0.8, 0.75)], last=False)
+    assert (tmp_path / "curves.png").exists()
+    monkeypatch.setattr("gpulab.train.rundir.PLOT_EVERY_S", 3600.0)
+    (tmp_path / "curves.png").unlink()
+    run_dir.write_metrics([row(1, 0.9, 0.7), row(2, 0.8, 0.75), row(3, 0.7, 0.8)], last=True)
+    assert (tmp_path / "curves.png").exists()
+    plt.close("all")

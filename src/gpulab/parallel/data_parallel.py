@@ -27,6 +27,7 @@ from torch import nn
 from gpulab.devices import device_of, place
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose
+from gpulab.parallel.graphed import StepGraph, check_capturable
 from gpulab.parallel.meter import Meter
 from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.strategy import LossFn, ShardStep, eval_batch, set_lr
@@ -91,7 +92,8 @@ class DataParallel:
         parameters, gradients and the optimizer stay float32 (mixed precision).
         `timer`: a PhaseTimer to time the step's phases (default: one that times nothing).
         `accumulate`: compute each batch as this many micro-batches, one after another.
-        `compile`: how each replica's forward and loss run (ShardStep: off, on, graphs)."""
+        `compile`: how each replica's forward and loss run (ShardStep: off, on, graphs); "graphs"
+        on one GPU records the whole step, optimizer included, as one CUDA graph (StepGraph)."""
         if not devices:
             raise UserError("DataParallel needs at least one device")
         self.devices = list(devices)
@@ -111,7 +113,14 @@ class DataParallel:
         self.allreduce_algorithm = choose(probes, allreduce) if len(self.devices) > 1 else "none"
         self.description = f"allreduce {self.allreduce_algorithm}"
         self.timer = timer or PhaseTimer(self.devices, enabled=False)
-        self.shard_step = ShardStep(compile)
+        # One GPU, one micro-batch: the step is the device's whole work, so it is recorded whole
+        # (its forward compiled; the graph is gpulab's). Several devices exchange gradients in
+        # between: torch.compile's CUDA graphs around each forward and backward.
+        self.record_whole_step = compile == "graphs" and len(self.devices) == 1 and accumulate == 1
+        if self.record_whole_step:
+            check_capturable(self.optimizers)
+        self.shard_step = ShardStep("on" if self.record_whole_step else compile)
+        self.graph: StepGraph | None = None  # recorded by the first training step
 
     @property
     def module(self) -> nn.Module:
@@ -120,6 +129,8 @@ class DataParallel:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizers, lr)
+        if self.graph is not None:
+            self.graph.set_lr(lr)
 
     def train(self, mode: bool = True) -> None:
         for r in self.replicas:
@@ -133,30 +144,41 @@ class DataParallel:
         `loss_fn` must return the *mean* loss over its inputs (PyTorch's default reduction).
         """
         self.buffers_stale = True  # evaluate / state_dict average them once again
+        if self.record_whole_step:
+            if self.graph is None:  # untimed: a replay is one piece of work
+                step = lambda X, y: self._step(X, y, loss_fn, PhaseTimer([], enabled=False))  # noqa: E731
+                self.graph = StepGraph(step, self.replicas, self.optimizers, self.devices[0])
+            loss, correct = self.graph(X, y)  # the graph's outputs: rewritten by the next replay
+        else:
+            loss, correct = self._step(X, y, loss_fn, self.timer)
+        if meter is not None:
+            meter.add(loss * len(y), correct, len(y))
+        return loss
+
+    def _step(self, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, timer: PhaseTimer):
+        """(the batch's mean loss, its top-1 hits), on device 0, after the optimizers' step."""
         n = len(y)
         first = self.devices[0]
         self.buckets.zero_()
-        total = torch.zeros((), device=first)
+        total, correct = torch.zeros((), device=first), torch.zeros((), dtype=torch.long, device=first)
         for X_micro, y_micro in micro_batches(X, y, self.accumulate):
-            with self.timer.phase("scatter"):
+            with timer.phase("scatter"):
                 X_shards, y_shards = split_batch(X_micro, y_micro, self.devices)
-            with self.timer.phase("forward_backward"):
+            with timer.phase("forward_backward"):
                 self.buckets.expect_gradients()
                 losses, corrects = self._forward(X_shards, y_shards, loss_fn, n)
                 torch.autograd.backward(losses)
-            loss = sum(place(l.detach(), first) for l in losses)
-            total = total + loss
-            if meter is not None:
-                meter.add(loss * n, sum(place(c, first) for c in corrects), len(y_micro))
-        with self.timer.phase("allreduce"):
+            total = total + sum(place(l.detach(), first) for l in losses)
+            correct = correct + sum(place(c, first) for c in corrects)
+        with timer.phase("allreduce"):
             if len(self.devices) > 1:
                 self.buckets.allreduce(self.allreduce_algorithm)
-        with self.timer.phase("optimizer"):
+        with timer.phase("optimizer"):
             # A parameter no replica used gets no update, as plain PyTorch skips a None .grad.
             with self.buckets.hidden_grads(self.buckets.unused_here()):
                 for opt in self.optimizers:
                     opt.step()
-        return total
+        return total, correct
 
     def _forward(self, X_shards, y_shards, loss_fn: LossFn, n: int):
         def run(i: int):

@@ -178,7 +178,7 @@ def divergence(row: dict, history: list[dict]) -> str | None:
     return None
 
 
-def save_epoch(run_dir: RunDir, state: dict, history: list[dict], world: World) -> None:
+def save_epoch(run_dir: RunDir, state: dict, history: list[dict], world: World, last: bool) -> None:
     """The checkpoint, then the metrics. A write that fails (a full disk, a folder gone) is one
     line that says what is intact: the file being replaced is, by atomic_write_bytes."""
     epoch = history[-1]["epoch"]
@@ -192,7 +192,7 @@ def save_epoch(run_dir: RunDir, state: dict, history: list[dict], world: World) 
             kept = f"no checkpoint was saved yet: free space, then start over with {start_over_command(run_dir, world)}"
         raise UserError(f"could not write epoch {epoch}'s checkpoint to {run_dir.path} ({e.strerror or e}); {kept}") from None
     try:
-        run_dir.write_metrics(history)
+        run_dir.write_metrics(history, last)
     except OSError as e:
         raise UserError(f"epoch {epoch}'s checkpoint is saved in {run_dir.path} but its metrics could not be written "
                         f"({e.strerror or e}): free space, then {resume_command(run_dir, world)}") from None
@@ -236,7 +236,7 @@ def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, his
     history.append(row)
     state = checkpoint_state(run, run_dir, epoch + 1)  # collective: every rank takes part
     if run.world.is_main:
-        save_epoch(run_dir, state, history, run.world)
+        save_epoch(run_dir, state, history, run.world, last=epoch + 1 == run.cfg.epochs)
         if "shards" in state:  # committed: the folders checkpoint.pt no longer names go
             run_dir.remove_shards_but(state["shards"])
         run.saved_epoch = epoch + 1

@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from gpulab import data, models
 from gpulab.devices import format_devices
+from gpulab.parallel.graphed import graph_lr
 from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training, reordered
 from gpulab.parallel.failures import PeerLost, Terminated
 from gpulab.parallel.world import World, from_environment
@@ -71,9 +72,12 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
         for X, y in local:
             strategy.train_step(X.to(run.devices[0], dtype), y.to(run.devices[0]), run.loss_fn)
         trained = world.gather(trained_parameters(strategy))
+        # A step recorded whole as a CUDA graph reads its learning rate from a float32 tensor (what
+        # torch's fused optimizers take): in float64 the reference applies that same number
+        lr = graph_lr(run.peak_lr) if getattr(strategy, "record_whole_step", False) else run.peak_lr
         if world.is_main:
             reference = reference_training(
-                initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, run.peak_lr), dtype, run.devices[0]
+                initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, lr), dtype, run.devices[0]
             ).cpu()
             results[dtype] = max(max_difference(reference.parameters(), params) for replicas in trained for params in replicas)
             line = f"  {str(dtype).removeprefix('torch.'):8} max |param difference| = {results[dtype]:.3e}"
@@ -81,7 +85,7 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
                 # The float32 yardstick, measured: plain PyTorch against itself on the same batches
                 # with the samples reordered (same mathematics, another summation order).
                 again = reference_training(initial, reordered(batches), run.loss_fn,
-                                           make_optimizer(cfg.recipe_spec, run.peak_lr), dtype, run.devices[0]).cpu()
+                                           make_optimizer(cfg.recipe_spec, lr), dtype, run.devices[0]).cpu()
                 noise = max_difference(reference.parameters(), again.parameters())
                 line += f"   (plain PyTorch vs itself, samples reordered: {noise:.3e})"
             console.print(line)

@@ -48,6 +48,7 @@ CHECKPOINT = "checkpoint.pt"
 SHARDS_GLOB = "checkpoint-epoch*.dcp"  # a sharded run's checkpoints (torch.distributed.checkpoint folders)
 LOCK = ".gpulab.lock"
 RESULTS = ("metrics.json", "metrics.csv", "curves.png")
+PLOT_EVERY_S = 30.0  # curves.png at most this often during a run, and always after its last epoch
 """What a finished epoch writes besides the checkpoint: stale when a run starts over in place."""
 
 # The run directories claimed inside the innermost `claims()` block, released when it ends.
@@ -160,6 +161,7 @@ class RunDir:
         """The command-line option that named this existing run ("--resume"), which the errors of
         reading it start with; None where the folder was named on its own (gpulab export DIR)."""
         self._lock: int | None = None
+        self._drawn_at = time.monotonic()  # curves.png: when last drawn (a run's first after PLOT_EVERY_S)
 
     @property
     def label(self) -> str:
@@ -277,7 +279,10 @@ class RunDir:
             raise UserError(f"{self.label}: config.json is not a gpulab run config")
         return config
 
-    def write_metrics(self, history: list[dict]) -> None:
+    def write_metrics(self, history: list[dict], last: bool = True) -> None:
+        """metrics.json and metrics.csv; curves.png when `last` (the run's last epoch, a resume)
+        or when the last one is PLOT_EVERY_S old: drawing it takes ~0.3 s (and importing
+        matplotlib 0.6 s), more than a small model's epoch on a GPU."""
         atomic_write_json(self.path / "metrics.json", history)
         flat = [csv_row(row) for row in history]
         buf = io.StringIO()
@@ -285,7 +290,9 @@ class RunDir:
         writer.writeheader()
         writer.writerows(flat)
         atomic_write_bytes(self.path / "metrics.csv", buf.getvalue().encode())
-        self._plot_curves(history)
+        if last or time.monotonic() - self._drawn_at >= PLOT_EVERY_S:
+            self._plot_curves(history)
+            self._drawn_at = time.monotonic()
 
     def metrics_epochs(self) -> list | None:
         """The epochs metrics.json lists (None when it is missing or unreadable)."""
