@@ -111,8 +111,9 @@ class TrainConfig:
     precision: Precision = option("auto", "auto: bf16 autocast on CPUs with native bf16, where it is measured "
                                   "faster; else fp32")
     compile: Compile = option("auto", "torch.compile the step: on (forward, loss and backward as compiled graphs, a "
-                              "fused optimizer), graphs (on, replayed as CUDA graphs: CUDA only) or off; auto: off "
-                              "(measured on CPU: 0-8%% faster for 5-20 s of compiling; not yet measured on a GPU)")
+                              "fused optimizer), graphs (CUDA only: on one GPU the whole step recorded once as a CUDA "
+                              "graph and replayed; over several, on + torch.compile's CUDA graphs) or off; auto: off "
+                              "(measured on CPU: 0-8%% faster for 5-20 s of compiling; on a GPU not yet side by side)")
     out: str | None = option(None, "run directory (default runs/<timestamp>-<model>)")
     profile: bool = option(False, "sample utilisation and write a timeline, report and trace to <run dir>/profile/")
 

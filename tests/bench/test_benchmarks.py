@@ -162,12 +162,14 @@ def test_training_ratios_are_round_by_round_against_the_textbook():
 
     result = Result(name="training", lesson="", config={}, env={}, preset="tiny")
     table = result.table("training", "", [])
-    runs = {training.TEXTBOOK: [{"wall_s": 20, "train_s": 9, "compile_s": 0, "test_acc": 0.8}] * 2,
+    runs = {training.TEXTBOOK: [{"wall_s": 20, "train_s": 9, "compile_s": 0, "test_acc": 0.8},
+                                {"wall_s": 20, "train_s": 6, "compile_s": 0, "test_acc": 0.8}],
             training.EAGER: [{"wall_s": 5, "train_s": 2, "compile_s": 0, "test_acc": 0.9},
-                             {"wall_s": 10, "train_s": 2, "compile_s": 0, "test_acc": 0.9}]}
+                             {"wall_s": 10, "train_s": 3, "compile_s": 0, "test_acc": 0.9}]}
     rows = training._rows(table, "cpu", runs, epochs=2)
     assert rows[training.EAGER]["ratio_min"] == 2.0 and rows[training.EAGER]["ratio_max"] == 4.0
     assert rows[training.EAGER]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch
+    assert rows[training.EAGER]["train_ratio"] == 3.25  # 9/2 and 6/3, round by round: not 7.5/2.5
 
 
 @pytest.mark.parametrize("native", [True, False])

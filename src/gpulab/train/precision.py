@@ -47,8 +47,12 @@ def compile_mode(cfg: TrainConfig, devices: list[torch.device]) -> str:
     (A NaN, then an index out of bounds, once seen with ATEN_CPU_CAPABILITY=avx2 came from
     inductor's on-disk cache, shared between that and the native instruction set on one machine:
     with a cache of its own the compiled step trains there as the eager one does - tests/train/test_compile.py
-    passed so.) On CUDA, off until a GPU measurement says
-    which of on and graphs to take (docs/gpu-checklist.md has the command)."""
+    passed so.) On CUDA, off for now: on one H200 (2026-11-27,
+    benchmarks/results/h200-2026-11-27-issue35) LeNet's epoch took 0.78 s eager, 0.79 s with
+    --compile on and 0.12-0.13 s with --compile graphs (the whole step recorded, after 2.1 s of
+    compiling) - but in two runs on two machines, not yet side by side in one benchmark, and for
+    LeNet only; and a recorded step must never read the host, which a user's model may do in its
+    forward. docs/gpu-checklist.md has the commands that would settle it."""
     if cfg.compile == "auto":
         return AUTO_COMPILE
     if cfg.compile == "graphs" and not all(d.type == "cuda" for d in devices):
