@@ -107,6 +107,15 @@ MUTATIONS = [
     Mutation("findings drawn from warm-up steps when every later step was in a window", "src/gpulab/monitor/analyze/diagnose.py",
              "    if not whole_run and all(s[\"i\"] < warmup_steps for s in steady):",
              "    if False:", ["tests/monitor/test_diagnose.py"]),
+    Mutation("a recorded step's warm-up leaves its momentum behind", "src/gpulab/parallel/graphed.py",
+             "                if id(v) not in saved:\n                    v.zero_()",
+             "                if id(v) not in saved:\n                    pass", ["tests/parallel/test_graphed.py"]),
+    Mutation("the compile probe imports gpulab.compiler inside its own import", "src/gpulab/monitor/record/probes/compiled.py",
+             "        self.patches.on_undo(after_import(\"gpulab.compiler\", self._watch_compiles))\n"
+             "        self.patches.on_undo(after_import(\"torch._dynamo\", self._import_compiler))",
+             "        self.patches.on_undo(after_import(\"torch._dynamo\", lambda d: self._watch_compiles("
+             "importlib.import_module(\"gpulab.compiler\"))))",
+             ["tests/monitor/test_compile_probe.py::test_gpulab_train_compiled_and_profiled_runs_and_its_compiles_are_apart"]),
 ]
 
 

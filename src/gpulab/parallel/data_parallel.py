@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 from torch import nn
@@ -146,7 +147,7 @@ class DataParallel:
         self.buffers_stale = True  # evaluate / state_dict average them once again
         if self.record_whole_step:
             if self.graph is None:  # untimed: a replay is one piece of work
-                step = lambda X, y: self._step(X, y, loss_fn, PhaseTimer([], enabled=False))  # noqa: E731
+                step = partial(self._step, loss_fn=loss_fn, timer=PhaseTimer([], enabled=False))
                 self.graph = StepGraph(step, self.replicas, self.optimizers, self.devices[0])
             loss, correct = self.graph(X, y)  # the graph's outputs: rewritten by the next replay
         else:

@@ -7,10 +7,11 @@ gpulab.compiler reads torch's two private doors (compile callbacks, log artifact
 turns what it reads into records. It installs when the script's process imports torch._dynamo
 (a script that never compiles still does, for its optimizer: torch.optim imports it), and costs
 nothing between compiles: no hook runs on a step. gpulab.compiler is imported then, not before:
-it imports torch._dynamo itself, ~1 s that a script which never does is spared. A compile in the recorded thread is a closed
-span of category "compile", so the step it happened in says how much of it was compiling;
-every compile, recompile, graph break and skip is also one "compile" record (they are few: one
-per compile of a frame, and torch stops recompiling a frame after its recompile limit).
+it imports torch._dynamo itself, ~1 s that a script which never does is spared. A compile in
+the recorded thread is a closed span of category "compile", so the step it happened in says how
+much of it was compiling; every compile, recompile, graph break and skip is also one "compile"
+record (they are few: one per compile of a frame, and torch stops recompiling a frame after its
+recompile limit).
 """
 
 from __future__ import annotations
