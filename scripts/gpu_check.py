@@ -41,7 +41,7 @@ OTHER_GPU_TESTS = ["tests/test_devices.py", "tests/hardware/test_describe.py", "
 # The planted CUDA scripts (tests/monitor/scripts/), each exits 0 on its own.
 PLANTED_CUDA_SCRIPTS = ("item_every_step.py", "annotated_step.py", "slow_loader_gpu.py", "tiny_kernels.py",
                         "pageable_copy.py", "pinned_blocking_copy.py", "masked_index.py",
-                        "gc_pressure.py 120 cuda")  # a script and its arguments
+                        "whole_step_graph.py", "gc_pressure.py 120 cuda")  # a script and its arguments
 EVENTS_ENV = "GPU_CHECK_EVENTS"  # where the pytest plugin at the end of this file writes its events
 
 
@@ -707,7 +707,8 @@ def no_crash_check(repeat: int, jobs: int) -> Check:
 # added by --compile (or named with --only).
 
 COMPILE_TESTS = ["tests/parallel/test_graphed.py",
-                 "tests/monitor/test_gpu.py::test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix"]
+                 "tests/monitor/test_gpu.py::test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix",
+                 "tests/monitor/test_gpu.py::test_replays_of_a_recorded_whole_step_are_the_steps"]
 
 
 def check_compile_parity(mode: str) -> Callable[[Check, Path], str]:

@@ -209,3 +209,12 @@ def test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix(tmp_path
     report = profile(tmp_path, "compile_cudagraph_skip.py")
     skips = [f for f in report["findings"] if f["cause"] == "cudagraph_skip"]
     assert skips and "mutated input" in skips[0]["evidence"] and "in place" in skips[0]["fix"]
+
+
+def test_replays_of_a_recorded_whole_step_are_the_steps(tmp_path):
+    # one optimizer step recorded inside torch.cuda.graph, never called again from Python: each
+    # replay is a training step (a loop the profiler would otherwise see as one endless step)
+    report = profile(tmp_path, "whole_step_graph.py")
+    # 3 warm-up steps, the recording (no step: nothing ran), 200 replays
+    assert report["steps"] == 203 and report["steps_found"] == "found from optimizer.step()", report["steps"]
+    assert report["steady_steps"] >= 150 and report["step_time_s"]["median"] < 0.05

@@ -9,6 +9,10 @@ each a compute span, and the two step rules they carry (steps.py).
     Optimizer.step                   global step pre/post hooks (public): the span; OPTIMIZER_STEPPED
                                      (the memory window's optimizers), then the optimizer rule
     Optimizer.zero_grad              patched: the global optimizer hooks cover step() only
+    CUDAGraph capture and replay     patched: an optimizer step recorded into a CUDA graph (a whole
+                                     step captured with torch.cuda.graph) did not run; each replay
+                                     of that graph runs it, with no Python call to hook: the
+                                     replay is the optimizer step (gpulab train --compile graphs)
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class AutogradProbe(Probe):
     def __init__(self):
         self._in_backward = False  # inside the top-level backward: inner calls add nothing but cost
         self._optimizer_tokens: dict[int, int] = {}  # id(optimizer) -> its open step span
+        self._capturing = None  # the CUDA graph being recorded in the recorded thread
+        self._graph_steps: dict[int, object] = {}  # id(CUDA graph) -> the optimizer it recorded a step of
 
     def hook(self) -> None:
         self._optimizer_stepped = self.sink.sender(OPTIMIZER_STEPPED)
@@ -34,11 +40,15 @@ class AutogradProbe(Probe):
         for handle in (register_optimizer_step_pre_hook(self._optimizer_step_begins),
                        register_optimizer_step_post_hook(self._optimizer_step_ended)):
             self.patches.on_undo(handle.remove)
+        self.patches.patch(torch.cuda.CUDAGraph, "capture_begin", self._capture_begins)
+        self.patches.patch(torch.cuda.CUDAGraph, "capture_end", self._capture_ends)
+        self.patches.patch(torch.cuda.CUDAGraph, "replay", self._replayed)
 
     def new_lane(self) -> None:
-        """A forked lane starts outside backward, with no optimizer step open."""
+        """A forked lane starts outside backward, with no optimizer step open and no graph recording."""
         self._in_backward = False
         self._optimizer_tokens = {}
+        self._capturing = None
 
     def _timed_backward(self, name: str):
         sink = self.sink
@@ -75,5 +85,39 @@ class AutogradProbe(Probe):
         token = self._optimizer_tokens.pop(id(optimizer), None)
         if token is not None:
             sink.exit(token)
+        if self._capturing is not None:  # recorded, not run: the graph's replays are the steps
+            self._graph_steps.setdefault(id(self._capturing), optimizer)
+            return
         self._optimizer_stepped(optimizer)  # the notice first: a step that ends here may open the memory window
         sink.optimizer_stepped(optimizer)
+
+    def _capture_begins(self, original):
+        def wrapper(graph, *args, **kwargs):
+            if self.sink.here():
+                self._capturing = graph
+            return original(graph, *args, **kwargs)
+
+        return wrapper
+
+    def _capture_ends(self, original):
+        def wrapper(graph, *args, **kwargs):
+            try:
+                return original(graph, *args, **kwargs)
+            finally:
+                if self._capturing is graph:
+                    self._capturing = None
+
+        return wrapper
+
+    def _replayed(self, original):
+        sink = self.sink
+
+        def wrapper(graph, *args, **kwargs):
+            result = original(graph, *args, **kwargs)
+            optimizer = self._graph_steps.get(id(graph))
+            if optimizer is not None and sink.here():
+                self._optimizer_stepped(optimizer)
+                sink.optimizer_stepped(optimizer)
+            return result
+
+        return wrapper
