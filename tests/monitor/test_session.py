@@ -49,6 +49,29 @@ def test_steps_come_from_optimizer_steps(tmp_path):
     assert (tmp_path / "report.json").is_file() and (tmp_path / "timeline.png").is_file()
 
 
+def test_replays_of_a_graph_that_recorded_an_optimizer_step_are_the_steps(tmp_path, monkeypatch):
+    # The profiler's bookkeeping around CUDA graphs, on a CPU: torch's capture and replay need
+    # CUDA, so they are stood in for by calls that do nothing (the profiler wraps whatever is
+    # there). The real thing on a GPU: test_gpu.py::test_replays_of_a_recorded_whole_step_are_the_steps.
+    for name in ("capture_begin", "capture_end", "replay"):
+        monkeypatch.setattr(torch.cuda.CUDAGraph, name, lambda graph, *args, **kwargs: None)
+    model, optimizer = tiny()
+    batch = [(torch.randn(16, 8), torch.randint(0, 3, (16,)))]
+    whole_step, forward_only = object.__new__(torch.cuda.CUDAGraph), object.__new__(torch.cuda.CUDAGraph)
+    with gpulab.monitor.profile(out=tmp_path, quiet=True) as p:
+        train_steps(model, optimizer, batch * 3)  # the warm-up: 3 steps
+        torch.cuda.CUDAGraph.capture_begin(whole_step)
+        train_steps(model, optimizer, batch)  # recorded, not run: no step
+        torch.cuda.CUDAGraph.capture_end(whole_step)
+        torch.cuda.CUDAGraph.capture_begin(forward_only)  # torch.compile's graph of a forward
+        model(batch[0][0])
+        torch.cuda.CUDAGraph.capture_end(forward_only)
+        for _ in range(20):
+            torch.cuda.CUDAGraph.replay(forward_only)  # holds no optimizer step: no step
+            torch.cuda.CUDAGraph.replay(whole_step)  # one step each
+    assert p.report["steps"] == 23 and p.report["steps_found"] == "found from optimizer.step()"
+
+
 def test_explicit_step_marks_replace_optimizer_steps(tmp_path):
     model, optimizer = tiny()
     batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,)))] * 2
