@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run every check of gpulab's GPU paths, compare each with its expected result, write one JSON.
 
-    python3 scripts/gpu_check.py [--out DIR] [--only NAME ...] [--budget-s 290] [--repeat N [--jobs 4]]
+    python3 scripts/gpu_check.py [--out DIR] [--only NAME ...] [--budget-s 290] [--repeat N [--jobs 4]] [--compile]
 
 From the repository root of a checkout (gpulab need not be installed: src/ is put on the path).
 Each check says what it needs (a GPU, two GPUs, Hopper), what it expects and what it saw; checks
@@ -10,8 +10,9 @@ test is a row of its own. The most important checks run first (the profiler's GP
 training and parity), and DIR/gpu_check.json (default DIR: gpu-check/) is rewritten after every
 check and every test, so a run cut from outside leaves every finished result; checks not started
 within --budget-s are "not run (budget)". --repeat N adds profile-no-crash: each planted CUDA
-script N times under `gpulab profile`, counting exits other than the script's own. Exit code 0
-when nothing failed. The list, in order, with each expected result, is docs/gpu-checklist.md.
+script N times under `gpulab profile`, counting exits other than the script's own; --compile adds
+compiled training (issue 35: parity, the training benchmark, profiled runs). Exit code 0 when
+nothing failed. The list, in order, with each expected result, is docs/gpu-checklist.md.
 """
 
 from __future__ import annotations
@@ -758,10 +759,6 @@ def check_profile_train(compile: str) -> Callable[[Check, Path], str]:
     return check_fn
 
 
-COMPILE_CHECKS = {"compile-parity-on", "compile-parity-graphs", "tests-compile", "bench-training",
-                  "profile-train-graphs", "profile-train-off"}
-
-
 def compile_checks() -> list[Check]:
     return [
         Check("compile-parity-graphs", "gpu", "gpulab train --devices cuda --compile graphs --check-parity: parity PASS",
@@ -933,7 +930,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    every = all_checks(args.repeat, args.jobs, compile=args.compile or bool(set(args.only or ()) & COMPILE_CHECKS))
+    named_compile = set(args.only or ()) & {c.name for c in compile_checks()}
+    every = all_checks(args.repeat, args.jobs, compile=args.compile or bool(named_compile))
     checks = [c for c in every if not args.only or c.name in args.only]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
