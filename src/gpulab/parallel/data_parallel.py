@@ -28,7 +28,7 @@ from torch import nn
 from gpulab.devices import device_of, place
 from gpulab.errors import UserError
 from gpulab.parallel.allreduce import BUCKET_BYTES, Buckets, choose
-from gpulab.parallel.graphed import StepGraph, check_capturable
+from gpulab.parallel.graphed import StepGraph
 from gpulab.parallel.meter import Meter
 from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.strategy import LossFn, ShardStep, eval_batch, set_lr
@@ -117,11 +117,11 @@ class DataParallel:
         # One GPU, one micro-batch: the step is the device's whole work, so it is recorded whole
         # (its forward compiled; the graph is gpulab's). Several devices exchange gradients in
         # between: torch.compile's CUDA graphs around each forward and backward.
-        self.record_whole_step = compile == "graphs" and len(self.devices) == 1 and accumulate == 1
-        if self.record_whole_step:
-            check_capturable(self.optimizers)
-        self.shard_step = ShardStep("on" if self.record_whole_step else compile)
-        self.graph: StepGraph | None = None  # recorded by the first training step
+        whole = compile == "graphs" and len(self.devices) == 1 and accumulate == 1
+        self.shard_step = ShardStep("on" if whole else compile)
+        # recorded by the first training step; untimed: a replay is one piece of work
+        untimed = partial(self._step, timer=PhaseTimer([], enabled=False))
+        self.graph = StepGraph(untimed, self.replicas, self.optimizers, self.devices[0]) if whole else None
 
     @property
     def module(self) -> nn.Module:
@@ -145,11 +145,8 @@ class DataParallel:
         `loss_fn` must return the *mean* loss over its inputs (PyTorch's default reduction).
         """
         self.buffers_stale = True  # evaluate / state_dict average them once again
-        if self.record_whole_step:
-            if self.graph is None:  # untimed: a replay is one piece of work
-                step = partial(self._step, loss_fn=loss_fn, timer=PhaseTimer([], enabled=False))
-                self.graph = StepGraph(step, self.replicas, self.optimizers, self.devices[0])
-            loss, correct = self.graph(X, y)  # the graph's outputs: rewritten by the next replay
+        if self.graph is not None:
+            loss, correct = self.graph(X, y, loss_fn)  # the graph's outputs: rewritten by the next replay
         else:
             loss, correct = self._step(X, y, loss_fn, self.timer)
         if meter is not None:

@@ -33,10 +33,11 @@ WARMUP_STEPS = 3  # torch's notes: a few eager runs on a side stream before capt
 
 
 class StepGraph:
-    """`step(X, y)` -> tensors, recorded on the first call and replayed on every later one.
+    """`step(X, y, *args)` -> tensors, recorded on the first call and replayed on every later one
+    (`args`, say the loss function, are the first call's: a replay runs what was recorded).
     `modules` and `optimizers`: what the step changes (their state is put back after warm-up)."""
 
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+    def __init__(self, step: Callable[..., tuple[torch.Tensor, ...]],
                  modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], device: torch.device):
         check_capturable(optimizers)
         self.step, self.modules, self.optimizers, self.device = step, modules, optimizers, device
@@ -50,9 +51,9 @@ class StepGraph:
         for t in self.lr:
             t.fill_(lr)
 
-    def __call__(self, X: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, X: torch.Tensor, y: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
         if self.graph is None:
-            self._record(X, y)
+            self._record(X, y, args)
         elif X.shape != self.X.shape or y.shape != self.y.shape:
             raise UserError(f"--compile graphs replays a step recorded for a batch of {tuple(self.X.shape)}; this "
                             f"batch is {tuple(X.shape)}: every training batch must have the same size")
@@ -61,11 +62,11 @@ class StepGraph:
         self.graph.replay()
         return self.outputs
 
-    def _record(self, X: torch.Tensor, y: torch.Tensor) -> None:
+    def _record(self, X: torch.Tensor, y: torch.Tensor, args: tuple) -> None:
         self.X, self.y = X.clone(), y.clone()
         groups = [g for opt in self.optimizers for g in opt.param_groups]
         lrs = [float(g["lr"]) for g in groups]
-        self.lr = [torch.tensor(graph_lr(lr), dtype=torch.float32, device=self.device) for lr in lrs]
+        self.lr = [torch.tensor(lr, dtype=torch.float32, device=self.device) for lr in lrs]
         for group, lr in zip(groups, self.lr):  # what the recorded optimizer step reads
             group["lr"] = lr
         saved = snapshot(self.modules, self.optimizers)
@@ -73,12 +74,12 @@ class StepGraph:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):
-                self.step(self.X, self.y)
+                self.step(self.X, self.y, *args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         restore(saved, self.optimizers)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.outputs = self.step(self.X, self.y)
+            self.outputs = self.step(self.X, self.y, *args)
         for group, lr in zip(groups, lrs):  # the graph holds the tensors; state_dict() sees numbers
             group["lr"] = lr
 

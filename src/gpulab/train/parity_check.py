@@ -74,7 +74,7 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
         trained = world.gather(trained_parameters(strategy))
         # A step recorded whole as a CUDA graph reads its learning rate from a float32 tensor (what
         # torch's fused optimizers take): in float64 the reference applies that same number
-        lr = graph_lr(run.peak_lr) if getattr(strategy, "record_whole_step", False) else run.peak_lr
+        lr = graph_lr(run.peak_lr) if getattr(strategy, "graph", None) is not None else run.peak_lr
         if world.is_main:
             reference = reference_training(
                 initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, lr), dtype, run.devices[0]
