@@ -120,6 +120,14 @@ MUTATIONS = [
              "src/gpulab/monitor/record/probes/autograd.py",
              "            if optimizer is not None and sink.here():", "            if False:",
              ["tests/monitor/test_session.py::test_replays_of_a_graph_that_recorded_an_optimizer_step_are_the_steps"]),
+    Mutation("auto precision bf16 on every bf16 GPU, recorded step or not", "src/gpulab/train/precision.py",
+             "    return torch.bfloat16 if recorded and all(native_bf16(d) for d in devices) else None",
+             "    return torch.bfloat16 if all(native_bf16(d) for d in devices) else None",
+             ["tests/train/test_train.py::test_auto_precision_on_cuda_is_bf16_only_for_a_recorded_step"]),
+    Mutation("the training benchmark's headline crowns the textbook against itself", "src/gpulab/bench/training.py",
+             "    ours = [row for name, row in rows.items() if name not in (TEXTBOOK, \"floor\")]",
+             "    ours = [row for name, row in rows.items() if name != \"floor\"]",
+             ["tests/bench/test_benchmarks.py::test_training_headline_names_gpulab_s_fastest_process_and_fastest_epochs"]),
 ]
 
 

@@ -170,6 +170,25 @@ def test_training_ratios_are_round_by_round_against_the_textbook():
     assert rows[training.EAGER]["ratio_min"] == 2.0 and rows[training.EAGER]["ratio_max"] == 4.0
     assert rows[training.EAGER]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch
     assert rows[training.EAGER]["train_ratio"] == 3.25  # 9/2 and 6/3, round by round: not 7.5/2.5
+    assert (rows[training.EAGER]["train_ratio_min"], rows[training.EAGER]["train_ratio_max"]) == (2.0, 4.5)
+
+
+def test_training_headline_names_gpulab_s_fastest_process_and_fastest_epochs():
+    """The H200's rows of 2026-11-27: every gpulab process slower than the textbook's (start-up,
+    compiling), the recorded step's epochs 9.5x faster. The headline must say both, and never
+    crown the textbook against itself."""
+    from gpulab.bench import training
+
+    def row(name, ratio, train_ratio, acc):
+        return {"contender": name, "ratio": ratio, "train_ratio": train_ratio, "test_acc": acc}
+
+    rows = {training.TEXTBOOK: row(training.TEXTBOOK, 1.0, 1.0, 0.817),
+            training.EAGER: row(training.EAGER, 0.95, 1.65, 0.908),
+            training.COMPILED: row(training.COMPILED, 0.79, 1.68, 0.907),
+            training.GRAPHS: row(training.GRAPHS, 0.84, 9.53, 0.907), "floor": {"flops_per_epoch": 1}}
+    assert training.headline("cuda:0", rows) == (
+        "cuda:0: gpulab train 0.95x the textbook per epoch, whole process (test acc 0.908); "
+        "in the epochs alone gpulab train --compile graphs 9.53x (test acc 0.907)")
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -432,6 +432,21 @@ def test_precision_choice(tiny_data, tmp_path, capsys):
     assert "bf16 autocast" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("compile, bf16_in_hardware, expected", [
+    ("graphs", True, torch.bfloat16),  # a recorded step on a bf16 GPU: measured faster in bf16
+    ("graphs", False, None),            # no bf16 in hardware (pre-Ampere): fp32
+    ("on", True, None),                 # not recorded: fp32
+    ("off", True, None),
+])
+def test_auto_precision_on_cuda_is_bf16_only_for_a_recorded_step(monkeypatch, compile, bf16_in_hardware, expected):
+    from gpulab.train import precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device: bf16_in_hardware)
+    cuda = [torch.device("cuda", 0)]  # a device object only: nothing runs on it
+    assert precision.autocast_dtype(TrainConfig(precision="auto", compile=compile), cuda) is expected
+    assert precision.autocast_dtype(TrainConfig(precision="fp32", compile=compile), cuda) is None
+
+
 def test_user_images_of_the_wrong_shape_are_a_clear_error(tmp_path):
     rgb = torch.utils.data.TensorDataset(torch.zeros(8, 3, 32, 32), torch.zeros(8, dtype=torch.long))
     with pytest.raises(UserError, match="images have shape 3x32x32; --model lenet takes 1x28x28"):

@@ -131,7 +131,7 @@ def run(cfg: Config, ctx, result: Result) -> None:
         Column("epoch", "s/epoch, whole process", "time"), Column("train_s", "s/epoch, training", "seconds"),
         Column("compile_s", "compiling", "seconds"), Column("test_acc", "test acc", "num"),
         Column("ratio", "vs textbook", "ratio"), Column("ratio_range", "[min .. max]"),
-        Column("train_ratio", "vs textbook, training", "ratio"),
+        Column("train_ratio", "vs textbook, training", "ratio"), Column("train_ratio_range", "[min .. max]"),
     ])
     if not cfg.compiled:
         result.skip("compiled rows (gpulab train --compile on/graphs)", "left out of this preset: compiling takes "
@@ -141,7 +141,7 @@ def run(cfg: Config, ctx, result: Result) -> None:
                     ctx.no_gpu_reason())
     summary = {}
     with tempfile.TemporaryDirectory(prefix="gpulab-bench-training-") as tmp:
-        data_dir = _data(Path(tmp) / "data", cfg.samples)
+        data_dir = data_folder(Path(tmp) / "data", cfg.samples)
         samples = len(data.load(data_dir)[0])
         for device in ctx.single_devices():
             spec = format_devices([device]).strip("[]")
@@ -160,11 +160,18 @@ def run(cfg: Config, ctx, result: Result) -> None:
                              rtol=0, atol=0.02)
             summary[spec] = _rows(table, spec, runs, cfg.epochs)
             summary[spec]["floor"] = _floor(result, device, samples)
-    fastest = {spec: max((v for k, v in s.items() if k != "floor"), key=lambda x: x["ratio"]) for spec, s in summary.items()}
-    result.summary = {"devices": summary, "headline": "; ".join(
-        f"{spec}: {best['contender']} {best['ratio']:.2f}x the textbook per epoch, whole process "
-        f"({best['train_ratio']:.2f}x in the epochs alone; test acc {best['test_acc']:.3f})"
-        for spec, best in fastest.items())}
+    result.summary = {"devices": summary, "headline": "; ".join(headline(spec, rows) for spec, rows in summary.items())}
+
+
+def headline(spec: str, rows: dict) -> str:
+    """gpulab's fastest contender as a user would run it (whole process), and its fastest epochs:
+    on a GPU they are not the same one (compiling and start-up outweigh a short run's epochs)."""
+    ours = [row for name, row in rows.items() if name not in (TEXTBOOK, "floor")]
+    whole = max(ours, key=lambda row: row["ratio"])
+    epochs = max(ours, key=lambda row: row["train_ratio"])
+    return (f"{spec}: {whole['contender']} {whole['ratio']:.2f}x the textbook per epoch, whole process "
+            f"(test acc {whole['test_acc']:.3f}); in the epochs alone {epochs['contender']} "
+            f"{epochs['train_ratio']:.2f}x (test acc {epochs['test_acc']:.3f})")
 
 
 def _rows(table, spec: str, runs: dict[str, list[dict]], epochs: int) -> dict:
@@ -180,10 +187,12 @@ def _rows(table, spec: str, runs: dict[str, list[dict]], epochs: int) -> dict:
         row = {"contender": name, "epoch_s": median(per_epoch), "train_s": median(r["train_s"] for r in measured),
                "compile_s": median(r["compile_s"] for r in measured), "test_acc": median(r["test_acc"] for r in measured),
                "ratio": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-               "train_ratio": median(train_ratios)}
+               "train_ratio": median(train_ratios), "train_ratio_min": min(train_ratios),
+               "train_ratio_max": max(train_ratios)}
         # the whole-process epoch as a Timing too: its spread over the rounds beside the median
         table.add(device=spec, **row, epoch=summarize(per_epoch, inner=1, clock="wall"),
-                  ratio_range=f"[{min(ratios):.2f} .. {max(ratios):.2f}]")
+                  ratio_range=f"[{min(ratios):.2f} .. {max(ratios):.2f}]",
+                  train_ratio_range=f"[{min(train_ratios):.2f} .. {max(train_ratios):.2f}]")
         rows[name] = row
     return rows
 
@@ -203,7 +212,7 @@ def _floor(result: Result, device: torch.device, samples: int) -> dict:
     return floor
 
 
-def _data(folder: Path, samples: int | None) -> Path:
+def data_folder(folder: Path, samples: int | None) -> Path:
     """Fashion-MNIST where it is found (the whole of it), or its first `samples` images."""
     if samples is None:
         return Path(find()["train_images"]).parent

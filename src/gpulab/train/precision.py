@@ -27,12 +27,20 @@ def autocast_dtype(cfg: TrainConfig, devices: list[torch.device]) -> torch.dtype
 
     auto: bf16 on CPUs whose oneDNN has native bf16 (AVX512-BF16/AMX): there LeNet trained 1.3x
     and 1.9x faster than fp32 channels_last in two runs of benchmarks/train_speed.py, at the
-    same accuracy (10 epochs: 0.906 vs 0.908). On CUDA auto stays fp32 until a GPU measurement says otherwise.
-    """
-    if cfg.precision == "auto":
-        on_cpu = all(d.type == "cpu" for d in devices)
-        return torch.bfloat16 if on_cpu and native_bf16(devices[0]) else None
-    return torch.bfloat16 if cfg.precision == "bf16" else None
+    same accuracy (10 epochs: 0.906 vs 0.908).
+
+    On CUDA, bf16 where the step is replayed as a CUDA graph (--compile graphs) on GPUs with bf16
+    (Ampere and later): a graph launches autocast's casts for free, and LeNet's recorded step took
+    0.097 s per epoch in bf16 against 0.123 s in fp32, test accuracy 0.884 after 3 epochs both
+    (one H200, benchmarks/graphs_variants.py, one round; benchmarks/results/h200-2026-11-27-issue35).
+    Eager on CUDA stays fp32: each cast is another launch in a step that waits on launches
+    (unmeasured there)."""
+    if cfg.precision != "auto":
+        return torch.bfloat16 if cfg.precision == "bf16" else None
+    if all(d.type == "cpu" for d in devices):
+        return torch.bfloat16 if native_bf16(devices[0]) else None
+    recorded = all(d.type == "cuda" for d in devices) and compile_mode(cfg, devices) == "graphs"
+    return torch.bfloat16 if recorded and all(native_bf16(d) for d in devices) else None
 
 
 def compile_mode(cfg: TrainConfig, devices: list[torch.device]) -> str:
@@ -47,12 +55,14 @@ def compile_mode(cfg: TrainConfig, devices: list[torch.device]) -> str:
     (A NaN, then an index out of bounds, once seen with ATEN_CPU_CAPABILITY=avx2 came from
     inductor's on-disk cache, shared between that and the native instruction set on one machine:
     with a cache of its own the compiled step trains there as the eager one does - tests/train/test_compile.py
-    passed so.) On CUDA, off for now: on one H200 (2026-11-27,
-    benchmarks/results/h200-2026-11-27-issue35) LeNet's epoch took 0.78 s eager, 0.79 s with
-    --compile on and 0.12-0.13 s with --compile graphs (the whole step recorded, after 2.1 s of
-    compiling) - but in two runs on two machines, not yet side by side in one benchmark, and for
-    LeNet only; and a recorded step must never read the host, which a user's model may do in its
-    forward. docs/gpu-checklist.md has the commands that would settle it."""
+    passed so.) On CUDA, off too: on one H200 side by side (gpulab bench training, 10 epochs x 3
+    rounds, 2026-11-27, benchmarks/results/h200-2026-11-27-issue35) LeNet's epoch of training took
+    0.748 s eager, 0.716 s with --compile on and 0.125 s with --compile graphs (the whole step
+    recorded: 9.5x the textbook's 1.181 s), but the whole process of 10 epochs took longer compiled
+    - 18.2 s eager, 23.1 s on, 20.7 s graphs - for 1.3 s of compiling from a warm cache (7-13 s
+    cold), torch.compile's own start-up and the recording: a short run loses what the epochs win.
+    And a recorded step must never read the host, which a user's model may do in its forward. A
+    long run, or one that is repeated, should ask for --compile graphs."""
     if cfg.compile == "auto":
         return AUTO_COMPILE
     if cfg.compile == "graphs" and not all(d.type == "cuda" for d in devices):
