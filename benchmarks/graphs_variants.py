@@ -64,6 +64,8 @@ def main() -> None:
                     print(f"{name}: {e}", flush=True)
                     commands.pop(name)
                     failed[name] = str(e)
+            if TEXTBOOK not in row:  # nothing to compare with
+                raise SystemExit(f"graphs_variants: the textbook's run failed ({failed[TEXTBOOK]}); no ratios")
             rounds.append(row)
             print(f"round {r + 1}: " + ", ".join(f"{name} {v['train_s']:.3f} s" for name, v in row.items()), flush=True)
             summary = summarize(rounds)
