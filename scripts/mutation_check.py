@@ -128,6 +128,10 @@ MUTATIONS = [
              "    ours = [row for name, row in rows.items() if name not in (TEXTBOOK, \"floor\")]",
              "    ours = [row for name, row in rows.items() if name != \"floor\"]",
              ["tests/bench/test_benchmarks.py::test_training_headline_names_gpulab_s_fastest_process_and_fastest_epochs"]),
+    Mutation("the textbook's training clock stopped after its evaluation", "src/gpulab/bench/textbook.py",
+             "        t1 = time.perf_counter()\n        test_acc = accuracy(test_iter, W, device)",
+             "        test_acc = accuracy(test_iter, W, device)\n        t1 = time.perf_counter()",
+             ["tests/bench/test_benchmarks.py::test_the_textbook_s_training_seconds_leave_its_evaluation_out"]),
 ]
 
 

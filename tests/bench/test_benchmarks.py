@@ -162,15 +162,36 @@ def test_training_ratios_are_round_by_round_against_the_textbook():
 
     result = Result(name="training", lesson="", config={}, env={}, preset="tiny")
     table = result.table("training", "", [])
-    runs = {training.TEXTBOOK: [{"wall_s": 20, "train_s": 9, "compile_s": 0, "test_acc": 0.8},
-                                {"wall_s": 20, "train_s": 6, "compile_s": 0, "test_acc": 0.8}],
-            training.EAGER: [{"wall_s": 5, "train_s": 2, "compile_s": 0, "test_acc": 0.9},
-                             {"wall_s": 10, "train_s": 3, "compile_s": 0, "test_acc": 0.9}]}
+    runs = {training.TEXTBOOK: [{"wall_s": 20, "train_s": 9, "eval_s": 1, "compile_s": 0, "test_acc": 0.8},
+                                {"wall_s": 20, "train_s": 6, "eval_s": 1, "compile_s": 0, "test_acc": 0.8}],
+            training.EAGER: [{"wall_s": 5, "train_s": 2, "eval_s": 0.5, "compile_s": 0, "test_acc": 0.9},
+                             {"wall_s": 10, "train_s": 3, "eval_s": 0.5, "compile_s": 0, "test_acc": 0.9}]}
     rows = training._rows(table, "cpu", runs, epochs=2)
     assert rows[training.EAGER]["ratio_min"] == 2.0 and rows[training.EAGER]["ratio_max"] == 4.0
     assert rows[training.EAGER]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch
     assert rows[training.EAGER]["train_ratio"] == 3.25  # 9/2 and 6/3, round by round: not 7.5/2.5
     assert (rows[training.EAGER]["train_ratio_min"], rows[training.EAGER]["train_ratio_max"]) == (2.0, 4.5)
+
+
+def test_the_textbook_s_training_seconds_leave_its_evaluation_out(tiny_data, monkeypatch):
+    """gpulab train's train_seconds exclude evaluation; the textbook's must too, or the per-epoch
+    ratio flatters gpulab (on the H200 the textbook's figure included it until this test). A
+    clock that an evaluation advances by 100 s tells where the evaluation was counted."""
+    from gpulab.bench import textbook
+
+    clock = {"offset": 0.0}
+    real = textbook.time.perf_counter
+    monkeypatch.setattr(textbook.time, "perf_counter", lambda: real() + clock["offset"])
+
+    def slow_accuracy(*args):
+        clock["offset"] += 100.0
+        return 0.5
+
+    monkeypatch.setattr(textbook, "accuracy", slow_accuracy)
+    monkeypatch.setattr(textbook, "WORKERS", 0)  # the tiny set in-process: the clock is what is tested
+    told = textbook.main(2, "cpu")
+    assert all(s < 100 for s in told["train_seconds"]) and all(s >= 100 for s in told["eval_seconds"])
+    assert len(told["train_seconds"]) == len(told["eval_seconds"]) == 2 and told["test_acc"] == 0.5
 
 
 def test_training_headline_names_gpulab_s_fastest_process_and_fastest_epochs():
