@@ -58,9 +58,10 @@ def compile_mode(cfg: TrainConfig, devices: list[torch.device]) -> str:
     passed so.) On CUDA, off too: on one H200 side by side (gpulab bench training, 10 epochs x 3
     rounds, 2026-11-27, benchmarks/results/h200-2026-11-27-issue35) LeNet's epoch of training took
     0.748 s eager, 0.716 s with --compile on and 0.125 s with --compile graphs (the whole step
-    recorded: 9.5x the textbook's 1.181 s), but the whole process of 10 epochs took longer compiled
-    - 18.2 s eager, 23.1 s on, 20.7 s graphs - for 1.3 s of compiling from a warm cache (7-13 s
-    cold), torch.compile's own start-up and the recording: a short run loses what the epochs win.
+    recorded; the textbook 1.181 s, its evaluation included), but the whole process of 10 epochs
+    took longer compiled - 18.2 s eager, 23.1 s on, 20.7 s graphs - for 1.3 s of compiling from a
+    warm cache (7-13 s cold), torch.compile's own start-up and the recording: a short run loses
+    what the epochs win.
     And a recorded step must never read the host, which a user's model may do in its forward. A
     long run, or one that is repeated, should ask for --compile graphs."""
     if cfg.compile == "auto":
