@@ -162,15 +162,21 @@ def test_training_ratios_are_round_by_round_against_the_textbook():
 
     result = Result(name="training", lesson="", config={}, env={}, preset="tiny")
     table = result.table("training", "", [])
-    runs = {training.TEXTBOOK: [{"wall_s": 20, "train_s": 9, "eval_s": 1, "compile_s": 0, "test_acc": 0.8},
-                                {"wall_s": 20, "train_s": 6, "eval_s": 1, "compile_s": 0, "test_acc": 0.8}],
-            training.EAGER: [{"wall_s": 5, "train_s": 2, "eval_s": 0.5, "compile_s": 0, "test_acc": 0.9},
-                             {"wall_s": 10, "train_s": 3, "eval_s": 0.5, "compile_s": 0, "test_acc": 0.9}]}
+    runs = {training.TEXTBOOK: [training.figures(20, [9, 9], [1, 1], 0, 0.8), training.figures(20, [6, 6], [1, 1], 0, 0.8)],
+            training.EAGER: [training.figures(5, [2, 2], [0.5, 0.5], 0, 0.9), training.figures(10, [3, 3], [0.5, 0.5], 0, 0.9)]}
     rows = training._rows(table, "cpu", runs, epochs=2)
     assert rows[training.EAGER]["ratio_min"] == 2.0 and rows[training.EAGER]["ratio_max"] == 4.0
     assert rows[training.EAGER]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch
     assert rows[training.EAGER]["train_ratio"] == 3.25  # 9/2 and 6/3, round by round: not 7.5/2.5
     assert (rows[training.EAGER]["train_ratio_min"], rows[training.EAGER]["train_ratio_max"]) == (2.0, 4.5)
+
+
+def test_a_run_s_rest_is_its_process_outside_the_epochs_and_compiling():
+    from gpulab.bench import training
+
+    run = training.figures(30.0, train=[5.0, 4.0, 4.0], evaluation=[1.0, 0.5, 0.5], compile_s=3.0, test_acc=0.9)
+    assert run["rest_s"] == 12.0  # 30 - 13 training - 2 evaluation - 3 compiling
+    assert (run["train_s"], run["eval_s"], run["epochs"]) == (4.0, 0.5, 3)
 
 
 def test_the_textbook_s_training_seconds_leave_its_evaluation_out(tiny_data, monkeypatch):

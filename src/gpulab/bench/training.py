@@ -9,8 +9,9 @@ is (eager), `gpulab train --compile on`, and on CUDA `--compile graphs`. Each tr
 epochs. A row gives the medians over the rounds, [min .. max]: the whole process's seconds per
 epoch, the training seconds per epoch (gpulab's metrics.json, compile time apart; the
 textbook's own clock around its training loop - evaluation is timed apart in both, and its
-seconds per epoch are a column of their own), the compile seconds, the test accuracy after the
-last epoch, and the ratios to the textbook, round by round: of the whole process's seconds per
+seconds per epoch are a column of their own), the compile seconds, the process's seconds outside
+its epochs and compiling (start-up, checkpoints, exit), the test accuracy after the last epoch,
+and the ratios to the textbook, round by round: of the whole process's seconds per
 epoch, and of the training seconds per epoch alone (what the step gained, start-up and
 evaluation left out). The tiny preset (a smoke test) runs the textbook and eager `gpulab train`
 only.
@@ -96,14 +97,19 @@ def run_once(command: list[str], epochs: int, spec: str, data_dir: Path, out: Pa
         raise RuntimeError(f"{' '.join(command)} exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
     if command[0] == "gpulab.bench.textbook":
         told = json.loads(done.stdout.strip().splitlines()[-1])
-        return {"wall_s": wall, "train_s": statistics.median(told["train_seconds"]),
-                "eval_s": statistics.median(told["eval_seconds"]), "compile_s": 0.0,
-                "test_acc": told["test_acc"], "epochs": len(told["train_seconds"])}
+        return figures(wall, told["train_seconds"], told["eval_seconds"], 0.0, told["test_acc"])
     rows = json.loads((out / "metrics.json").read_text())
-    return {"wall_s": wall, "train_s": statistics.median(r["train_seconds"] for r in rows),
-            "eval_s": statistics.median(r["eval_seconds"] for r in rows),
-            "compile_s": sum(r.get("compile_seconds", 0.0) for r in rows), "test_acc": rows[-1]["test_acc"],
-            "epochs": len(rows)}
+    return figures(wall, [r["train_seconds"] for r in rows], [r["eval_seconds"] for r in rows],
+                    sum(r.get("compile_seconds", 0.0) for r in rows), rows[-1]["test_acc"])
+
+
+def figures(wall: float, train: list[float], evaluation: list[float], compile_s: float, test_acc: float) -> dict:
+    """One run's figures: medians per epoch, and `rest_s`, the process's seconds outside its epochs
+    and compiling (start-up - imports, the device, the data - checkpoints, exit): where a process
+    slower than its epochs goes."""
+    return {"wall_s": wall, "train_s": statistics.median(train), "eval_s": statistics.median(evaluation),
+            "compile_s": compile_s, "rest_s": wall - sum(train) - sum(evaluation) - compile_s,
+            "test_acc": test_acc, "epochs": len(train)}
 
 
 def training_flops_per_sample() -> float:
@@ -134,6 +140,7 @@ def run(cfg: Config, ctx, result: Result) -> None:
         Column("device", "device"), Column("contender", "contender"),
         Column("epoch", "s/epoch, whole process", "time"), Column("train_s", "s/epoch, training", "seconds"),
         Column("eval_s", "s/epoch, evaluation", "seconds"), Column("compile_s", "compiling", "seconds"),
+        Column("rest_s", "start-up and the rest", "seconds"),
         Column("test_acc", "test acc", "num"),
         Column("ratio", "vs textbook", "ratio"), Column("ratio_range", "[min .. max]"),
         Column("train_ratio", "vs textbook, training", "ratio"), Column("train_ratio_range", "[min .. max]"),
@@ -191,6 +198,7 @@ def _rows(table, spec: str, runs: dict[str, list[dict]], epochs: int) -> dict:
         train_ratios = [t / r["train_s"] for t, r in zip(textbook_train, measured)]
         row = {"contender": name, "epoch_s": median(per_epoch), "train_s": median(r["train_s"] for r in measured),
                "eval_s": median(r["eval_s"] for r in measured), "compile_s": median(r["compile_s"] for r in measured),
+               "rest_s": median(r["rest_s"] for r in measured),
                "test_acc": median(r["test_acc"] for r in measured),
                "ratio": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                "train_ratio": median(train_ratios), "train_ratio_min": min(train_ratios),
