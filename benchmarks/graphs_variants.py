@@ -18,13 +18,12 @@ JSON is rewritten after every round.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from gpulab.bench.environment import environment
-from gpulab.bench.training import TEXTBOOK, data_folder, run_once
+from gpulab.bench.training import TEXTBOOK, compare, data_folder, run_once
 from gpulab.io import atomic_write_json
 
 VARIANTS = {
@@ -68,25 +67,22 @@ def main() -> None:
                 raise SystemExit(f"graphs_variants: the textbook's run failed ({failed[TEXTBOOK]}); no ratios")
             rounds.append(row)
             print(f"round {r + 1}: " + ", ".join(f"{name} {v['train_s']:.3f} s" for name, v in row.items()), flush=True)
-            summary = summarize(rounds)
+            summary = compare(by_variant(rounds), args.epochs)
             if args.out:
                 atomic_write_json(Path(args.out), {"benchmark": "graphs_variants", "devices": args.devices,
                                                    "epochs": args.epochs, "env": environment(),
                                                    "summary": summary, "failed": failed, "rounds": rounds})
     print(f"{'variant':34} {'s/epoch, training':>18} {'vs textbook [min .. max]':>26} {'test acc':>9}")
     for name, s in summary.items():
-        print(f"{name:34} {s['train_s']:>18.3f} {s['ratio']:>8.2f}x [{s['ratio_min']:.2f} .. {s['ratio_max']:.2f}] "
-              f"{s['test_acc']:>9.3f}")
+        print(f"{name:34} {s['train_s']:>18.3f} {s['train_ratio']:>8.2f}x [{s['train_ratio_min']:.2f} .. "
+              f"{s['train_ratio_max']:.2f}] {s['test_acc']:>9.3f}")
 
 
-def summarize(rounds: list[dict]) -> dict:
-    summary = {}
-    for name in rounds[-1]:
-        ratios = [row[TEXTBOOK]["train_s"] / row[name]["train_s"] for row in rounds]
-        summary[name] = {"train_s": statistics.median(row[name]["train_s"] for row in rounds),
-                         "test_acc": statistics.median(row[name]["test_acc"] for row in rounds),
-                         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
-    return summary
+def by_variant(rounds: list[dict]) -> dict[str, list[dict]]:
+    """{variant: its runs, round by round}. A variant that failed runs in no later round, so its
+    runs are the first rounds' and pair with the textbook's first runs."""
+    names = dict.fromkeys(name for row in rounds for name in row)
+    return {name: [row[name] for row in rounds if name in row] for name in names}
 
 
 if __name__ == "__main__":

@@ -58,7 +58,6 @@ def test_an_item_in_forward_is_a_graph_break_at_its_line_with_the_fix(tmp_path):
     assert "[__graph_breaks]" not in done.stderr and "[__recompiles]" not in done.stderr  # gpulab's reading is silent
 
 
-
 def test_gpulab_train_compiled_and_profiled_runs_and_its_compiles_are_apart(tmp_path, tiny_data):
     # gpulab train imports gpulab.compiler, which imports torch._dynamo: the probe's hook on that
     # import finds gpulab.compiler half-executed (it once failed the run with an ImportError)

@@ -186,28 +186,35 @@ def headline(spec: str, rows: dict) -> str:
             f"{epochs['train_ratio']:.2f}x (test acc {epochs['test_acc']:.3f})")
 
 
-def _rows(table, spec: str, runs: dict[str, list[dict]], epochs: int) -> dict:
+def compare(runs: dict[str, list[dict]], epochs: int) -> dict[str, dict]:
+    """Each contender's medians over its rounds (`figures`), and its ratios to the textbook round
+    by round, [min .. max]: of the whole process's seconds per epoch, and of the training seconds
+    per epoch alone (start-up, compiling and evaluation left out: what the step itself gained)."""
     median = statistics.median
     textbook = [r["wall_s"] / epochs for r in runs[TEXTBOOK]]
     textbook_train = [r["train_s"] for r in runs[TEXTBOOK]]
     rows = {}
     for name, measured in runs.items():
         per_epoch = [r["wall_s"] / epochs for r in measured]
-        ratios = [t / p for t, p in zip(textbook, per_epoch)]  # round by round
-        # the epochs alone (start-up, compiling and evaluation left out): what the step itself gained
+        ratios = [t / p for t, p in zip(textbook, per_epoch)]
         train_ratios = [t / r["train_s"] for t, r in zip(textbook_train, measured)]
-        row = {"contender": name, "epoch_s": median(per_epoch), "train_s": median(r["train_s"] for r in measured),
-               "eval_s": median(r["eval_s"] for r in measured), "compile_s": median(r["compile_s"] for r in measured),
-               "rest_s": median(r["rest_s"] for r in measured),
-               "test_acc": median(r["test_acc"] for r in measured),
-               "ratio": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-               "train_ratio": median(train_ratios), "train_ratio_min": min(train_ratios),
-               "train_ratio_max": max(train_ratios)}
+        rows[name] = {"contender": name, "epoch_s": median(per_epoch),
+                      **{key: median(r[key] for r in measured)
+                         for key in ("train_s", "eval_s", "compile_s", "rest_s", "test_acc")},
+                      "ratio": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                      "train_ratio": median(train_ratios), "train_ratio_min": min(train_ratios),
+                      "train_ratio_max": max(train_ratios)}
+    return rows
+
+
+def _rows(table, spec: str, runs: dict[str, list[dict]], epochs: int) -> dict:
+    rows = compare(runs, epochs)
+    for name, row in rows.items():
         # the whole-process epoch as a Timing too: its spread over the rounds beside the median
+        per_epoch = [r["wall_s"] / epochs for r in runs[name]]
         table.add(device=spec, **row, epoch=summarize(per_epoch, inner=1, clock="wall"),
-                  ratio_range=f"[{min(ratios):.2f} .. {max(ratios):.2f}]",
-                  train_ratio_range=f"[{min(train_ratios):.2f} .. {max(train_ratios):.2f}]")
-        rows[name] = row
+                  ratio_range=f"[{row['ratio_min']:.2f} .. {row['ratio_max']:.2f}]",
+                  train_ratio_range=f"[{row['train_ratio_min']:.2f} .. {row['train_ratio_max']:.2f}]")
     return rows
 
 

@@ -48,8 +48,8 @@ CHECKPOINT = "checkpoint.pt"
 SHARDS_GLOB = "checkpoint-epoch*.dcp"  # a sharded run's checkpoints (torch.distributed.checkpoint folders)
 LOCK = ".gpulab.lock"
 RESULTS = ("metrics.json", "metrics.csv", "curves.png")
-PLOT_EVERY_S = 30.0  # curves.png at most this often during a run, and always after its last epoch
 """What a finished epoch writes besides the checkpoint: stale when a run starts over in place."""
+PLOT_EVERY_S = 30.0  # curves.png at most this often during a run, and always after its last epoch
 
 # The run directories claimed inside the innermost `claims()` block, released when it ends.
 _claimed: contextvars.ContextVar[list | None] = contextvars.ContextVar("gpulab_claimed_run_dirs", default=None)
