@@ -132,6 +132,10 @@ MUTATIONS = [
              "        t1 = time.perf_counter()\n        test_acc = accuracy(test_iter, W, device)",
              "        test_acc = accuracy(test_iter, W, device)\n        t1 = time.perf_counter()",
              ["tests/bench/test_benchmarks.py::test_the_textbook_s_training_seconds_leave_its_evaluation_out"]),
+    Mutation("the kernel floor times the data's gradient too", "src/gpulab/bench/training.py",
+             "    x.requires_grad_(call.input_needs_grad)",
+             "    x.requires_grad_(True)",
+             ["tests/bench/test_benchmarks.py::test_kernel_floor_times_each_layer_s_forward_and_the_gradients_backward_computes"]),
 ]
 
 

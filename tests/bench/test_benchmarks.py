@@ -225,11 +225,44 @@ def test_training_floor_in_bf16_only_where_the_device_has_it(monkeypatch, native
     from gpulab.bench import training
     from gpulab.bench.report import Result
 
-    measured = []
+    measured, kernels = [], []
     monkeypatch.setattr(training, "native_bf16", lambda device: native)
     monkeypatch.setattr(training, "peak_flops", lambda device, dtype: measured.append(dtype) or 1e11)
+    monkeypatch.setattr(training, "kernel_floor", lambda device, dtype, samples: kernels.append(dtype) or
+                        {"batch": 256, "channels_last": True, "step_s": 0.01, "epoch_s": 1.0})
     result = Result(name="training", lesson="", config={}, env={}, preset="tiny")
     floor = training._floor(result, torch.device("cpu"), samples=1000)
-    assert measured == ([torch.float32, torch.bfloat16] if native else [torch.float32])
+    assert measured == kernels == ([torch.float32, torch.bfloat16] if native else [torch.float32])
     assert ("bf16" in floor) is native and floor["fp32"]["epoch_s"] == pytest.approx(1000 * training.training_flops_per_sample() / 1e11)
-    assert ("no native bf16" in result.notes[-1]) is not native
+    assert any("no native bf16" in note for note in result.notes) is not native
+
+
+def test_kernel_floor_takes_lenet_s_layers_as_a_step_calls_them():
+    """The shapes a step's convolutions and linear layers see, and the first one's input (the data)
+    needs no gradient - its backward is the weight's alone."""
+    from gpulab.bench import training
+
+    calls = training.kernel_calls(training.models.build("lenet"), batch=8)
+    assert [(tuple(c.input_shape), c.input_needs_grad) for c in calls] == [
+        ((8, 1, 28, 28), False), ((8, 20, 13, 13), True), ((8, 800), True), ((8, 128), True)]
+
+
+def test_kernel_floor_times_each_layer_s_forward_and_the_gradients_backward_computes(monkeypatch):
+    from gpulab.bench import training
+    from gpulab.bench.harness import Timing
+
+    timed = []
+
+    def fake_measure(fn, devices, **kwargs):
+        timed.append(fn())
+        return Timing(median_s=0.001, iqr_s=0.0, min_s=0.001, max_s=0.001, repeats=5, inner=1, clock="wall")
+
+    monkeypatch.setattr(training, "measure", fake_measure)
+    floor = training.kernel_floor(torch.device("cpu"), torch.float32, samples=1000)
+    # 4 layers x (forward + backward) at 1 ms each, 3 full batches of 256 in 1000 samples
+    assert floor["step_s"] == pytest.approx(0.008) and floor["epoch_s"] == pytest.approx(0.024)
+    assert floor["batch"] == 256 and floor["channels_last"]  # gpulab train's choices on a CPU
+    conv1_out, conv1_grads, conv2_out, conv2_grads = timed[:4]
+    assert conv1_out.shape == (256, 20, 26, 26) and conv1_out.is_contiguous(memory_format=torch.channels_last)
+    assert [g.shape for g in conv1_grads] == [(20, 1, 3, 3), (20,)]  # weight, bias: no gradient for the data
+    assert [g.shape for g in conv2_grads] == [(256, 20, 13, 13), (50, 20, 5, 5), (50,)]

@@ -19,7 +19,11 @@ only.
 The floor beside the rows: LeNet's multiply-adds per sample (its layers' shapes, forward, and
 twice that for backward: ~13.5 MFLOP per training sample) times the epoch's samples, over the
 device's own peak as measured here (a large matmul in fp32, and in bf16 where autocast uses it):
-the seconds an epoch would take if every FLOP ran at matmul speed.
+the seconds an epoch would take if every FLOP ran at matmul speed. And a floor that torch's kernels
+set: LeNet's convolutions and linear layers as a step of `gpulab train` calls them (its batch, its
+layout), forward and backward, each timed alone, times the epoch's steps - what no loop around
+those kernels can beat, however well it fuses the rest (the pooling, the activations, the loss,
+the optimizer, the Python).
 """
 
 from __future__ import annotations
@@ -35,12 +39,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from gpulab import data, models
+from gpulab.config import TrainConfig
 from gpulab.data.fashion_mnist import find, write_subset
 from gpulab.bench.harness import measure, summarize
 from gpulab.bench.report import Column, Result, figure
 from gpulab.devices import format_devices, native_bf16
+from gpulab.train.precision import use_channels_last
 
 LESSON = (
     "Keeping the dataset on the device, reading nothing back inside the epoch and fusing the step "
@@ -218,18 +226,85 @@ def _rows(table, spec: str, runs: dict[str, list[dict]], epochs: int) -> dict:
     return rows
 
 
+@dataclass(frozen=True)
+class KernelCall:
+    """A convolution or linear layer as a training step calls it."""
+    layer: nn.Conv2d | nn.Linear
+    input_shape: torch.Size
+    input_needs_grad: bool
+    """Does backward compute the input's gradient? Not for the first layer: its input is the data."""
+
+
+def kernel_calls(model: nn.Module, batch: int) -> list[KernelCall]:
+    """The model's convolutions and linear layers in the order a forward of `batch` images calls
+    them, each with the input it gets (read by forward hooks)."""
+    calls = []
+
+    def record(layer, inputs, output):
+        calls.append(KernelCall(layer, inputs[0].shape, inputs[0].requires_grad))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    try:
+        model(torch.zeros(batch, 1, 28, 28))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def kernel_seconds(call: KernelCall, device: torch.device, dtype: torch.dtype, channels_last: bool) -> float:
+    """One layer's kernels in a step, timed alone: its forward, and its backward (the weight's and
+    bias's gradients, and the input's where backward needs it)."""
+    layer = call.layer
+    layout = torch.channels_last if channels_last and len(call.input_shape) == 4 else torch.contiguous_format
+    x = torch.randn(call.input_shape, device=device, dtype=dtype).to(memory_format=layout)
+    x.requires_grad_(call.input_needs_grad)
+    weight = layer.weight.detach().to(device, dtype, memory_format=layout).requires_grad_()
+    bias = layer.bias.detach().to(device, dtype).requires_grad_()
+    if isinstance(layer, nn.Conv2d):
+        def forward():
+            return F.conv2d(x, weight, bias, layer.stride, layer.padding, layer.dilation, layer.groups)
+    else:
+        def forward():
+            return F.linear(x, weight, bias)
+    out = forward()
+    grad = torch.randn_like(out)
+    wrt = [t for t in (x, weight, bias) if t.requires_grad]
+    timings = [measure(fn, [device], repeats=5, max_total_s=1.0).median_s
+               for fn in (forward, lambda: torch.autograd.grad(out, wrt, grad, retain_graph=True))]
+    return sum(timings)
+
+
+def kernel_floor(device: torch.device, dtype: torch.dtype, samples: int) -> dict:
+    """An epoch of nothing but LeNet's convolution and matmul kernels, at `gpulab train`'s batch
+    size and layout on `device` (its last, partial batch dropped, as the loader does)."""
+    cfg = TrainConfig(devices=format_devices([device]).strip("[]"))
+    channels_last = use_channels_last(cfg, [device])
+    calls = kernel_calls(models.build("lenet"), cfg.batch_size)
+    step_s = sum(kernel_seconds(call, device, dtype, channels_last) for call in calls)
+    steps = max(1, samples // cfg.batch_size)
+    return {"batch": cfg.batch_size, "channels_last": channels_last, "step_s": step_s, "epoch_s": steps * step_s}
+
+
 def _floor(result: Result, device: torch.device, samples: int) -> dict:
     flops = training_flops_per_sample() * samples
     floor = {"flops_per_epoch": flops}
     dtypes = {"fp32": torch.float32, **({"bf16": torch.bfloat16} if native_bf16(device) else {})}
     for name, dtype in dtypes.items():
         rate = peak_flops(device, dtype)
-        floor[name] = {"peak_flop_s": rate, "epoch_s": flops / rate}
+        floor[name] = {"peak_flop_s": rate, "epoch_s": flops / rate, "kernels": kernel_floor(device, dtype, samples)}
+    spec = format_devices([device]).strip("[]")
     at_peak = ", ".join(f"{floor[name]['epoch_s']:.2f} s in {name} ({floor[name]['peak_flop_s'] / 1e9:.0f} GFLOP/s)"
                         for name in dtypes)
-    result.note(f"{format_devices([device]).strip('[]')}: the floor - {flops / 1e9:.0f} GFLOP per epoch (LeNet, "
+    result.note(f"{spec}: the floor - {flops / 1e9:.0f} GFLOP per epoch (LeNet, "
                 f"{training_flops_per_sample() / 1e6:.1f} MFLOP per training sample) at this device's matmul peak: "
                 f"{at_peak}" + ("" if "bf16" in dtypes else "; no native bf16 here (torch would emulate it), so no bf16 floor"))
+    kernels = [floor[name]["kernels"] for name in dtypes]
+    alone = ", ".join(f"{k['epoch_s']:.2f} s in {name} ({k['step_s'] * 1e3:.1f} ms a step)" for name, k in zip(dtypes, kernels))
+    result.note(f"{spec}: the floor of torch's kernels - LeNet's convolutions and linear layers, forward and backward, "
+                f"each timed alone at gpulab train's batch ({kernels[0]['batch']}, "
+                f"{'channels_last' if kernels[0]['channels_last'] else 'NCHW'}): {alone} per epoch, before any pooling, "
+                f"activation, loss, optimizer or Python")
     return floor
 
 
