@@ -136,6 +136,10 @@ MUTATIONS = [
              "    x.requires_grad_(call.input_needs_grad)",
              "    x.requires_grad_(True)",
              ["tests/bench/test_benchmarks.py::test_kernel_floor_times_each_layer_s_forward_and_the_gradients_backward_computes"]),
+    Mutation("a saturated device's host split read as costs", "src/gpulab/monitor/analyze/process.py",
+             "    if b.on_cuda and b.busy / S >= 1 - MIN_SHARE:",
+             "    if b.on_cuda and b.busy / S > 1:",
+             ["tests/monitor/test_diagnose.py::test_a_saturated_device_s_host_split_is_said_to_cost_nothing"]),
 ]
 
 

@@ -152,6 +152,22 @@ def test_cuda_sync_on_a_saturated_device_is_not_a_finding():
     assert causes(report) == ["none"]
 
 
+def test_a_saturated_device_s_host_split_is_said_to_cost_nothing():
+    # A whole step replayed as one CUDA graph (H200, 2026-11-27): the device busy ~100% of a 0.3 ms
+    # step, while the host's split read "data wait 51%" - where it waited for a full launch queue.
+    kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 40, "kernel_median_us": 5.0,
+               "kernel_p90_us": 9.0, "device_busy_s_per_step": 0.00029, "memcpy_pageable_per_step": 0,
+               "runtime_sync_s_per_step": 0.0}
+    rec = recording(steps(20, data_wait=0.15, other=0.15), cuda=True, extra=[kernels])
+    (top,) = diagnose(rec, [], [GPU], warmup_steps=2)["findings"]
+    assert top["cause"] == "none"
+    assert "data wait 50%" in top["evidence"] and "cost nothing then" in top["evidence"]
+    # with the device idle a third of the step, the same split is the cause
+    kernels["device_busy_s_per_step"] = 0.0002
+    rec = recording(steps(20, data_wait=0.15, other=0.15), cuda=True, extra=[kernels])
+    assert causes(diagnose(rec, [], [GPU], warmup_steps=2))[0] == "input_pipeline"
+
+
 def test_cuda_many_tiny_kernels_is_launch_overhead():
     kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 900, "kernel_median_us": 3.0,
                "kernel_p90_us": 6.0, "device_busy_s_per_step": 0.003, "memcpy_pageable_per_step": 0,

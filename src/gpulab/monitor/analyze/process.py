@@ -221,6 +221,11 @@ def _nothing_stands_out(step: StepCosts, b: _Budget) -> dict:
         head = f"the device was busy {min(b.busy / S, 1):.0%} of the step ({b.source})"
     else:
         head = f"compute takes {step.C / S:.0%} of the step"
+    if b.on_cuda and b.busy / S >= 1 - MIN_SHARE:
+        # A device busy back to back hides the host's time whatever it does: once the launch
+        # queue is full, whichever call comes next blocks (a loader's gather shows as data wait).
+        return finding("none", min(b.busy / S, 1.0), f"{head}; the host's {parts} cost nothing then: they are "
+                       f"where it waited for the device", None, "none")
     return finding("none", min(b.busy / S, 1.0), f"{head}; {parts}: nothing else stands out", None, "none")
 
 
