@@ -140,6 +140,16 @@ MUTATIONS = [
              "    if b.on_cuda and b.busy / S >= 1 - MIN_SHARE:",
              "    if b.on_cuda and b.busy / S > 1:",
              ["tests/monitor/test_diagnose.py::test_a_saturated_device_s_host_split_is_said_to_cost_nothing"]),
+    Mutation("a run too short to judge its loop loses torch.compile's causes", "src/gpulab/monitor/analyze/diagnose.py",
+             "        report[\"findings\"] = with_compile_findings([too_few], compiled)",
+             "        report[\"findings\"] = [too_few]",
+             ["tests/monitor/test_diagnose.py::test_torch_compile_s_causes_are_named_however_few_steps_the_run_had",
+              "tests/monitor/test_frameworks.py::test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the_fix"]),
+    Mutation("a recompile names only the line into the compiled code (trainer.fit)", "src/gpulab/monitor/analyze/compiled.py",
+             "    if defined_at and defined_at != group.get(\"where\"):",
+             "    if False:",
+             ["tests/monitor/test_diagnose.py::test_torch_compile_s_causes_are_named_however_few_steps_the_run_had",
+              "tests/monitor/test_frameworks.py::test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the_fix"]),
 ]
 
 

@@ -26,7 +26,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch._dynamo.callback as dynamo_callback
 from torch._logging._internal import log_state
@@ -76,7 +76,9 @@ class CompileClock:
 class CompileEvent:
     """Something torch.compile did or said. kind: compile (with its seconds), recompile,
     graph_break, cudagraph_skip; `where`: the script's line it happened at (the call into the
-    compiled code, or the line that broke the graph); `reason`: torch's words."""
+    compiled code, or the line that broke the graph); `reason`: torch's words; `defined_at`: a
+    recompiled function's own first line (under a framework the script's call is `trainer.fit`,
+    and the function that recompiled is its `training_step`)."""
 
     kind: str
     t0: float
@@ -86,7 +88,7 @@ class CompileEvent:
     function: str | None = None
     where: str | None = None
     reason: str | None = None
-    extra: dict = field(default_factory=dict)
+    defined_at: str | None = None
 
 
 class CompileWatch:
@@ -157,13 +159,19 @@ class CompileWatch:
         where = self._user_line(sys._getframe(1))
         if m := _RECOMPILE.search(message):
             self._recompiling = CompileEvent("recompile", now, now, function=m["function"], where=where,
-                                             reason=_guard_failures(m["reasons"]), extra={"defined_at": m["where"]})
+                                             reason=_guard_failures(m["reasons"]),
+                                             defined_at=self._site(m["where"], None))
         elif m := _GRAPH_BREAK.search(message):
-            path, _, line = m["where"].rpartition(":")
-            broke_at = self._format_site(path, int(line)) if line.isdigit() else where
-            self._on_event(CompileEvent("graph_break", now, now, where=broke_at, reason=_graph_break_reason(m["reason"])))
+            self._on_event(CompileEvent("graph_break", now, now, where=self._site(m["where"], where),
+                                        reason=_graph_break_reason(m["reason"])))
         elif m := _CUDAGRAPH_SKIP.search(message):
             self._on_event(CompileEvent("cudagraph_skip", now, now, where=where, reason=" ".join(m["reason"].split())))
+
+
+    def _site(self, text: str, otherwise: str | None) -> str | None:
+        """torch's "path:line" as the report writes a line, or `otherwise` when it is not one."""
+        path, _, line = text.rpartition(":")
+        return self._format_site(path, int(line)) if line.isdigit() else otherwise
 
 
 class _Handler(logging.Handler):

@@ -168,6 +168,28 @@ def test_a_saturated_device_s_host_split_is_said_to_cost_nothing():
     assert causes(diagnose(rec, [], [GPU], warmup_steps=2))[0] == "input_pipeline"
 
 
+def _compiled(t0: float, t1: float, compile_id: str) -> dict:
+    return {"type": "compile", "kind": "compile", "t0": t0, "t1": t1, "compile_id": compile_id, "trigger": "dynamo",
+            "function": None, "where": "train.py:9", "reason": None, "defined_at": None}
+
+
+@pytest.mark.parametrize("n_steps", [0, 3])
+def test_torch_compile_s_causes_are_named_however_few_steps_the_run_had(n_steps):
+    # A short compiled script (Lightning's 4 steps, all in the warm-up, or a crash before the first
+    # step): the loop cannot be judged, what compiling cost the run can. Under a framework the
+    # script's line into the compiled code is trainer.fit: the recompiled function's line is said too.
+    recompile = {"type": "compile", "kind": "recompile", "t0": 102.1, "t1": 102.1, "compile_id": "0/1", "trigger": None,
+                 "function": "training_step", "where": "train.py:9", "defined_at": "model.py:20",
+                 "reason": "tensor 'batch[0]' size mismatch at index 0. expected 64, actual 8"}
+    rec = recording(steps(n_steps, compute=5), extra=[_compiled(100.0, 102.0, "0/0"), recompile,
+                                                      _compiled(102.1, 103.0, "0/1")])
+    report = diagnose(rec, [], [], warmup_steps=5)
+    assert "none" not in causes(report)
+    (found,) = [f for f in report["findings"] if f["cause"] == "recompile"]
+    assert found["where"] == "train.py:9" and "the compiled training_step (model.py:20) called here" in found["evidence"]
+    assert "drop_last=True" in found["fix"]
+
+
 def test_cuda_many_tiny_kernels_is_launch_overhead():
     kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 900, "kernel_median_us": 3.0,
                "kernel_p90_us": 6.0, "device_busy_s_per_step": 0.003, "memcpy_pageable_per_step": 0,

@@ -184,6 +184,24 @@ def test_ranks_started_by_mp_spawn_are_ranks_and_a_straggler_is_found(tmp_path, 
     assert report["note"].startswith("2 ranks trained")
 
 
+@needs("lightning")
+def test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the_fix(tmp_path, capfd):
+    # torch.compile(model) then trainer.fit, 4 steps (all in the warm-up: too few to judge the loop);
+    # the epoch's last batch of 8 recompiles training_step, which Lightning calls, not the script.
+    script = FRAMEWORKS / "lightning_compiled.py"
+    code, out = profile(tmp_path, script)
+    assert code == 0
+    (truth,) = printed(capfd.readouterr().out, "lightning_compiled")
+    assert truth["batch_sizes"] == "[8, 64]"
+    report = json.loads((out / "report.json").read_text())
+    found = finding(report, "recompile")
+    assert "size mismatch at index 0. expected 64, actual 8" in found["evidence"]
+    assert f"{script.parent.name}/{script.name}:{truth['training_step_line']}) called here" in found["evidence"]
+    assert "the compiled training_step (" in found["evidence"]
+    assert found["where"].endswith(f"{script.name}:{marked_line(script, 'trainer.fit(')}")
+    assert "drop_last=True" in found["fix"] and report["compile"]["compiles"] >= 2
+
+
 @pytest.mark.slow
 @needs("lightning")
 def test_lightning_ddp_ranks_and_its_training_loader(tmp_path, capfd):

@@ -137,7 +137,8 @@ class CompileRecord(TypedDict):
     seconds; trigger: dynamo, lazy_backward, cudagraph_recording; compile_id "frame/attempt",
     attempt > 0 a recompile), "recompile" (reason: the guards that failed), "graph_break"
     (reason: torch's), "cudagraph_skip" (reason: torch's). where: the script's line - the call into
-    the compiled code, or the line that broke the graph."""
+    the compiled code, or the line that broke the graph; defined_at: a recompiled function's own
+    line."""
     type: Literal["compile"]
     kind: str
     t0: float
@@ -147,6 +148,7 @@ class CompileRecord(TypedDict):
     function: str | None
     where: str | None
     reason: str | None
+    defined_at: str | None
 
 
 class RuleRecord(TypedDict):

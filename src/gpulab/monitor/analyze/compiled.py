@@ -77,7 +77,8 @@ def compile_summary(rec: Recording) -> dict | None:
         "recompile_seconds": round(_seconds(again), 3),
         "by_trigger": {t: round(_seconds([r for r in compiles if r["trigger"] == t]), 3)
                        for t in sorted({r["trigger"] for r in compiles})},
-        "recompiles": _grouped([r for r in rec.compiles if r["kind"] == "recompile"], ("where", "reason"), "compile_id"),
+        "recompiles": _grouped([r for r in rec.compiles if r["kind"] == "recompile"],
+                               ("where", "function", "defined_at", "reason"), "compile_id"),
         "graph_breaks": _grouped([r for r in rec.compiles if r["kind"] == "graph_break"], ("where", "reason")),
         "cudagraph_skips": _grouped([r for r in rec.compiles if r["kind"] == "cudagraph_skip"], ("where", "reason")),
     }
@@ -120,11 +121,22 @@ def _recompile_finding(rec: Recording, group: dict, run: float) -> dict:
     """A recompile's seconds: every compile of its id (forward, and backward's lazy compile)."""
     ids = set(group["compile_ids"])
     seconds = sum(r["t1"] - r["t0"] for r in rec.compiles if r["kind"] == "compile" and r.get("compile_id") in ids)
-    evidence = (f"the compiled code called here compiled again {_times(group['count'])} ({seconds:.2f} s); the guard "
-                f"that failed: {group['reason']}")
+    evidence = (f"{_compiled_code(group)} called here compiled again {_times(group['count'])} ({seconds:.2f} s); "
+                f"the guard that failed: {group['reason']}")
     f = finding("recompile", seconds / run, evidence, group["where"],
                 fix=_fix(_RECOMPILE_FIXES, group["reason"], "keep what the failed guard checks the same between calls"))
     return _of_the_run(f)
+
+
+def _compiled_code(group: dict) -> str:
+    """The function that recompiled, with its own line where that is not the line calling it (a
+    framework's `trainer.fit` calls the user's compiled `training_step`)."""
+    function, defined_at = group.get("function"), group.get("defined_at")
+    if not function:
+        return "the compiled code"
+    if defined_at and defined_at != group.get("where"):
+        return f"the compiled {function} ({defined_at})"
+    return f"the compiled {function}"
 
 
 def _compile_time_evidence(summary: dict) -> str:

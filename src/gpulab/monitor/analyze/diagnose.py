@@ -42,9 +42,11 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         "excluded_steps": excluded,
         "not_measured": not_measured(rec, gpus, used),
     }
+    # torch.compile's causes are the run's, not the loop's: drawn however few steps there were
+    compiled = compile_findings(rec, recorded_seconds(rec))
     if not steady:
-        report["findings"] = [finding("none", 0.0, f"no training step was recorded: {steps_found(rec)}", None,
-                                       "no_steps")]
+        report["findings"] = with_compile_findings(
+            [finding("none", 0.0, f"no training step was recorded: {steps_found(rec)}", None, "no_steps")], compiled)
         return report
     durations = [step_seconds(s) for s in steady]
     if not whole_run:
@@ -66,22 +68,27 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         # Every step past the warm-up ran inside a measurement window (the run ended in one, an
         # out-of-memory error say): warm-up steps carry CUDA's start-up and gpulab's own windows'
         # set-up, and no finding about the loop is drawn from them (issue 33).
-        report["findings"] = [finding("none", 0.0, f"no step after the warm-up ran outside gpulab's measurement "
-                                       f"windows ({len(steady)} warm-up step(s), {excluded['profiler_window']} "
-                                       f"measured for kernels or memory): too few steps to judge the loop", None,
-                                       "too_few_steps")]
+        too_few = finding("none", 0.0, f"no step after the warm-up ran outside gpulab's measurement windows "
+                          f"({len(steady)} warm-up step(s), {excluded['profiler_window']} measured for kernels or "
+                          f"memory): too few steps to judge the loop", None, "too_few_steps")
+        report["findings"] = with_compile_findings([too_few], compiled)
         report["transforms"] = costly_transforms(rec, step)
         return report
     findings = process_findings(rec, step, busy, busy_source, gpus, used, cores)
     if whole_run:
         for f in findings:
             f["evidence"] = f"no training step ({steps_found(rec)}), so these shares are of the whole run; " + f["evidence"]
-    compiled = compile_findings(rec, recorded_seconds(rec))
-    if compiled:  # torch.compile's causes after the loop's (graph breaks are not timed: no share to rank)
-        findings = [f for f in findings if f["cause"] != "none"] + compiled
-    report["findings"] = findings
+    report["findings"] = with_compile_findings(findings, compiled)
     report["transforms"] = costly_transforms(rec, step)
     return report
+
+
+def with_compile_findings(findings: list[dict], compiled: list[dict]) -> list[dict]:
+    """torch.compile's causes after the loop's (graph breaks are not timed: no share to rank them
+    by); a "none" gives way to them."""
+    if not compiled:
+        return findings
+    return [f for f in findings if f["cause"] != "none"] + compiled
 
 
 def collectives_summary(step: StepCosts) -> dict:

@@ -65,5 +65,6 @@ class CompileProbe(Probe):
                 sink.closed_span(f"compile {event.compile_id} ({event.trigger})", "compile", event.t0, event.t1)
         record: CompileRecord = {"type": "compile", "kind": event.kind, "t0": event.t0, "t1": event.t1,
                                  "compile_id": event.compile_id, "trigger": event.trigger,
-                                 "function": event.function, "where": event.where, "reason": event.reason}
+                                 "function": event.function, "where": event.where, "reason": event.reason,
+                                 "defined_at": event.defined_at}
         self.sink.emit(record)
