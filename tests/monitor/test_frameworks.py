@@ -167,6 +167,21 @@ def test_hf_trainer_s_loader_is_named_by_its_builder_and_the_user_s_line(tmp_pat
 # ----------------------------------------------------------------------------- ranks however launched
 
 
+@pytest.mark.slow
+@needs("transformers")
+def test_hf_trainer_s_torch_compile_recompile_on_a_last_short_batch_has_trainer_s_fix(tmp_path, capfd):
+    # TrainingArguments(torch_compile=True); 20 steps, the last of 4 samples: 18 s of recompiling
+    # (45% of the run) on a 2-core EPYC, named with the knob Trainer users have
+    code, out = profile(tmp_path, FRAMEWORKS / "hf_trainer.py", str(tmp_path / "hf"), "20", "compiled")
+    assert code == 0
+    (truth,) = printed(capfd.readouterr().out, "hf_trainer")
+    assert truth["batch"] == "[4, 16]"
+    report = json.loads((out / "report.json").read_text())
+    (short,) = [f for f in report["findings"] if f["cause"] == "recompile" and "expected 16, actual 4" in f["evidence"]]
+    assert "dataloader_drop_last=True" in short["fix"] and short["share"] > 0.05
+    assert finding(report, "compile_time")["share"] >= 0.1
+
+
 def test_ranks_started_by_mp_spawn_are_ranks_and_a_straggler_is_found(tmp_path, capfd):
     script = SCRIPTS / "ddp_spawned.py"
     code, out = profile(tmp_path, script, "slow-data")

@@ -25,7 +25,8 @@ MAX_LISTED = 5  # recompile groups, graph breaks and skips named, each
 # A recompile's guard failure -> the fix (torch 2.13's wording of the guards).
 _RECOMPILE_FIXES = (
     (re.compile(r"size mismatch at index (\d+)"), lambda m: (
-        f"the input's size at dimension {m[1]} changes: keep it fixed (DataLoader(drop_last=True), pad to one size), "
+        f"the input's size at dimension {m[1]} changes: keep it fixed (DataLoader(drop_last=True) - under Hugging "
+        f"Face's Trainer TrainingArguments(dataloader_drop_last=True) - or pad to one size), "
         f"or tell torch it varies - torch._dynamo.mark_dynamic(x, {m[1]}) before the call, or "
         "torch.compile(..., dynamic=True)")),
     (re.compile(r"dtype mismatch"), lambda m: "the input's dtype changes: give the compiled code one dtype"),

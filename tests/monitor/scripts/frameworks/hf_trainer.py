@@ -3,7 +3,9 @@ weights) on a Dataset of random token ids with a slow __getitem__ (the steps wai
 per_device_train_batch_size=16. The user builds no DataLoader: Trainer builds one, and
 Accelerate (inside Trainer) iterates its own copy with a batch sampler (batch_size None).
 
-usage: hf_trainer.py OUT_DIR [STEPS]
+usage: hf_trainer.py OUT_DIR [STEPS] [compiled]
+  compiled  TrainingArguments(torch_compile=True), and 12 samples fewer: the last batch of 4 is a
+            new shape, which compiles the model's forward again
 
 Prints its truth: the optimizer steps it ran and the sizes of the batches they trained on.
 No downloads, no saving, no logging integrations, no progress bar.
@@ -25,6 +27,7 @@ from transformers.data.data_collator import default_data_collator
 
 OUT = sys.argv[1]
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+COMPILED = sys.argv[3:] == ["compiled"]
 BATCH = 16
 SEQ = 32
 
@@ -56,8 +59,9 @@ def main():
 
     args = TrainingArguments(output_dir=OUT, per_device_train_batch_size=BATCH, max_steps=STEPS, report_to=[],
                              save_strategy="no", logging_strategy="no", eval_strategy="no", disable_tqdm=True,
-                             use_cpu=True, dataloader_num_workers=0, learning_rate=1e-3)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(STEPS * BATCH), data_collator=collate)
+                             use_cpu=True, dataloader_num_workers=0, learning_rate=1e-3, torch_compile=COMPILED)
+    samples = STEPS * BATCH - (12 if COMPILED else 0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(samples), data_collator=collate)
     trainer.train()  # the user's line: Trainer builds its DataLoader inside
     print(f"hf_trainer: steps {trainer.state.global_step} batch {sorted(sizes)}\n", end="", flush=True)
 
