@@ -709,6 +709,7 @@ def no_crash_check(repeat: int, jobs: int) -> Check:
 
 COMPILE_TESTS = ["tests/parallel/test_graphed.py",
                  "tests/monitor/test_gpu.py::test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix",
+                 "tests/monitor/test_gpu.py::test_a_cuda_graph_recorded_again_for_a_weight_in_new_memory_is_named_with_its_fix",
                  "tests/monitor/test_gpu.py::test_replays_of_a_recorded_whole_step_are_the_steps"]
 
 

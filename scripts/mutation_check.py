@@ -150,6 +150,10 @@ MUTATIONS = [
              "    if False:",
              ["tests/monitor/test_diagnose.py::test_torch_compile_s_causes_are_named_however_few_steps_the_run_had",
               "tests/monitor/test_frameworks.py::test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the_fix"]),
+    Mutation("a graph skipped past the re-recording limit goes unread (torch's singular 'cudagraph')", "src/gpulab/compiler.py",
+             '_CUDAGRAPH_SKIP = re.compile(r"skipping cudagraphs? due to (?P<reason>.*)", re.S)',
+             '_CUDAGRAPH_SKIP = re.compile(r"skipping cudagraphs due to (?P<reason>.*)", re.S)',
+             ["tests/test_compiler.py::test_a_cuda_graph_recorded_again_is_read_with_what_moved_and_for_which_inputs"]),
 ]
 
 

@@ -83,3 +83,36 @@ def test_the_clock_counts_compile_time_only():
         again = clock.take()
     torch._dynamo.reset()
     assert first > 0 and again == 0.0
+
+
+def test_a_cuda_graph_recorded_again_is_read_with_what_moved_and_for_which_inputs():
+    """cudagraph trees say a re-recording only at DEBUG, on their "cudagraphs" artifact logger: the
+    line is written here as torch 2.13 writes it (its format string and its own reason wording,
+    pinned), into the real logger, without a GPU."""
+    import inspect
+
+    import torch._inductor.cudagraph_trees as trees
+    from torch._inductor.cudagraph_utils import CheckInvariantStatus, log_cudagraph_skip_and_bump_counter
+
+    line = "[%s] Re-recording function=%s, mode=%s, reason=%s"
+    assert line in inspect.getsource(trees)  # torch still says it so
+    reason = (f"{CheckInvariantStatus.StaticInputIdxMismatch}.\n"
+              "input name: primals_2. data pointer changed from 1024 to 2048. input stack trace: None\n")
+    events = []
+    watch = CompileWatch(events.append, user_line, lambda path, line: f"{path}:{line}")
+    watch.install()
+    watch.read_cudagraph_skips()
+    try:
+        trees.log.debug(line, "0/0", "forward", "CompilationMode.FORWARD", reason)
+        # past torch's limit of re-recordings the function runs without graphs, in other words
+        assert "skipping cudagraph due to function" in inspect.getsource(trees)
+        log_cudagraph_skip_and_bump_counter("skipping cudagraph due to function 0 exceeding max re-recording limit "
+                                            "(=50) on cudagraph node None due to static input data pointer changed.")
+    finally:
+        watch.remove()
+    (rerecord,) = [e for e in events if e.kind == "cudagraph_rerecord"]
+    assert rerecord.function == "forward" and rerecord.where.startswith("test_compiler.py:")
+    assert rerecord.reason == "static input data pointer changed (primals_2)"
+    (skipped,) = [e for e in events if e.kind == "cudagraph_skip"]
+    assert skipped.reason.startswith("function 0 exceeding max re-recording limit")
+    assert trees.log.level == logging.NOTSET  # left as found

@@ -1,6 +1,6 @@
 """What torch.compile does in this process: when it compiles (first compiles, recompiles, the lazy
-compile of a backward, CUDA graph recordings), and what it says of recompiles, graph breaks and
-CUDA graphs it skips.
+compile of a backward, CUDA graph recordings), and what it says of recompiles, graph breaks,
+CUDA graphs it skips and CUDA graphs it records again.
 
 torch has no public door for either, so this module is the one place that uses the two private
 ones (tests/test_compiler.py pins what they give on the installed torch):
@@ -9,7 +9,8 @@ ones (tests/test_compiler.py pins what they give on the installed torch):
   compile; "1/1": its first recompile);
 - torch._logging's artifacts "recompiles" and "graph_breaks" (dynamo's, read once it is
   imported) and "cudagraphs" (inductor's CUDA graph trees, read once those are imported:
-  `read_cudagraph_skips`), enabled in its log state and read by a handler of ours on their
+  `read_cudagraph_skips`; their re-recordings are DEBUG lines, which reading at DEBUG turns on),
+  enabled in its log state and read by a handler of ours on their
   loggers, which then stop passing them on to torch's own handler: the script's stderr shows only
   what it showed before (an artifact the user turned on, TORCH_LOGS=recompiles, is left as the
   user set it and read too). A logger made after its artifact is read is not read: each artifact
@@ -38,7 +39,11 @@ CUDAGRAPH_MODULE = "torch._inductor.cudagraph_trees"  # imports cudagraph_utils,
 _RECOMPILE = re.compile(r"Recompiling function (?P<function>\S+) in (?P<where>\S+)\s+triggered by the following "
                         r"guard failure\(s\):\s*(?P<reasons>.*)", re.S)
 _GRAPH_BREAK = re.compile(r"Graph break.*? in user code at (?P<where>\S+)\s*\nGraph Break Reason: (?P<reason>.*)", re.S)
-_CUDAGRAPH_SKIP = re.compile(r"skipping cudagraphs due to (?P<reason>.*)", re.S)
+# "skipping cudagraphs due to mutated inputs", but "skipping cudagraph due to function 0 exceeding
+# max re-recording limit": both wordings are torch's
+_CUDAGRAPH_SKIP = re.compile(r"skipping cudagraphs? due to (?P<reason>.*)", re.S)
+# cudagraph trees' DEBUG line when a recorded graph cannot be replayed and is recorded again
+_CUDAGRAPH_RERECORD = re.compile(r"Re-recording function=(?P<function>.*?), mode=\S+, reason=(?P<reason>.*)", re.S)
 
 
 class CompileClock:
@@ -75,7 +80,7 @@ class CompileClock:
 @dataclass
 class CompileEvent:
     """Something torch.compile did or said. kind: compile (with its seconds), recompile,
-    graph_break, cudagraph_skip; `where`: the script's line it happened at (the call into the
+    graph_break, cudagraph_skip, cudagraph_rerecord; `where`: the script's line it happened at (the call into the
     compiled code, or the line that broke the graph); `reason`: torch's words; `defined_at`: a
     recompiled function's own first line (under a framework the script's call is `trainer.fit`,
     and the function that recompiled is its `training_step`)."""
@@ -166,6 +171,9 @@ class CompileWatch:
                                         reason=_graph_break_reason(m["reason"])))
         elif m := _CUDAGRAPH_SKIP.search(message):
             self._on_event(CompileEvent("cudagraph_skip", now, now, where=where, reason=" ".join(m["reason"].split())))
+        elif m := _CUDAGRAPH_RERECORD.search(message):
+            self._on_event(CompileEvent("cudagraph_rerecord", now, now, function=m["function"], where=where,
+                                        reason=_rerecord_reason(m["reason"])))
 
 
     def _site(self, text: str, otherwise: str | None) -> str | None:
@@ -207,6 +215,15 @@ def _guard_failures(text: str) -> str:
         if m:
             failures.append(m[1].split("  #")[0].strip())  # the guard, not the source line torch appends
     return "; ".join(dict.fromkeys(failures)) or " ".join(text.split())[:300]
+
+
+def _rerecord_reason(text: str) -> str:
+    """What changed ("static input data pointer changed") and the inputs it changed for, not
+    their addresses and stacks: "static input data pointer changed (primals_2, primals_4)"."""
+    lines = text.strip().splitlines()
+    inputs = [m[1] for line in lines[1:] if (m := re.match(r"input name: ([^.\s]+)", line))]
+    head = lines[0].strip().rstrip(".") if lines else ""
+    return head + (f" ({', '.join(dict.fromkeys(inputs))})" if inputs else "")
 
 
 def _graph_break_reason(text: str) -> str:

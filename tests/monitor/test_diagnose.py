@@ -190,6 +190,16 @@ def test_torch_compile_s_causes_are_named_however_few_steps_the_run_had(n_steps)
     assert "drop_last=True" in found["fix"]
 
 
+def test_a_cuda_graph_recorded_again_is_named_with_what_moved_and_the_fix():
+    rerecord = {"type": "compile", "kind": "cudagraph_rerecord", "t0": 104.0, "t1": 104.0, "compile_id": None,
+                "trigger": None, "function": "forward", "where": "train.py:30", "defined_at": None,
+                "reason": "static input data pointer changed (primals_2)"}
+    rec = recording(steps(20, compute=5), cuda=True, extra=[_compiled(100.0, 102.0, "0/0"), rerecord, dict(rerecord)])
+    (found,) = [f for f in diagnose(rec, [], [GPU], warmup_steps=2)["findings"] if f["cause"] == "cudagraph_rerecord"]
+    assert found["where"] == "train.py:30" and "recorded again 2 times: static input data pointer changed" in found["evidence"]
+    assert "p.copy_(new)" in found["fix"]
+
+
 def test_cuda_many_tiny_kernels_is_launch_overhead():
     kernels = {"type": "kernels", "steps": 3, "kernels_per_step": 900, "kernel_median_us": 3.0,
                "kernel_p90_us": 6.0, "device_busy_s_per_step": 0.003, "memcpy_pageable_per_step": 0,

@@ -211,6 +211,13 @@ def test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix(tmp_path
     assert skips and "mutated input" in skips[0]["evidence"] and "in place" in skips[0]["fix"]
 
 
+def test_a_cuda_graph_recorded_again_for_a_weight_in_new_memory_is_named_with_its_fix(tmp_path):
+    # the weight gets new memory 3 times in 20 steps: its graphs (forward, backward) are recorded again
+    report = profile(tmp_path, "compile_cudagraph_rerecord.py")
+    again = [f for f in report["findings"] if f["cause"] == "cudagraph_rerecord"]
+    assert again and "data pointer changed" in again[0]["evidence"] and "in place" in again[0]["fix"], report["findings"]
+
+
 def test_replays_of_a_recorded_whole_step_are_the_steps(tmp_path):
     # one optimizer step recorded inside torch.cuda.graph, never called again from Python: each
     # replay is a training step (a loop the profiler would otherwise see as one endless step)

@@ -136,7 +136,8 @@ class CompileRecord(TypedDict):
     """torch.compile did or said something (record/probes/compiled.py): kind "compile" (t0..t1: its
     seconds; trigger: dynamo, lazy_backward, cudagraph_recording; compile_id "frame/attempt",
     attempt > 0 a recompile), "recompile" (reason: the guards that failed), "graph_break"
-    (reason: torch's), "cudagraph_skip" (reason: torch's). where: the script's line - the call into
+    (reason: torch's), "cudagraph_skip" (reason: torch's), "cudagraph_rerecord" (reason: what changed
+    since the graph was recorded, and for which inputs). where: the script's line - the call into
     the compiled code, or the line that broke the graph; defined_at: a recompiled function's own
     line."""
     type: Literal["compile"]

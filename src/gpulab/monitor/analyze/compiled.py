@@ -10,6 +10,9 @@ its graphs - each with the script's line and the fix. Reads the "compile" record
                     timed (each break runs the compiled code in pieces with Python between them),
                     so it is named whatever its share
     cudagraph_skip  (CUDA, mode="reduce-overhead") CUDA graphs not used, and why
+    cudagraph_rerecord  (CUDA) a recorded CUDA graph recorded again because what it reads moved (a
+                    parameter replaced, an earlier replay's output kept): each re-recording is a
+                    recording's time, and past torch's limit the function runs without graphs
 Compile steps are left out of the steady steps (phases.select_steady): what they cost is here.
 """
 
@@ -62,6 +65,14 @@ _CUDAGRAPH_FIXES = (
     (re.compile(r"dynamic shape", re.I), (
         "the input's shape varies: keep it fixed (each shape records a graph of its own)")),
 )
+_RERECORD_FIXES = (
+    (re.compile(r"static input data pointer changed"), (
+        "a parameter or buffer the graph reads is a new tensor since it was recorded (reassigned, or loaded with "
+        "load_state_dict(assign=True)): update it in place (p.copy_(new)) so that the graph reads the same memory")),
+    (re.compile(r"cudagraph managed tensor data pointer changed|expected dead indices", re.I), (
+        "an output of an earlier replay is still in use when the next replay starts: mark each step "
+        "(torch.compiler.cudagraph_mark_step_begin()) and clone the outputs you keep across steps (out.clone())")),
+)
 
 
 def compile_summary(rec: Recording) -> dict | None:
@@ -82,6 +93,8 @@ def compile_summary(rec: Recording) -> dict | None:
                                ("where", "function", "defined_at", "reason"), "compile_id"),
         "graph_breaks": _grouped([r for r in rec.compiles if r["kind"] == "graph_break"], ("where", "reason")),
         "cudagraph_skips": _grouped([r for r in rec.compiles if r["kind"] == "cudagraph_skip"], ("where", "reason")),
+        "cudagraph_rerecords": _grouped([r for r in rec.compiles if r["kind"] == "cudagraph_rerecord"],
+                                        ("where", "function", "reason")),
     }
 
 
@@ -114,6 +127,12 @@ def compile_findings(rec: Recording, run_seconds: float) -> list[dict]:
                     group["where"], fix=_fix(_CUDAGRAPH_FIXES, group["reason"],
                                             "see torch's reason: the compiled code cannot be replayed as a graph"))
         f["share_of"] = "not timed: the step runs kernel by kernel instead of as one replay"
+        findings.append(f)
+    for group in summary["cudagraph_rerecords"][:MAX_LISTED]:
+        f = finding("cudagraph_rerecord", 0.0, f"the CUDA graph of {group['function'] or 'the compiled code'} was "
+                    f"recorded again {_times(group['count'])}: {group['reason']}", group["where"],
+                    fix=_fix(_RERECORD_FIXES, group["reason"], "see torch's reason: what the graph reads moved"))
+        f["share_of"] = "not timed apart: recordings are in compile_time's CUDA graph recording seconds"
         findings.append(f)
     return findings
 
