@@ -154,6 +154,10 @@ MUTATIONS = [
              '_CUDAGRAPH_SKIP = re.compile(r"skipping cudagraphs? due to (?P<reason>.*)", re.S)',
              '_CUDAGRAPH_SKIP = re.compile(r"skipping cudagraphs due to (?P<reason>.*)", re.S)',
              ["tests/test_compiler.py::test_a_cuda_graph_recorded_again_is_read_with_what_moved_and_for_which_inputs"]),
+    Mutation("a recompile on a module attribute gets the generic fix", "src/gpulab/monitor/analyze/compiled.py",
+             '    (re.compile(r"(?:^|; )self\\.(?!training\\b)[\\w.]+ (?:==|!=|is) "), lambda m: (',
+             '    (re.compile(r"^never$"), lambda m: (',
+             ["tests/monitor/test_diagnose.py::test_a_recompile_on_a_module_attribute_says_to_set_it_once"]),
 ]
 
 

@@ -190,6 +190,21 @@ def test_torch_compile_s_causes_are_named_however_few_steps_the_run_had(n_steps)
     assert "drop_last=True" in found["fix"]
 
 
+@pytest.mark.parametrize("guard, fix", [
+    ("self.config.problem_type is None", "set it once before the first call"),  # HF's model, under Trainer
+    ("self.sizes == set()", "keep per-step Python state out of the compiled function"),  # state kept in training_step
+    ("tensor 'x' size mismatch at index 0. expected 64, actual 8; self.sizes == {64}", "mark_dynamic"),  # the size first
+    ("self.lr == 0.1", "pass it as a tensor"),  # a number: its own rule
+    ("self.training == True", "switched between train() and eval()"),
+])
+def test_a_recompile_on_a_module_attribute_says_to_set_it_once(guard, fix):
+    recompile = {"type": "compile", "kind": "recompile", "t0": 102.1, "t1": 102.1, "compile_id": "0/1", "trigger": None,
+                 "function": "forward", "where": "train.py:9", "defined_at": "model.py:20", "reason": guard}
+    rec = recording(steps(20, compute=5), extra=[_compiled(100.0, 102.0, "0/0"), recompile])
+    (found,) = [f for f in diagnose(rec, [], [], warmup_steps=2)["findings"] if f["cause"] == "recompile"]
+    assert fix in found["fix"]
+
+
 def test_a_cuda_graph_recorded_again_is_named_with_what_moved_and_the_fix():
     rerecord = {"type": "compile", "kind": "cudagraph_rerecord", "t0": 104.0, "t1": 104.0, "compile_id": None,
                 "trigger": None, "function": "forward", "where": "train.py:30", "defined_at": None,

@@ -38,6 +38,10 @@ _RECOMPILE_FIXES = (
     (re.compile(r"(?:==|!=) -?[\d.e+-]+$|type\(.*\) .* float|___check_type_id"), lambda m: (
         "a Python number (or object) the compiled code reads changed, and each value is a constant of its "
         "own graph: pass it as a tensor (torch.tensor(value)) so that one graph serves every value")),
+    (re.compile(r"(?:^|; )self\.(?!training\b)[\w.]+ (?:==|!=|is) "), lambda m: (
+        "an attribute of the module (self....) that the compiled code reads changed between calls, and each value "
+        "is a constant of its own graph: set it once before the first call (a config value, e.g. "
+        "config.problem_type), and keep per-step Python state out of the compiled function (a callback, a logger)")),
     (re.compile(r"\.training"), lambda m: (
         "the module switched between train() and eval(): one compile for each mode is expected; compile "
         "the evaluation separately if it recompiles every epoch")),
