@@ -203,8 +203,9 @@ def test_ranks_started_by_mp_spawn_are_ranks_and_a_straggler_is_found(tmp_path, 
 def test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the_fix(tmp_path, capfd):
     # torch.compile(model) then trainer.fit, 4 steps (all in the warm-up: too few to judge the loop);
     # the epoch's last batch of 8 recompiles training_step, which Lightning calls, not the script.
+    # (aot_eager: the same recompile as inductor's, 6 s for the script against 21 s with a cold cache)
     script = FRAMEWORKS / "lightning_compiled.py"
-    code, out = profile(tmp_path, script)
+    code, out = profile(tmp_path, script, "aot_eager")
     assert code == 0
     (truth,) = printed(capfd.readouterr().out, "lightning_compiled")
     assert truth["batch_sizes"] == "[8, 64]"
