@@ -80,10 +80,10 @@ class CompileClock:
 @dataclass
 class CompileEvent:
     """Something torch.compile did or said. kind: compile (with its seconds), recompile,
-    graph_break, cudagraph_skip, cudagraph_rerecord; `where`: the script's line it happened at (the call into the
-    compiled code, or the line that broke the graph); `reason`: torch's words; `defined_at`: a
-    recompiled function's own first line (under a framework the script's call is `trainer.fit`,
-    and the function that recompiled is its `training_step`)."""
+    graph_break, cudagraph_skip, cudagraph_rerecord; `where`: the script's line it happened at
+    (the call into the compiled code, or the line that broke the graph); `reason`: torch's words;
+    `defined_at`: a recompiled function's own first line (under a framework the script's call is
+    `trainer.fit`, and the function that recompiled is its `training_step`)."""
 
     kind: str
     t0: float
@@ -174,7 +174,6 @@ class CompileWatch:
         elif m := _CUDAGRAPH_RERECORD.search(message):
             self._on_event(CompileEvent("cudagraph_rerecord", now, now, function=m["function"], where=where,
                                         reason=_rerecord_reason(m["reason"])))
-
 
     def _site(self, text: str, otherwise: str | None) -> str | None:
         """torch's "path:line" as the report writes a line, or `otherwise` when it is not one."""
