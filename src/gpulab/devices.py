@@ -61,6 +61,10 @@ def describe_available() -> str:
 
 _VIRTUAL = re.compile(r"^cpu\*(\d+)$")
 _GPU = re.compile(r"^(?:cuda|gpu)(?::(\d+))?$")
+MAX_VIRTUAL_REPLICAS = 64
+"""The most replicas `cpu*K` makes. Virtual replicas rehearse a machine's GPUs, and machines hold 8
+or 16; each replica is a whole copy of the model, its gradients and its optimizer state in this one
+process, so thousands would exhaust memory rather than rehearse anything."""
 
 
 def _parse_one(token: str) -> torch.device:
@@ -78,12 +82,25 @@ def _parse_one(token: str) -> torch.device:
     return gpu(index)
 
 
+def virtual_replica_count(spec: str, digits: str) -> int:
+    """K of `cpu*K`, from 1 to MAX_VIRTUAL_REPLICAS, or a one-line error."""
+    significant = digits.lstrip("0") or "0"
+    # Judged by its length first: int() refuses more than 4300 digits, and a list that long overflows.
+    k = int(significant) if len(significant) <= len(str(MAX_VIRTUAL_REPLICAS)) else None
+    if k is None or not 1 <= k <= MAX_VIRTUAL_REPLICAS:
+        raise UserError(
+            f"device spec '{spec}' asks for {significant} virtual replicas: use cpu*K with K >= 1 and at most "
+            f"{MAX_VIRTUAL_REPLICAS} (each replica is a whole copy of the model in this one process)"
+        )
+    return k
+
+
 def resolve(spec: str) -> list[torch.device]:
     """Turn a CLI device spec into a list of devices, one per data-parallel replica.
 
     auto | all   every GPU, else the CPU
     cpu          the CPU
-    cpu*K        K virtual replicas on the CPU (for testing multi-device logic)
+    cpu*K        K virtual replicas on the CPU (for testing multi-device logic), K <= MAX_VIRTUAL_REPLICAS
     cuda | gpu   the first GPU;  cuda:N | gpu:N  GPU N
     a,b,c        a comma-separated list of the above (real devices may not repeat)
     """
@@ -92,10 +109,7 @@ def resolve(spec: str) -> list[torch.device]:
         return try_all_gpus()
     m = _VIRTUAL.match(spec)
     if m:
-        k = int(m.group(1))
-        if k < 1:
-            raise UserError(f"device spec '{spec}' asks for {k} replicas: use cpu*K with K >= 1")
-        return [cpu()] * k
+        return [cpu()] * virtual_replica_count(spec, m.group(1))
     tokens = [t for t in spec.split(",") if t]
     if not tokens:
         raise UserError("empty device spec: use auto, cpu, cpu*K or cuda:0,cuda:1")

@@ -65,7 +65,9 @@ def candidate_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
 
 def _file_in(directory: Path, stem: str) -> Path | None:
     for name in (stem + ".gz", stem):
-        if (directory / name).is_file():
+        # exists(), not is_file(): a FIFO or device under the right name is found, so that
+        # read_idx says what it is rather than the folder seeming to lack the file.
+        if (directory / name).exists():
             return directory / name
     return None
 
@@ -95,6 +97,9 @@ def find(data_dir: str | os.PathLike | None = None, download: bool = False) -> d
 
 def find_in(data_dir: Path) -> dict[str, Path]:
     """The four files in the folder the user named, or an error naming the missing ones."""
+    if data_dir.exists() and not data_dir.is_dir():
+        raise UserError(f"--data-dir {data_dir} is a file, not a folder; point it at the folder that holds the "
+                        "Fashion-MNIST IDX files")
     if not data_dir.is_dir():
         raise UserError(f"--data-dir {data_dir} does not exist; point it at a folder with the Fashion-MNIST IDX files")
     found = {key: _file_in(data_dir, stem) for key, stem in FILES.items()}

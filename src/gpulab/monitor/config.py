@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from gpulab.errors import UserError
@@ -49,24 +50,29 @@ class ProfileConfig:
     (`--try threads=1`); 0: as the script sets them."""
 
     def __post_init__(self):
+        # Written so that nan fails every check: a comparison with nan is always false.
         if not 0 < self.interval_s <= 60:
             raise UserError(f"--interval {self.interval_s}: use a positive number of seconds up to 60, e.g. 0.1")
-        if self.warmup_steps < 0:
-            raise UserError(f"warmup_steps {self.warmup_steps}: use 0 or more")
-        if self.kernel_window_steps < 0:
-            raise UserError(f"kernel_window_steps {self.kernel_window_steps}: use 0 (off) or more")
         if not 0 <= self.stack_interval_s <= 10:
             raise UserError(f"stack_interval_s {self.stack_interval_s}: use 0 (off) or a few milliseconds, e.g. 0.02")
-        if self.hang_after_s < 0:
+        # inf is refused too: report.json would hold it as Infinity, which strict JSON readers reject.
+        if not (0 <= self.hang_after_s and math.isfinite(self.hang_after_s)):
             raise UserError(f"--hang-after {self.hang_after_s}: use seconds (e.g. 300), or 0 for max(60 s, 100 steps)")
         if self.on_hang not in ("stop", "wait"):
             raise UserError(f"--on-hang {self.on_hang}: use stop (end the job, write the report) or wait")
-        if self.detail_steps < 1:
-            raise UserError(f"detail_steps {self.detail_steps}: use 1 or more")
-        if self.torch_threads < 0:
-            raise UserError(f"torch_threads {self.torch_threads}: use 0 (as the script sets them) or more")
-        if self.trace_steps < 0:
-            raise UserError(f"trace_steps {self.trace_steps}: use 0 or more")
+        check_count("warmup_steps", self.warmup_steps, 0, "use 0 or more")
+        check_count("kernel_window_steps", self.kernel_window_steps, 0, "use 0 (off) or more")
+        check_count("detail_steps", self.detail_steps, 1, "use 1 or more")
+        check_count("torch_threads", self.torch_threads, 0, "use 0 (as the script sets them) or more")
+        check_count("trace_steps", self.trace_steps, 0, "use 0 or more")
+        check_count("stop_after_steps", self.stop_after_steps, 0, "use 0 (run to the end) or more")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_count(name: str, value, minimum: int, fix: str) -> None:
+    """A count of steps or threads is a whole number: a float (nan, 2.5) given from Python would
+    fail later, far from the setting that caused it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{name} {value}: {fix}")

@@ -105,7 +105,9 @@ def global_batch_size(cfg: TrainConfig, replicas: int, train_data) -> int:
     return cfg.batch_size * (replicas if cfg.scale_batch else 1)
 
 
-def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int, train_data, test_data) -> None:
+def check_inputs(cfg: TrainConfig, world: World, batch_size: int, peak_lr: float, replicas: int, train_data,
+                 test_data) -> None:
+    check_peak_lr(cfg, peak_lr, replicas)
     if isinstance(train_data, torch.utils.data.DataLoader) and train_data.batch_size is None and world.world_size > 1:
         raise UserError("under torchrun gpulab batches your data itself: pass a DataLoader with a batch_size, or the Dataset")
     if batch_size < replicas * cfg.accumulate:
@@ -125,6 +127,19 @@ def check_inputs(cfg: TrainConfig, world: World, batch_size: int, replicas: int,
         raise UserError("--sync-bn with --sync ddp is not supported (gpulab's sync BN runs with --sync gpulab): drop one")
     if cfg.recipe_spec.init == "textbook" and cfg.model != "lenet":
         raise UserError("--recipe textbook initialises the textbook's LeNet only: use --model lenet")
+
+
+def check_peak_lr(cfg: TrainConfig, peak_lr: float, replicas: int) -> None:
+    """The optimizer steps the float32 weights with the learning rate converted to float32: one past
+    float32's largest number cannot be converted, and the first step would fail deep in torch."""
+    largest = torch.finfo(torch.float32).max
+    if peak_lr <= largest:
+        return
+    lr = cfg.lr if cfg.lr is not None else cfg.recipe_spec.lr
+    scaled = cfg.scale_batch and replicas > 1
+    given = f"--lr {lr:g} x {replicas} devices (--scale-batch) is {peak_lr:g}," if scaled else f"--lr {lr:g} is"
+    raise UserError(f"{given} beyond float32's largest number ({largest:.4g}), the type the weights are stepped "
+                    f"in: use --lr {largest * lr / peak_lr:.3g} or less")
 
 
 def check_sharding(cfg: TrainConfig, world: World) -> None:
@@ -243,7 +258,7 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     recipe = cfg.recipe_spec
     batch_size = global_batch_size(cfg, replicas, train_data)
     peak_lr = (cfg.lr or recipe.lr) * (replicas if cfg.scale_batch else 1)
-    world.all_or_none(lambda: check_inputs(cfg, world, batch_size, replicas, train_data, test_data))
+    world.all_or_none(lambda: check_inputs(cfg, world, batch_size, peak_lr, replicas, train_data, test_data))
     world.connect(devices[0], cfg.backend, cfg.timeout)
     if train_data is None:
         # One rank per machine finds (or downloads) the files first; the others then read them.

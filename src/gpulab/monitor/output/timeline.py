@@ -79,9 +79,11 @@ def figure(lanes: list[Recording], samples: list[dict], gpus: list[dict], report
                       colors="k", linewidth=0.4, alpha=0.25)
         ax.grid(alpha=0.25)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+            _legend(ax)
     _leave_out_start_up(ax_cpu, rec, steps, origin)
-    fig.suptitle(_headline(report, title), fontsize=10)
+    # The title names the user's script or run: a `$` in it must not start mathtext, which fails
+    # on anything but valid TeX and would lose the whole image.
+    fig.suptitle(_headline(report, title), fontsize=10, parse_math=False)
     fig.subplots_adjust(left=0.07, right=0.78, top=0.93, bottom=0.06, hspace=0.12)  # tight_layout: +0.25 s
     return fig
 
@@ -177,7 +179,7 @@ def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float, on
     ax.set_ylabel("steps", fontsize=8)
     ax.set_ylim(0, len(lanes))
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+        _legend(ax)
 
 
 def _mark_waiting(ax, stalls: list[dict], names: list[str], origin: float) -> None:
@@ -195,7 +197,7 @@ def _mark_waiting(ax, stalls: list[dict], names: list[str], origin: float) -> No
                            label=None if labelled else f"waiting for {stall['who']} (a stall)")
             labelled = True
     if labelled:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+        _legend(ax)
 
 
 def _plot_gpu_activity(ax, samples: list[dict], gpus: list[dict], origin: float) -> None:
@@ -254,6 +256,14 @@ def _plot_cpu(ax, samples: list[dict], cores: int | None, origin: float) -> None
         _line(ax, t, [p["workers_cpu_pct"] for p in procs], "child processes (DataLoader workers, ranks)", "--")
     ax.set_ylim(bottom=0)
     ax.set_ylabel(f"CPU %\n(100 = 1 of {cores} cores)" if cores else "CPU %\n(100 = 1 core)", fontsize=8)
+
+
+def _legend(ax) -> None:
+    """Right of the plots, never on the data. Labels name devices and processes from the recording:
+    drawn as written, never as mathtext."""
+    legend = ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+    for text in legend.get_texts():
+        text.set_parse_math(False)
 
 
 def _line(ax, t: list[float], values: list, label: str, style: str, color: str | None = None) -> None:
