@@ -140,9 +140,10 @@ def test_resume_of_a_dir_without_checkpoint(no_data, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps(TrainConfig(devices="cpu", out=str(run_dir)).to_dict()))
+    (run_dir / ".gpulab.lock").write_text("pid 1 on host\n")  # a run gpulab made, stopped before its first epoch
     code, stdout, err = run(["train", "--resume", str(run_dir)], capsys)
     assert_one_line_error(code, err, f"--resume {run_dir}", "no checkpoint.pt")
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".gpulab.lock", "config.json"]
 
 
 @pytest.mark.parametrize("exists", [True, False])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import assert_one_line_error, run_cli as run
+from tests.conftest import assert_one_line_error, disk_full_for, run_cli as run
 from gpulab import export as export_module
 from gpulab.cli import main
 from gpulab.errors import UserError
@@ -280,11 +280,7 @@ def test_tolerance_is_1e_3(tiny_run, reuse_export, tmp_path, capsys, monkeypatch
 
 def test_failed_json_write_leaves_no_model(tiny_run, reuse_export, tmp_path, capsys, monkeypatch):
     run_dir, _ = tiny_run
-
-    def disk_full(path, obj):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(export_module, "atomic_write_json", disk_full)
+    disk_full_for(monkeypatch, "model.onnx.json")
     folder = tmp_path / "out"
     folder.mkdir()
     code, _, err = run(["export", str(run_dir), "--out", str(folder / "model.onnx")], capsys)

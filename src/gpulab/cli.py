@@ -35,8 +35,10 @@ def add_train_parser(sub) -> None:
     p.add_argument(
         "--resume", metavar="RUN_DIR", default=None,
         help="continue a run from its last checkpoint, with its saved options; only --data-dir (where its data is now) "
-        "and --epochs (a new total, to train a finished run further) may be given",
+        "and --epochs (a new total, to train a finished run further) may be given, and --model, the same import path "
+        "as the run's own model, to say you trust the code it names",
     )
+    add_trust_option(p)
     p.add_argument(
         "--check-parity", action="store_true",
         help="run a few steps as configured and the same steps in plain PyTorch on one model; "
@@ -49,16 +51,21 @@ def run_train(args) -> int:
     from gpulab.options import given_options, train_fields
     from gpulab.parallel.world import SharedError
     from gpulab.train import TrainConfig, train
+    from gpulab.train.rundir import Trust
 
     given = given_options(args, train_fields())
     if args.resume:
-        others = [f for f in given if f not in ("data_dir", "epochs")]  # where the data is now; a new total
+        # where the data is now; a new total; the run's own model, trusted
+        others = [f for f in given if f not in ("data_dir", "epochs", "model")]
         if others:  # every rank of a torchrun job reads the same options: rank 0 says it
             raise SharedError(
                 f"--resume continues a run with its saved config; drop {', '.join('--' + f.replace('_', '-') for f in others)}"
             )
-        train(resume=args.resume, data_dir=given.get("data_dir"), epochs=given.get("epochs"))
+        train(resume=args.resume, data_dir=given.get("data_dir"), epochs=given.get("epochs"),
+              trust=Trust(model=given.get("model"), checkpoint=args.trust_checkpoint))
         return 0
+    if args.trust_checkpoint:
+        raise SharedError("--trust-checkpoint is for reading a run's checkpoint: give it with --resume RUN_DIR")
     try:
         cfg = TrainConfig(**given)
     except UserError as e:  # every rank of a torchrun job reads the same options: rank 0 says it
@@ -69,6 +76,14 @@ def run_train(args) -> int:
         return check_parity(cfg)
     train(cfg)
     return 0
+
+
+def add_trust_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="read a sharded checkpoint that gpulab's allow-list refuses with torch's own reader, which runs code the "
+        "files name: only for a run you made or whose maker you trust (README: Trust)",
+    )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -110,15 +125,23 @@ def add_export_parser(sub) -> None:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a gpulab train run directory")
     p.add_argument("--format", default="onnx", choices=["onnx"], help="onnx (default; the only one)")
-    p.add_argument("--out", default=None, help="model file (default RUN_DIR/model.onnx); the numbers go to OUT.json")
+    p.add_argument("--out", default=None, help="model file (default RUN_DIR/model.onnx); the numbers go to OUT.json; "
+                   "files gpulab did not write are never replaced")
+    p.add_argument("--force", action="store_true", help="replace OUT or OUT.json where gpulab did not write them")
+    p.add_argument("--model", default=None, metavar="PACKAGE.MODULE:FACTORY",
+                   help="the run's own model, when it names one by import path: the same path, to say you trust the "
+                   "code it names (gpulab never imports a path read from a run directory on its own)")
+    add_trust_option(p)
     p.set_defaults(func=run_export)
 
 
 def run_export(args) -> int:
     from gpulab.export import VerificationFailed, export
+    from gpulab.train.rundir import Trust
 
     try:
-        export(args.run_dir, args.out, args.format)
+        export(args.run_dir, args.out, args.format, force=args.force,
+               trust=Trust(model=args.model, checkpoint=args.trust_checkpoint))
     except VerificationFailed as e:  # not bad input: the exported model disagrees with PyTorch
         print(f"gpulab: error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -183,9 +206,13 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _rank() -> int | None:
-    """This process's rank in a torchrun job, or None in a plain process."""
-    in_job = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "RANK" in os.environ
-    return int(os.environ["RANK"]) if in_job else None
+    """This process's rank in a torchrun job, or None in a plain process (or where torchrun's
+    variables are not numbers: the error being printed says so)."""
+    try:
+        in_job = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "RANK" in os.environ
+        return int(os.environ["RANK"]) if in_job else None
+    except ValueError:
+        return None
 
 
 def _fail(error: Exception, code: int, printed_here: bool) -> int:

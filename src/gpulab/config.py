@@ -6,8 +6,10 @@ Torch-free, so that the command line is built from TrainConfig's fields before t
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
+import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
@@ -25,6 +27,9 @@ ChannelsLast = Literal["auto", "on", "off"]
 Precision = Literal["auto", "fp32", "bf16"]
 Compile = Literal["auto", "off", "on", "graphs"]
 
+
+MAX_TIMEOUT_S = 24 * 3600.0
+"""The longest --timeout: a rank silent for a day is gone (and timedelta overflows near 1e14 s)."""
 
 MAX_SEED = 2**32 - 1
 """Seeds are 32-bit, as in NumPy (the sampling order is drawn from seed x 1000003 + epoch, which must fit in 64 bits)."""
@@ -127,6 +132,11 @@ class TrainConfig:
             raise UserError(f"--epochs {self.epochs}: train for at least 1 epoch")
         if not (isinstance(self.seed, int) and abs(self.seed) <= MAX_SEED):
             raise UserError(f"--seed {self.seed}: out of range; use a whole number from 0 to {MAX_SEED}")
+        # An empty path (a shell variable never set) would silently mean the default, or the
+        # current folder: never what the user meant.
+        for name in ("out", "data_dir"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise UserError(f"--{name.replace('_', '-')} '': an empty path; give a folder, or leave the option out")
         if self.data_dir is not None:
             self.data_dir = os.path.abspath(os.path.expanduser(self.data_dir))
         if self.batch_size < 1:
@@ -135,8 +145,9 @@ class TrainConfig:
             raise UserError(f"--eval-batch-size {self.eval_batch_size}: must be >= 1")
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             raise UserError(f"--lr {self.lr}: the learning rate must be a positive number")
-        if not (self.timeout > 0 and math.isfinite(self.timeout)):
-            raise UserError(f"--timeout {self.timeout}: give the collective timeout in seconds, > 0")
+        if not 0 < self.timeout <= MAX_TIMEOUT_S:  # nan fails the comparison too
+            raise UserError(f"--timeout {self.timeout}: give the collective timeout in seconds, > 0 and at most "
+                            f"{MAX_TIMEOUT_S:g} (a day)")
         if self.accumulate < 1:
             raise UserError(f"--accumulate {self.accumulate}: use 1 (no accumulation) or more micro-batches per step")
 
@@ -149,11 +160,53 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        try:
-            return cls(**{k: v for k, v in d.items() if k in known})
-        except TypeError as e:  # a hand-edited config.json with a value of the wrong type
-            raise UserError(f"config.json has a value of the wrong type ({e}); restore the original file") from None
+        """A saved config (config.json, or one rank's copy of it): every field checked for its
+        type before any is used, since a file may come from anywhere."""
+        known = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
+        for name, value in known.items():
+            check_type(name, value, typing.get_type_hints(cls)[name])
+        return cls(**known)
+
+
+def check_type(name: str, value, hint) -> None:
+    """One line unless `value` fits the field's annotation: a hand-edited or crafted config.json
+    (epochs 2.5, model 123) would otherwise fail deep inside the run with a traceback."""
+    if not fits(value, hint):
+        shown = json.dumps(value)  # as config.json has it
+        shown = shown if len(shown) <= 40 else shown[:40] + "..."
+        raise UserError(f"config.json: {name} is {shown}, not {describe(hint)}; restore the original file or start a "
+                        "new run")
+
+
+def fits(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return isinstance(value, str) and value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(fits(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, hint)
+
+
+def describe(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(arg) for arg in args)
+    if origin is list:
+        return f"a list of {describe(args[0]).removeprefix('a ')}s"
+    names = {type(None): "null", bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+    return names.get(hint, hint.__name__)
 
 
 @functools.cache

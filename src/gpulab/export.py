@@ -12,9 +12,11 @@ anything is written:
 - a run on the caller's own data (`data == "custom"`, no test set in the run directory):
   `RANDOM_INPUTS` random inputs of the input shape, logit difference only.
 
-Only when the check passes are `<out>` and `<out>.json` (the numbers) written, each atomically
-(gpulab.io): a failed export or check leaves no file behind. Exit codes (cli): 0 verified,
-1 verification failed, 2 bad input or the `onnx` extra missing.
+Only when the check passes are `<out>` and `<out>.json` (the numbers) written, together and
+atomically (gpulab.io): a failed export, check or write leaves no file behind and an older pair
+as it was. Files there that gpulab did not write are not replaced (refused before the export)
+unless `force`. Exit codes (cli): 0 verified, 1 verification failed, 2 bad input or the `onnx`
+extra missing.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 
 from gpulab import models
 from gpulab.errors import UserError
-from gpulab.io import atomic_write_bytes, atomic_write_json
+from gpulab.io import OutputFolder, given_path, json_bytes
+from gpulab.train.rundir import CHECKPOINT, RunDir, Trust, parse_config, read_sharded_model
 
 FORMATS = ("onnx",)
 OPSET = 18
@@ -88,21 +91,23 @@ def check_out(out: Path) -> None:
         raise UserError(f"--out {out}: {parent} is not writable; choose another --out")
 
 
-def load_run(run_dir: Path):
-    """(TrainConfig, model state dict, epoch) of a run directory, with one-line errors."""
-    from gpulab.config import TrainConfig
-    from gpulab.train.rundir import CHECKPOINT, RunDir, read_sharded_model
+def output_folder(out: Path, force: bool) -> OutputFolder:
+    """Where `out` and `out`.json go, replacing only what gpulab wrote there (unless `force`)."""
+    return OutputFolder(out.parent, f"--out {out}: its folder", fix="choose another --out", force=force)
 
-    run = RunDir(run_dir)  # named on its own: its errors start with the folder
+
+def load_run(run_dir: Path, trust: Trust = Trust()):
+    """(TrainConfig, model state dict, epoch) of a run directory, with one-line errors."""
+    run = RunDir(run_dir, trust=trust)  # named on its own: its errors start with the folder
     run.check_is_run()
-    cfg = TrainConfig.from_dict(run.read_config())
+    cfg = parse_config(run.trusted_config(), run.label)
     checkpoint = run.load_checkpoint()
     state = checkpoint.get("strategy")
     if isinstance(state, dict) and isinstance(state.get("shards"), str):  # --shard fsdp: gathered here
         if cfg.model == models.OBJECT:
             raise UserError(f"{run_dir}: a sharded run of a model passed to train() as an object: its shards are "
                             "read into the model's own shapes, which the run directory cannot rebuild")
-        weights = read_sharded_model(run.path / state["shards"], models.build(cfg.model).state_dict())
+        weights = read_sharded_model(run.path / state["shards"], models.build(cfg.model).state_dict(), trust.checkpoint)
         return cfg, weights, checkpoint.get("epoch")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise UserError(f"{run_dir}: {CHECKPOINT} holds no model weights; it is not a gpulab checkpoint")
@@ -262,20 +267,25 @@ def compare(model: torch.nn.Module, session, batches) -> Comparison:
 
 
 def export(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, fmt: str = "onnx",
-           model: torch.nn.Module | None = None, say=print) -> dict:
+           model: torch.nn.Module | None = None, say=print, force: bool = False, trust: Trust = Trust()) -> dict:
     """Export the run in `run_dir` to `out` (default RUN_DIR/model.onnx), verify it, write
     `out` and `out`.json. `model`: a fresh instance of the run's architecture, needed only when
     the run's model was passed to train() as an object (the checkpoint's weights are loaded into
-    it). Returns the report (what the JSON holds); raises UserError for bad input and
-    VerificationFailed (nothing written) when onnxruntime disagrees with PyTorch."""
+    it). `force`: replace `out` or `out`.json where gpulab did not write them. `trust`: what the
+    caller vouches for in the run directory (its model's import path; a sharded checkpoint read
+    with torch's own reader). Returns the report
+    (what the JSON holds); raises UserError for bad input and VerificationFailed (nothing
+    written) when onnxruntime disagrees with PyTorch."""
     t_start = time.perf_counter()
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: unknown format; choose {', '.join(FORMATS)}")
     versions = require_onnx()
     run_dir = Path(run_dir)
-    out = Path(out) if out is not None else run_dir / "model.onnx"
-    cfg, weights, epoch = load_run(run_dir)
+    out = given_path(out, what="a file name") or run_dir / "model.onnx"
+    cfg, weights, epoch = load_run(run_dir, trust)
     check_out(out)
+    outputs = output_folder(out, force)
+    outputs.check([out.name, report_path(out).name])  # before the export and its check (seconds)
     input_shape = input_shape_of(cfg)
     model = load_model(cfg, weights, run_dir, model)
 
@@ -346,12 +356,8 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, fmt
 
     json_path = report_path(out)
     try:
-        atomic_write_bytes(out, model_bytes)
-        try:
-            atomic_write_json(json_path, report)
-        except BaseException:
-            out.unlink(missing_ok=True)  # no model without its numbers
-            raise
+        # Together: no model without its numbers, and a failure leaves the old pair as it was.
+        outputs.write({out.name: model_bytes, json_path.name: json_bytes(report)}, together=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot write ({e.strerror or e}); choose another --out") from None
     say(f"wrote {out} ({len(model_bytes) / 1e6:.1f} MB) and {json_path} in {time.perf_counter() - t_start:.1f} s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from gpulab.io import OutputFolder
 from gpulab.monitor.output import timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
@@ -50,7 +51,7 @@ def samples() -> list[dict]:
 def test_gpu_run_outputs_render(tmp_path):
     rec = recording()
     report = build_report(rec, samples(), [GPU], {"interval_s": 0.05}, ProfileConfig(), exit_code=0)
-    write_outputs(tmp_path, report, [rec], samples(), [GPU], title="train.py")
+    write_outputs(OutputFolder.out(tmp_path), report, [rec], samples(), [GPU], title="train.py")
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     counters = {e["name"] for e in events if e["ph"] == "C"}

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpulab.cli import main
+from gpulab.io import OUTPUTS_RECORD
 from tests.conftest import disk_full_for
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -174,7 +175,7 @@ def test_a_full_disk_is_one_line_and_the_script_keeps_its_sys_exit_code(tmp_path
     assert err.splitlines()[-1] == (f"gpulab profile: cannot write {out / 'timeline.png'}: No space left on device; "
                                     f"free space or use --out DIR")
     assert "Traceback" not in err and "wrote" not in err
-    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUTS_RECORD, "report.json"]
     report = json.loads((out / "report.json").read_text())
     assert report["exit_code"] == 3 and report["steps"] == 6
 

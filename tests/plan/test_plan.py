@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from gpulab.io import OUTPUTS_RECORD
 from gpulab.plan import collective, netns
 from gpulab.plan.links import LINKS, LinkCost, parse_link
 from gpulab.plan.memory import fit_line, parse_memory, replicated_peak, sharded_peak
@@ -270,7 +271,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tiny_data, tmp_path,
                             "--devices-per-node", "1", "--out", str(out)], capsys)
     assert_one_line_error(code, err, f"cannot write {out / 'plan.png'}: No space left on device; "
                                      f"free space or use --out DIR")
-    assert sorted(p.name for p in out.iterdir()) == ["plan.json"]  # whole; no temporary file of plan.png
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUTS_RECORD, "plan.json"]  # whole; no temporary file of plan.png
 
 
 def test_test_hosts_limit_the_link_and_leave_nothing_behind():

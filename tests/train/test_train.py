@@ -469,7 +469,7 @@ def test_resume_of_a_damaged_checkpoint_is_a_one_line_error(tiny_data, tmp_path)
         train(resume=str(out))
     (out / CHECKPOINT).write_bytes(good)  # now the config alone is damaged
     (out / "config.json").write_text('{"epochs": "ten"}')
-    with pytest.raises(UserError, match="config.json has a value of the wrong type"):
+    with pytest.raises(UserError, match="config.json: epochs is \"ten\", not a whole number"):
         train(resume=str(out))
 
 

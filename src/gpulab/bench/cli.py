@@ -1,5 +1,6 @@
-"""`gpulab bench <name>... [--devices SPEC] [--quick] [--out DIR]`: run benchmarks, print tables,
-write DIR/<name>.json and DIR/<name>.png for each."""
+"""`gpulab bench <name>... [--devices SPEC] [--quick] [--out DIR [--force]]`: run benchmarks, print
+tables, write DIR/<name>.json and DIR/<name>.png for each (never over files gpulab did not write
+there, unless --force)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import argparse
 import shlex
 import sys
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -45,20 +45,29 @@ def add_bench_parser(sub) -> None:
         help="full (default: for reports), quick (= --quick) or tiny (seconds; checks the code paths only)",
     )
     p.set_defaults(preset="full")
-    p.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
+    p.add_argument("--out", default="bench-out", help="output folder (default: bench-out); files there that gpulab "
+                   "did not write are never replaced")
+    p.add_argument("--force", action="store_true", help="replace files in the --out folder that gpulab did not write")
     p.set_defaults(func=run_bench)
+
+
+def output_names(names: list[str]) -> list[str]:
+    """What the benchmarks `names` write: <name>.json and <name>.png each."""
+    return [f"{name}.{ext}" for name in names for ext in ("json", "png")]
 
 
 def run_bench(args) -> int:
     from gpulab.bench.environment import contention_warning, environment
     from gpulab.bench.runner import Context, run_benchmark
     from gpulab.devices import resolve
-    from gpulab.io import check_writable
+    from gpulab.io import OutputFolder, check_writable, given_path
 
     names = bench.expand(args.names)
     devices = None if args.devices in (None, "auto") else resolve(args.devices)
-    out_dir = Path(args.out)
+    out_dir = given_path(args.out)
+    outputs = OutputFolder.out(out_dir, args.force)
     check_writable(out_dir)
+    outputs.check(output_names(names))  # before any benchmark runs
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     ctx = Context(preset=args.preset, devices=devices, console=console)
     command = shlex.join(
@@ -66,6 +75,7 @@ def run_bench(args) -> int:
         + (["--devices", args.devices] if args.devices else [])
         + (["--quick"] if args.preset == "quick" else ["--preset", args.preset] if args.preset != "full" else [])
         + ["--out", args.out]
+        + (["--force"] if args.force else [])
     )
 
     env = environment()
@@ -79,7 +89,7 @@ def run_bench(args) -> int:
         when = f"before the start (load average {env['load_avg_1m']})"
         console.print(escape("warning: " + contention_warning(env["cpu_busy_pct"], when)), style="bold yellow")
     started = time.perf_counter()
-    results = [run_benchmark(name, ctx, out_dir, command=command, env=env) for name in names]
+    results = [run_benchmark(name, ctx, outputs, command=command, env=env) for name in names]
     total = time.perf_counter() - started
 
     if len(results) > 1:

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 
 from gpulab.bench.harness import Check, ResultMismatch, Timing, check_close
-from gpulab.io import atomic_write_bytes, atomic_write_json
+from gpulab.io import atomic_write_bytes, json_bytes
 
 # ----------------------------------------------------------------------------- formatting
 
@@ -195,8 +195,13 @@ def render(result: Result, console: Console) -> None:
 # ----------------------------------------------------------------------------- files
 
 
+def json_of(result: Result) -> bytes:
+    """<name>.json's content."""
+    return json_bytes(_jsonable(result.to_dict()))
+
+
 def write_json(result: Result, path: Path) -> None:
-    atomic_write_json(path, _jsonable(result.to_dict()))
+    atomic_write_bytes(path, json_of(result))
 
 
 def _jsonable(x):
@@ -210,13 +215,14 @@ def _jsonable(x):
     return x
 
 
-def write_png(fig, path: Path) -> None:
+def png_of(fig) -> bytes:
+    """A benchmark's figure as <name>.png's content (the figure is closed)."""
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -14,9 +13,9 @@ from rich.markup import escape
 from gpulab import bench
 from gpulab.bench.environment import OtherLoad, contention_warning, environment
 from gpulab.bench.harness import ResultMismatch
-from gpulab.bench.report import Result, render, write_json, write_png
+from gpulab.bench.report import Result, json_of, png_of, render
 from gpulab.devices import cpu, format_devices, num_gpus
-from gpulab.io import writing_results
+from gpulab.io import OutputFolder, writing_results
 
 OTHER_LOAD_WARN_PCT = 10.0
 """Note in a benchmark's output when other processes used more of the CPU than this meanwhile."""
@@ -63,8 +62,8 @@ def _spec(devices: list[torch.device]) -> str:
     return format_devices(devices).strip("[]")
 
 
-def run_benchmark(name: str, ctx: Context, out_dir: Path, command: str | None = None, env: dict | None = None) -> Result:
-    """Run one benchmark, print its tables, write DIR/<name>.json and DIR/<name>.png."""
+def run_benchmark(name: str, ctx: Context, out: OutputFolder, command: str | None = None, env: dict | None = None) -> Result:
+    """Run one benchmark, print its tables, write DIR/<name>.json and DIR/<name>.png (both or neither)."""
     module = bench.load(name)
     cfg = bench.config(module, ctx.preset)
     result = Result(
@@ -91,9 +90,8 @@ def run_benchmark(name: str, ctx: Context, out_dir: Path, command: str | None = 
     render(result, ctx.console)
     if result.error:
         ctx.console.print(f"[bold red]FAILED[/] {escape(result.error)}")
-    with writing_results():  # a full disk: one line; each file is whole or absent
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_json(result, out_dir / f"{name}.json")
-        write_png(module.plot(result), out_dir / f"{name}.png")
-    ctx.console.print(f"wrote {out_dir / name}.json, .png ({result.wall_s:.0f} s)", style="dim")
+    files = {f"{name}.json": json_of(result), f"{name}.png": png_of(module.plot(result))}
+    with writing_results():  # a full disk: one line, and neither file replaced
+        out.write(files, together=True)
+    ctx.console.print(f"wrote {out.path / name}.json, .png ({result.wall_s:.0f} s)", style="dim")
     return result

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from gpulab.io import given_path
 from gpulab.monitor.config import ProfileConfig
 
 _DESCRIPTION = """\
@@ -15,9 +15,10 @@ Steps come from optimizer.step() (else from backward() calls); time blocked on t
 forward/backward/optimizer and the Python in between is measured per step, in every Python
 process of the job, while a sampler records GPU and CPU utilization. DIR receives report.json
 (findings ranked by share of step time, each with evidence, the line and the fix),
-timeline.png and trace.json (open in ui.perfetto.dev). The script keeps its exit code, stdout
-and stderr; the short report goes to stderr. Signals sent to gpulab are passed on to the script;
-5 s later whatever is left of the job is stopped. A job that stops making progress (a hung
+timeline.png and trace.json (open in ui.perfetto.dev); a file there that gpulab did not write
+is never replaced (--force replaces it). The script keeps its exit code, stdout and stderr;
+the short report goes to stderr. Signals sent to gpulab are passed on to the script; 5 s later
+whatever is left of the job is stopped. A job that stops making progress (a hung
 collective) is named on stderr at once - every rank's collective and line - and stopped.
 
 --try KEY=VALUE --steps K measures a change on the first K steps against the script as it is: a
@@ -31,10 +32,12 @@ def add_profile_parser(sub) -> None:
         "profile",
         help="run an unmodified training script and diagnose why the device idles",
         description=_DESCRIPTION,
-        usage="gpulab profile [--out DIR] [--interval S] [--try KEY=VALUE ... --steps K] -- python your_script.py [args ...]",
+        usage="gpulab profile [--out DIR [--force]] [--interval S] [--try KEY=VALUE ... --steps K] -- python your_script.py [args ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default profiles/<timestamp>-<script>)")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default profiles/<timestamp>-<script>); "
+                   "files there that gpulab did not write are never replaced")
+    p.add_argument("--force", action="store_true", help="replace files in DIR that gpulab did not write")
     p.add_argument("--interval", type=float, default=None, metavar="S",
                    help="GPU/CPU sampling interval in seconds (default 0.1)")
     p.add_argument("--try", dest="try_", action="append", default=[], metavar="KEY=VALUE",
@@ -66,9 +69,9 @@ def run_profile(args) -> int:
     settings = {"interval_s": args.interval} if args.interval is not None else {}
     cfg = ProfileConfig(**settings, memory_window=not args.no_memory, hang_after_s=args.hang_after,
                         on_hang=args.on_hang)
-    out = Path(args.out) if args.out else None
+    out = given_path(args.out)
     if args.try_:
         from gpulab.monitor.parent.trial import try_command
 
-        return try_command(command, out, cfg, args.try_, args.steps, args.max_pairs)
-    return profile_command(command, out, cfg)
+        return try_command(command, out, cfg, args.try_, args.steps, args.max_pairs, force=args.force)
+    return profile_command(command, out, cfg, force=args.force)

@@ -12,6 +12,8 @@ On leaving the block, report.json, timeline.png and trace.json are written to `o
 report is printed (stderr), and `p.report` holds the report dict. An exception inside the block
 still writes a partial report, then propagates. A full disk while writing is one line: a
 CannotWrite (a UserError), or on stderr when the block raised its own exception, which goes on.
+Files in `out` that gpulab did not write are not replaced (unless force=True): that is refused
+on entering the block, before any step runs.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ from rich.console import Console
 
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
+from gpulab.monitor.output import OUTPUTS
 from gpulab.monitor.output.report import build_report, print_report, write_outputs
 from gpulab.monitor.record.recorder import Recorder
 from gpulab.monitor.parent.sampler import Sampler
-from gpulab.io import CannotWrite, check_writable
+from gpulab.io import CannotWrite, OutputFolder, OutputRefused, check_writable
 
 
 class Profile:
-    def __init__(self, out: str | Path, cfg: ProfileConfig, console: Console | None = None, quiet: bool = False):
+    def __init__(self, out: str | Path, cfg: ProfileConfig, console: Console | None = None, quiet: bool = False,
+                 force: bool = False, real_folder: bool = False):
         self.out = Path(out)
+        self.outputs = _output_folder(self.out, force, real_folder)
         self.cfg = cfg
         self.console = console
         self.quiet = quiet
@@ -41,6 +46,7 @@ class Profile:
 
     def __enter__(self) -> "Profile":
         check_writable(self.out)
+        self.outputs.check(OUTPUTS)
         self._sampler = Sampler(self.cfg.interval_s).start()
         try:
             self._recorder = Recorder(self.cfg).start(command=list(sys.argv))
@@ -64,15 +70,24 @@ class Profile:
         gpus = self._sampler.gpu.gpus
         self.report = build_report(rec, self._sampler.samples, gpus, self._sampler.summary(), self.cfg, exit_code)
         try:
-            write_outputs(self.out, self.report, [rec], self._sampler.samples, gpus, title=_program_name())
-        except OSError as e:  # a full disk: one line (each file is whole or absent)
+            write_outputs(self.outputs, self.report, [rec], self._sampler.samples, gpus, title=_program_name())
+        except (OSError, OutputRefused) as e:  # a full disk, a user's file put there meanwhile: one line
+            problem = CannotWrite(e) if isinstance(e, OSError) else e
             if exc_type is None:
-                raise CannotWrite(e) from None
-            print(f"gpulab profile: {CannotWrite(e)}", file=sys.stderr, flush=True)
+                raise problem from None
+            print(f"gpulab profile: {problem}", file=sys.stderr, flush=True)
             return False  # the block's own exception is the one that matters
         if not self.quiet:
             print_report(self.report, self.out, self.console)
         return False  # never swallow the exception
+
+
+def _output_folder(out: Path, force: bool, real_folder: bool) -> OutputFolder:
+    """`out` as the caller named it, or (`real_folder`) a folder gpulab picked inside one the user
+    named (gpulab train --profile's RUN_DIR/profile): never a link, and no force to offer."""
+    if real_folder:
+        return OutputFolder(out, str(out), fix="move it out of the folder", force_hint=None, real_folder=True)
+    return OutputFolder(out, f"out {out}", force=force, force_hint="pass force=True")
 
 
 def _program_name() -> str:
@@ -85,6 +100,9 @@ def _program_name() -> str:
     return script.name
 
 
-def profile(out: str | Path = "profile", *, console: Console | None = None, quiet: bool = False, **settings) -> Profile:
-    """A profiling session around a block of code; `settings` are ProfileConfig fields (interval_s, ...)."""
-    return Profile(out, ProfileConfig(**settings), console=console, quiet=quiet)
+def profile(out: str | Path = "profile", *, console: Console | None = None, quiet: bool = False, force: bool = False,
+            real_folder: bool = False, **settings) -> Profile:
+    """A profiling session around a block of code; `settings` are ProfileConfig fields (interval_s, ...).
+    `force`: replace files in `out` that gpulab did not write. `real_folder`: `out` is a folder gpulab
+    picks (a run's profile/), which must not be a link."""
+    return Profile(out, ProfileConfig(**settings), console=console, quiet=quiet, force=force, real_folder=real_folder)

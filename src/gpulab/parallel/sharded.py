@@ -30,6 +30,7 @@ from gpulab.parallel.data_parallel import micro_batches
 from gpulab.parallel.meter import Meter
 from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.ranks import OptimizerFactory, RankStrategy
+from gpulab.parallel.shard_files import read_shards
 from gpulab.parallel.strategy import LossFn, eval_batch
 from gpulab.parallel.world import World
 
@@ -175,16 +176,16 @@ class Sharded(RankStrategy):
         with self.world.collectives():
             dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(folder), process_group=self.world.group)
 
-    def load_shards(self, folder: Path) -> None:
+    def load_shards(self, folder: Path, trust: bool = False) -> None:
         """The state save_shards wrote, by any number of ranks: each reads the parts of the saved
-        shards that make up its own (collective)."""
-        import torch.distributed.checkpoint as dcp
+        shards that make up its own (collective). `trust`: read it with torch's own reader, which
+        unpickles whatever the folder holds (shard_files.py)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model, optimizer = get_state_dict(self.module, self.optimizer)
         state = {"model": model, "optimizer": optimizer}
         with self.world.collectives():
-            dcp.load(state, checkpoint_id=str(folder), process_group=self.world.group)
+            read_shards(state, folder, trust, process_group=self.world.group)
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
 

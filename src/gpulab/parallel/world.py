@@ -14,12 +14,17 @@ byte it moves; gpulab adds only the rules:
   hung rank turns into an error on the others within that time, never a hang.
 - When another rank fails, each survivor says which one, where, and how to go on: the failure
   protocol of `gpulab.parallel.failures` (`collectives`, `failure`, `report_failure`).
+- What one rank receives from another is data, never code: messages through the store are JSON,
+  objects through the process group (a checkpoint, parity results) travel as torch.save's bytes
+  read back with `weights_only=True`. Whoever reaches the store's port can still disturb the job
+  (it belongs on a private network, as torchrun's does), but cannot run code in it.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
-import pickle
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -127,7 +132,7 @@ _joined = 0  # TorchrunWorlds this process has made: the same count on every ran
 
 def from_environment() -> World:
     """A TorchrunWorld when torchrun's WORLD_SIZE > 1 is set, else the one-process World."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world_size = env_int("WORLD_SIZE", 1, minimum=1)
     if world_size > 1 and "RANK" not in os.environ:
         raise UserError(
             f"WORLD_SIZE={world_size} is set but RANK is not: launch with torchrun or gpulab launch "
@@ -136,16 +141,33 @@ def from_environment() -> World:
     return TorchrunWorld() if world_size > 1 else World()
 
 
+def env_int(name: str, default: int, minimum: int = 0, below: int | None = None) -> int:
+    """A whole number from torchrun's environment (`default` when unset), or one line naming the
+    variable: a hand-made launch may set anything."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (below is not None and value >= below):
+        bound = f"from {minimum} to {below - 1}" if below is not None else f"{minimum} or more"
+        raise UserError(f"{name}={text[:40]}: not a whole number {bound}; launch with torchrun or gpulab launch, which "
+                        "set it, or set it to one")
+    return value
+
+
 class TorchrunWorld(World):
     def __init__(self):
         import torch.distributed as dist
 
         env = os.environ
-        self.rank = int(env["RANK"])
-        self.world_size = int(env["WORLD_SIZE"])
+        self.world_size = env_int("WORLD_SIZE", 1, minimum=1)
+        self.rank = env_int("RANK", 0, below=self.world_size)
         # Set by torchrun; a hand-made single-machine launch may leave them out.
-        self.local_rank = int(env.get("LOCAL_RANK", self.rank))
-        self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.local_world_size = env_int("LOCAL_WORLD_SIZE", self.world_size, minimum=1)
+        self.local_rank = env_int("LOCAL_RANK", self.rank, below=self.local_world_size)
         threads = threads_per_rank(self.local_world_size)
         if threads:
             torch.set_num_threads(threads)
@@ -199,12 +221,12 @@ class TorchrunWorld(World):
                 value = compute()
             except BaseException as e:
                 message = str(e) if isinstance(e, UserError) else f"rank 0 failed: {one_line(e)}"
-                self.store.set(key, pickle.dumps(("error", message)))
+                self.store.set(key, json.dumps(["error", message]))
                 raise
-            self.store.set(key, pickle.dumps(("ok", value)))
+            self.store.set(key, json.dumps(["ok", value]))
             return value
         self._wait_for([key], lambda: "rank 0")
-        status, value = pickle.loads(self.store.get(key))
+        status, value = self._read(key, 2)
         if status == "error":
             raise SharedError(value, printed_by=0)
         return value
@@ -220,9 +242,9 @@ class TorchrunWorld(World):
         self.agreements += 1
         keys = [self.prefix + f"agree/{self.agreements}/{r}" for r in range(self.world_size)]
         message = None if error is None else str(error) if isinstance(error, UserError) else one_line(error)
-        self.store.set(keys[self.rank], pickle.dumps(message))
+        self.store.set(keys[self.rank], json.dumps(message))
         self._wait_for(keys, lambda: "ranks " + ", ".join(str(r) for r, k in enumerate(keys) if not self.store.check([k])))
-        messages = [pickle.loads(self.store.get(k)) for k in keys]
+        messages = [self._read(k) for k in keys]
         failed = [r for r, m in enumerate(messages) if m]
         if not failed:
             return result
@@ -236,12 +258,25 @@ class TorchrunWorld(World):
         # would otherwise fail in a collective much later, or train different things in silence.
         self.agreements += 1
         keys = [self.prefix + f"same/{self.agreements}/{r}" for r in range(self.world_size)]
-        self.store.set(keys[self.rank], pickle.dumps(values))
+        self.store.set(keys[self.rank], json.dumps(values))
         self._wait_for(keys, lambda: "ranks " + ", ".join(str(r) for r, k in enumerate(keys) if not self.store.check([k])))
-        differences = differing_values([pickle.loads(self.store.get(k)) for k in keys])
+        differences = differing_values([self._read(k) for k in keys])
         if differences:
             raise SharedError(f"the ranks were started with different {what}: {differences}; start every rank "
                               "with the same ones", printed_by=0)
+
+    def _read(self, key: str, items: int | None = None):
+        """A message another rank wrote under `key` (JSON); one line if it is not one (`items`:
+        the length of the list it must be)."""
+        try:
+            value = json.loads(self.store.get(key))
+        except (ValueError, RecursionError):
+            value = None
+        else:
+            if items is None or (isinstance(value, list) and len(value) == items):
+                return value
+        raise UserError(f"rank {self.rank}: the job's rendezvous store holds a malformed message under {key!r}: another "
+                        "program writes to the store's port; run the job on a private network")
 
     def _wait_for(self, keys: list[str], who: Callable[[], str]) -> None:
         """Wait for other ranks' keys in short slices, so that signals (torchrun's SIGTERM) get
@@ -274,18 +309,39 @@ class TorchrunWorld(World):
     def broadcast(self, obj: T) -> T:
         import torch.distributed as dist
 
-        box = [obj if self.is_main else None]
+        device = self._object_device()
         with self.collectives():
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
+            size = torch.tensor([0], dtype=torch.int64, device=device)
+            data = to_bytes(obj, device) if self.is_main else None
+            if self.is_main:
+                size[0] = len(data)
+            dist.broadcast(size, src=0)
+            if not self.is_main:
+                data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+            dist.broadcast(data, src=0)
+        return obj if self.is_main else from_bytes(data)
 
     def gather(self, obj: T) -> list[T] | None:
         import torch.distributed as dist
 
-        out = [None] * self.world_size if self.is_main else None
+        device = self._object_device()
+        data = to_bytes(obj, device)
         with self.collectives():
-            dist.gather_object(obj, out, dst=0)
-        return out
+            # Every rank's size first: all_gather wants one size, so each sends its bytes padded.
+            sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+            longest = int(max(s.item() for s in sizes))
+            padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+            padded[:len(data)] = data
+            every = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
+            dist.gather(padded, every if self.is_main else None, dst=0)
+        if not self.is_main:
+            return None
+        return [obj if r == self.rank else from_bytes(b[:int(s.item())]) for r, (b, s) in enumerate(zip(every, sizes))]
+
+    def _object_device(self) -> torch.device:
+        """Where an object's bytes travel: NCCL moves GPU tensors only."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def barrier(self) -> None:
         """On the training group: bounded by --timeout like every collective once training runs."""
@@ -322,6 +378,19 @@ class TorchrunWorld(World):
 
     def failure(self, error: BaseException, where: str, hint: str) -> JobFailed:
         return self.failures.failure(error, where, hint)
+
+
+def to_bytes(obj, device: torch.device) -> torch.Tensor:
+    """An object as torch.save's bytes in a uint8 tensor (tensors, numbers, strings, lists and
+    dicts of them: what the ranks exchange)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
+
+
+def from_bytes(data: torch.Tensor):
+    """to_bytes' object back, read with weights_only: data, never code."""
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
 
 
 def choose_backend(backend: str, device: torch.device) -> str:

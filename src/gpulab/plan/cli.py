@@ -35,7 +35,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--check-links", default="1000,200", metavar="MBIT,...",
                    help="link rates of the 2-host check, Mbit/s (default 1000,200)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the check (default 3; the median counts)")
-    p.add_argument("--out", default=None, help="folder for plan.json and plan.png (default plans/<timestamp>-<model>)")
+    p.add_argument("--out", default=None, help="folder for plan.json and plan.png (default plans/<timestamp>-<model>); "
+                   "files there that gpulab did not write are never replaced")
+    p.add_argument("--force", action="store_true", help="replace files in the --out folder that gpulab did not write")
     p.set_defaults(func=run_plan)
 
 
@@ -43,7 +45,7 @@ def run_plan(args) -> int:
     from rich.console import Console
 
     from gpulab.options import STEP_FIELDS, given_options
-    from gpulab.io import check_writable, writing_results
+    from gpulab.io import OutputFolder, check_writable, given_path, writing_results
     from gpulab.plan import report
     from gpulab.plan.memory import parse_memory
     from gpulab.plan.planner import PlanConfig, device_kind, make_plan
@@ -60,8 +62,10 @@ def run_plan(args) -> int:
         raise UserError(f"--rounds {args.rounds}: run the check at least once")
     if args.check and device_kind(train) != "cpu":
         raise UserError("plan --check runs the CPU configurations this machine can run: add --devices cpu")
-    out = Path(args.out or f"plans/{datetime.datetime.now():%Y%m%d-%H%M%S}-{train['model'].replace(':', '-')}")
+    out = given_path(args.out) or Path(f"plans/{datetime.datetime.now():%Y%m%d-%H%M%S}-{train['model'].replace(':', '-')}")
+    outputs = OutputFolder.out(out, args.force)
     check_writable(out)
+    outputs.check(report.OUTPUTS)  # before the measurements
     console = Console(highlight=False)
     say = lambda text: console.print(f"[dim]{text}[/dim]")  # noqa: E731
     plan = make_plan(cfg, say)
@@ -77,8 +81,7 @@ def run_plan(args) -> int:
         console.print(check_table(checked))
         console.print(memory_check_table(memory_checked))
     with writing_results():  # a full disk: one line; each file is whole or absent
-        out.mkdir(parents=True, exist_ok=True)
-        report.write(plan, out, checked, memory_checked)
+        report.write(plan, outputs, checked, memory_checked)
     console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
 

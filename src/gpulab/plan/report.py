@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import datetime
 import io
-from pathlib import Path
 
-from gpulab.io import atomic_write_bytes, atomic_write_json, git_commit
+from gpulab.io import OutputFolder, git_commit, json_bytes
 from gpulab.plan.planner import TARGET_EFFICIENCY, Plan
 from gpulab.memory.categories import CATEGORY_NAMES, size
 from gpulab.plan.memory import replicated_peak, sharded_peak, sync_of
 from gpulab.plan.predict import ASSUMPTIONS, SHARDED_ASSUMPTION
+
+OUTPUTS = ("plan.json", "plan.png")  # what write() puts in --out
 
 
 def ms(seconds: float) -> str:
@@ -176,9 +177,9 @@ def to_json(plan: Plan, check: list[dict] | None = None, memory_check: dict | No
     }
 
 
-def write(plan: Plan, out: Path, check: list[dict] | None = None, memory_check: dict | None = None) -> None:
-    atomic_write_json(out / "plan.json", to_json(plan, check, memory_check))
-    atomic_write_bytes(out / "plan.png", figure(plan, check))
+def write(plan: Plan, out: OutputFolder, check: list[dict] | None = None, memory_check: dict | None = None) -> None:
+    """plan.json, then plan.png, each atomically, over no file gpulab did not write."""
+    out.write({"plan.json": json_bytes(to_json(plan, check, memory_check)), "plan.png": figure(plan, check)})
 
 
 def figure(plan: Plan, check: list[dict] | None) -> bytes:

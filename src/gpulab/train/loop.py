@@ -40,7 +40,7 @@ from gpulab.train.display import banner, contention_line, epoch_line, progress_b
 from gpulab.train.recipe import lr_at
 from gpulab.train.resume import (extension_line, interrupted_line, restore, resume_command, resume_hint, saved_config,
                                  start_over_command)
-from gpulab.train.rundir import RunDir, check_writable, claims, default_run_dir
+from gpulab.train.rundir import RunDir, Trust, check_writable, claims, default_run_dir
 
 CHECK_EVERY = 50
 """Steps between reads of the running non-finite flag (FiniteWatch): a diverged run stops within
@@ -287,10 +287,12 @@ def train(
     optimizer=None,
     data_dir: str | None = None,
     epochs: int | None = None,
+    trust: Trust = Trust(),
 ) -> dict:
     """Train as configured, or continue the run in directory `resume` with its saved config
     (`data_dir`: where its data is now, when it moved; `epochs`: a new total, to train on after
-    the saved run's end; each replaces the saved value).
+    the saved run's end; each replaces the saved value; `trust`: what the caller vouches for in
+    that directory - the model's import path, a sharded checkpoint torch's own reader reads).
 
     Under torchrun (WORLD_SIZE > 1) this is one rank of the job: only rank 0 prints and writes.
     `train_data`/`test_data` (a Dataset or DataLoader each) replace Fashion-MNIST; `model` (an
@@ -302,7 +304,8 @@ def train(
     own = {"model": model, "loss_fn": loss_fn, "optimizer": optimizer}
     try:
         with claims():  # the run directory is this run's until it ends, however it ends
-            return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data, own, data_dir, epochs)
+            return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data, own, data_dir, epochs,
+                          trust)
     except (PeerLost, Terminated) as e:  # before training began (the loop reports its own)
         raise world.failure(e, "set-up", "Nothing was trained yet") from None
     finally:
@@ -310,16 +313,16 @@ def train(
 
 
 def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_data, own: dict, data_dir=None,
-           epochs=None) -> dict:
+           epochs=None, trust: Trust = Trust()) -> dict:
     console = console or Console(highlight=False, soft_wrap=True)
     if not world.is_main:
         console = Console(quiet=True)
     if resume:
-        run_dir = RunDir(Path(resume), option="--resume")
+        run_dir = RunDir(Path(resume), option="--resume", trust=trust)
         cfg, checkpoint, saved_epochs = saved_config(world, run_dir, data_dir, epochs)
     else:
         cfg = config_of_new_run(cfg or TrainConfig(), train_data, own["model"], data_dir)
-        run_dir = RunDir(world.share("run-dir", lambda: new_run_dir(cfg)), unique=not cfg.out)
+        run_dir = RunDir(world.share("run-dir", lambda: str(new_run_dir(cfg))), unique=not cfg.out)
     run = build(cfg, world, train_data, test_data, **own)  # validates devices and data before anything is written
     world.all_or_none(lambda: check_data_sizes(run))
     if resume:
@@ -338,7 +341,7 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
     if resume and epochs is not None and epochs != saved_epochs and run.schedule_lr:  # (only rank 0 knows; only it prints)
         console.print(escape(extension_line(run, start_epoch)))
     # --profile: the same machinery as `gpulab profile`; report, timeline and trace go to <run>/profile.
-    profiling = profile(out=run_dir.path / "profile", console=console) if cfg.profile and world.is_main else nullcontext()
+    profiling = profile(out=run_dir.path / "profile", console=console, real_folder=True) if cfg.profile and world.is_main else nullcontext()
     with profiling, progress_bar(console, show=world.is_main) as progress:
         try:
             for epoch in range(start_epoch, cfg.epochs):

@@ -11,7 +11,7 @@ from gpulab.parallel.launch import launcher
 from gpulab.parallel.world import SharedError
 from gpulab.train.build import Run
 from gpulab.train.recipe import lr_at
-from gpulab.train.rundir import CHECKPOINT, RunDir
+from gpulab.train.rundir import CHECKPOINT, RunDir, parse_config
 
 
 def saved_config(world: World, run_dir: RunDir, data_dir: str | None, epochs: int | None) -> tuple[TrainConfig, dict | None, int | None]:
@@ -22,7 +22,7 @@ def saved_config(world: World, run_dir: RunDir, data_dir: str | None, epochs: in
 
     def read() -> dict:
         nonlocal checkpoint, saved_epochs
-        config = run_dir.read_config()
+        config = run_dir.trusted_config()
         run_dir.claim_for_resume()  # this run's from here on: a second one is refused
         checkpoint = run_dir.load_checkpoint()
         if data_dir is not None:
@@ -30,7 +30,7 @@ def saved_config(world: World, run_dir: RunDir, data_dir: str | None, epochs: in
         saved_epochs = config.get("epochs")
         if epochs is not None:
             config["epochs"] = new_total_epochs(epochs, checkpoint["epoch"], saved_epochs, run_dir)
-        return TrainConfig.from_dict(config).to_dict()
+        return parse_config(config, run_dir.label).to_dict()
 
     # Validated on rank 0 (a damaged config.json is said once); the others get the checked dict.
     cfg = TrainConfig.from_dict(world.share("config", read))
@@ -76,7 +76,7 @@ def load_weights(run: Run, checkpoint: dict, run_dir: RunDir) -> None:
                           "strategy cannot read: resume it as it was saved (its config.json says how)")
     try:
         if "shards" in state:
-            run.strategy.load_shards(run_dir.path / state["shards"])
+            run.strategy.load_shards(run_dir.path / state["shards"], trust=run_dir.trust.checkpoint)
         else:
             run.strategy.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:

@@ -33,26 +33,45 @@ import fcntl
 import io
 import json
 import os
+import pickle
+import re
 import shutil
 import socket
+import stat
 import time
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gpulab import models
+from gpulab.config import TrainConfig
 from gpulab.errors import UserError
-from gpulab.io import atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable
+from gpulab.io import (atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable,
+                       open_regular_file, read_regular_file)
+from gpulab.parallel.shard_files import read_shards
 
 CHECKPOINT = "checkpoint.pt"
 SHARDS_GLOB = "checkpoint-epoch*.dcp"  # a sharded run's checkpoints (torch.distributed.checkpoint folders)
+SHARDS_NAME = re.compile(r"checkpoint-epoch[0-9]+\.dcp")
 LOCK = ".gpulab.lock"
 RESULTS = ("metrics.json", "metrics.csv", "curves.png")
 """What a finished epoch writes besides the checkpoint: stale when a run starts over in place."""
 PLOT_EVERY_S = 30.0  # curves.png at most this often during a run, and always after its last epoch
+CONFIG_MAX_BYTES = 1 << 20  # a run's config.json is under 1 KiB: anything near this is not one
 
 # The run directories claimed inside the innermost `claims()` block, released when it ends.
 _claimed: contextvars.ContextVar[list | None] = contextvars.ContextVar("gpulab_claimed_run_dirs", default=None)
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What the user vouches for in a run directory they did not necessarily make: the model's
+    import path (the same one its config.json names) and, for a sharded checkpoint that gpulab's
+    allow-list refuses, reading it with torch's own reader (parallel/shard_files.py)."""
+
+    model: str | None = None
+    checkpoint: bool = False
 
 
 def default_run_dir(model: str) -> Path:
@@ -67,22 +86,60 @@ def check_writable(run_dir: Path) -> None:
 
 
 def is_run(path: Path) -> bool:
-    """A folder gpulab train made: it holds the lock file, or a config.json of a training run."""
-    if (path / LOCK).exists():
+    """A folder gpulab train made: its lock file (a regular file, never a link) beside a
+    config.json that validates - or the lock alone, a run that stopped between claiming the folder
+    and writing its config. Keys that look like a run's are not enough: a fine-tuning project's
+    config.json may have them."""
+    if not has_lock_file(path):
+        return False
+    if [p.name for p in path.iterdir()] == [LOCK]:
         return True
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+        parse_config(RunDir(path).read_config(), str(path))
+    except UserError:
         return False
-    return isinstance(config, dict) and {"model", "recipe", "epochs"} <= config.keys()
+    return True
+
+
+def has_lock_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path / LOCK).st_mode)
+    except OSError:
+        return False
+
+
+def open_lock(path: Path, create: bool) -> int:
+    """The lock file's descriptor. Never through a link (its target would be overwritten with
+    "pid N on host"), never waiting on a FIFO; anything but a regular file is an OSError."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    fd = os.open(path / LOCK, flags, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path / LOCK))
+    return fd
+
+
+def not_a_lock(option: str, path: Path, error: OSError) -> UserError:
+    what = "a link" if error.errno == errno.ELOOP else "not a regular file"
+    return UserError(f"{option} {path}: its {LOCK} is {what}, not the lock file gpulab train makes: this folder was "
+                     "not made by gpulab; choose another directory")
+
+
+def parse_config(config: dict, label: str) -> TrainConfig:
+    """A run's config.json as a checked TrainConfig (every field of its type and choices); its
+    errors start with the run directory as its reader was given it (`label`)."""
+    try:
+        return TrainConfig.from_dict(config)
+    except UserError as e:
+        raise UserError(f"{label}: {e}") from None
 
 
 def holder(path: Path) -> str | None:
     """Who holds `path`'s lock ("pid 123 on host"), or None when no live run does. Creates nothing."""
     try:
-        fd = os.open(path / LOCK, os.O_RDONLY)
+        fd = open_lock(path, create=False)
     except OSError:
-        return None  # no lock file: no run has claimed the folder since locks exist
+        return None  # no lock file (or not one): no run holds the folder
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -153,8 +210,10 @@ def csv_row(row: dict) -> dict:
 
 
 class RunDir:
-    def __init__(self, path: Path, unique: bool = False, option: str | None = None):
+    def __init__(self, path: Path, unique: bool = False, option: str | None = None, trust: Trust = Trust()):
         self.path = Path(path)
+        self.trust = trust
+        """What the user vouches for in this directory (an existing run's, read)."""
         self.unique = unique
         """A default path: claimed under a name of its own (-2, -3, ... when taken)."""
         self.option = option
@@ -184,18 +243,33 @@ class RunDir:
                 raise UserError(f"--out {self.path}: cannot create it ({e.strerror or e}); choose another directory") from None
         self._take_lock("--out")
         check_new_run(self.path, locked=True)  # owned now: what is here stays as seen
+        self.check_files_replaceable("--out")
         for name in RESULTS:  # a run started over in place: its predecessor's results are not this run's
             (self.path / name).unlink(missing_ok=True)
         self.remove_shards_but(None)  # ... nor its unfinished sharded checkpoint
 
     def claim_for_resume(self) -> None:
         """Own an existing run's directory to continue it (after read_config)."""
+        if not has_lock_file(self.path):
+            what = f"its {LOCK} is not a regular file" if os.path.lexists(self.path / LOCK) else f"no {LOCK} there"
+            raise UserError(f"{self.label}: {what}, so gpulab train did not make this folder and will not write into it; "
+                            "give the directory of a run gpulab made")
         who = holder(self.path)
         if who:
             raise in_use("--resume", self.path, who)
         if not self.has_checkpoint():
             raise self._no_checkpoint()  # before writing anything here
+        self.check_files_replaceable("--resume")
         self._take_lock("--resume")
+
+    def check_files_replaceable(self, option: str) -> None:
+        """Before a run writes its files: none of their names may be a folder here (a file is
+        replaced, a link replaced itself; a folder would fail the run's first write after an epoch
+        of training)."""
+        for name in ("config.json", CHECKPOINT, *RESULTS):
+            if (self.path / name).is_dir() and not (self.path / name).is_symlink():
+                raise UserError(f"{option} {self.path}: {name} is a folder there, where the run writes a file; move it "
+                                "away or choose another directory")
 
     def _create_unique(self) -> None:
         base = self.path
@@ -213,8 +287,10 @@ class RunDir:
 
     def _take_lock(self, option: str) -> None:
         try:
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock(self.path, create=True)
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EINVAL, errno.ENXIO):
+                raise not_a_lock(option, self.path, e) from None
             raise UserError(f"{option} {self.path}: cannot write there ({e.strerror or e}); choose another directory") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -271,12 +347,33 @@ class RunDir:
             raise self._no_checkpoint()
 
     def read_config(self) -> dict:
+        """config.json as it is on disk (a JSON object; parse_config checks its fields). Read as
+        what it may be, a file from elsewhere: a regular file of bounded size, not a link."""
         try:
-            config = json.loads((self.path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"{self.label}: no readable config.json ({e}); is this a gpulab run directory?") from None
+            text = read_regular_file(self.path / "config.json", CONFIG_MAX_BYTES).decode()
+            config = json.loads(text)
+        except OSError as e:
+            what = "it is a link" if e.errno == errno.ELOOP else e.strerror or str(e)
+            raise UserError(f"{self.label}: no readable config.json ({what}); is this a gpulab run directory?") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{self.label}: config.json is not UTF-8 text; it is not a gpulab run config") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{self.label}: config.json is not valid JSON ({e}); is this a gpulab run directory?") from None
+        except RecursionError:
+            raise UserError(f"{self.label}: config.json is nested too deeply; it is not a gpulab run config") from None
         if not isinstance(config, dict):
             raise UserError(f"{self.label}: config.json is not a gpulab run config")
+        return config
+
+    def trusted_config(self) -> dict:
+        """read_config(), refused when it names a model by import path other than the one the user
+        gave on this command line (self.trust): importing a module runs its code, and a run
+        directory may come from anyone."""
+        config = self.read_config()
+        saved = config.get("model")
+        if isinstance(saved, str) and models.is_factory(saved) and saved != self.trust.model:
+            raise UserError(f"{self.label}: its config.json names the model {saved}, code gpulab would import and run: "
+                            f"if you trust it, say so with --model {saved}")
         return config
 
     def write_metrics(self, history: list[dict], last: bool = True) -> None:
@@ -327,7 +424,7 @@ class RunDir:
             ax.xaxis.get_major_locator().set_params(integer=True)
             ax.grid(alpha=0.3)
             ax.legend()
-        fig.suptitle(self._title())
+        fig.suptitle(self._title(), parse_math=False)  # a folder named run$x$ is a name, not mathtext
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
@@ -371,21 +468,44 @@ class RunDir:
         if not path.is_file():
             raise self._no_checkpoint()
         try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            with open_regular_file(path) as f:
+                checkpoint = torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            # weights_only: tensors and plain values only, as gpulab saves them. Anything else would
+            # be built by calling what the file names - code from whoever made it.
+            named = re.search(r"GLOBAL (\S+)", str(e))
+            if not named:
+                raise UserError(f"{self.label}: {CHECKPOINT} is unreadable (not a checkpoint torch wrote); it is "
+                                "damaged") from None
+            raise UserError(f"{self.label}: {CHECKPOINT} names {named.group(1)}, which gpulab never saves (it saves "
+                            "tensors and plain values): it was made or altered elsewhere, and is not loaded - loading "
+                            "it would run that code") from None
+        except OSError as e:
+            raise UserError(f"{self.label}: cannot read {CHECKPOINT} ({e.strerror or e}); a gpulab checkpoint is a "
+                            "regular file, never a link") from None
         except Exception as e:  # truncated or foreign file: torch raises several types
             raise UserError(f"{self.label}: {CHECKPOINT} is unreadable ({type(e).__name__}); it is damaged") from None
         if not isinstance(checkpoint, dict) or not {"strategy", "history", "epoch"} <= checkpoint.keys():
             raise UserError(f"{self.label}: {CHECKPOINT} is not a gpulab checkpoint")
+        self._check_shards_name(checkpoint["strategy"])
         return checkpoint
 
+    def _check_shards_name(self, state) -> None:
+        """A sharded run's checkpoint.pt names its folder of shards: one of this run's own, inside
+        it, never a path that leads elsewhere ("../..") nor a link."""
+        shards = state.get("shards") if isinstance(state, dict) else None
+        if shards is None:
+            return
+        folder = self.path / str(shards)
+        if not (isinstance(shards, str) and SHARDS_NAME.fullmatch(shards) and folder.is_dir()
+                and not folder.is_symlink()):
+            raise UserError(f"{self.label}: {CHECKPOINT} names the shards {str(shards)[:100]!r}, which is not one of "
+                            "this run's checkpoint-epoch<N>.dcp folders: it was altered or the folder is gone")
 
-def read_sharded_model(folder: Path, template: dict) -> dict:
+
+def read_sharded_model(folder: Path, template: dict, trust: bool) -> dict:
     """A sharded checkpoint's model weights, whole, in this one process (no process group): the
     tensors of `template` (a model's state_dict) filled from the shards (`gpulab export`)."""
-    import torch.distributed.checkpoint as dcp  # ~0.5 s to import: only where a sharded run is read
-
     state = {"model": template}
-    with warnings.catch_warnings():  # "... assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    read_shards(state, folder, trust, no_dist=True)
     return state["model"]

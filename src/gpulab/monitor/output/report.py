@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from gpulab.monitor.output import timeline, trace
+from gpulab.monitor.output import OUTPUTS, timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.compiled import compile_summary
 from gpulab.monitor.analyze.diagnose import diagnose
@@ -20,9 +20,8 @@ from gpulab.monitor.analyze.process import weight_in_the_steps
 from gpulab.monitor.analyze.ranks import rank_findings
 from gpulab.monitor.analyze.stall import find_stalls, stall_finding
 from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
-from gpulab.io import atomic_write_bytes, atomic_write_json
+from gpulab.io import OutputFolder, json_bytes
 
-OUTPUTS = ("report.json", "timeline.png", "trace.json")
 ENVIRONMENT_KEYS = ("python", "torch", "torch_cuda_build", "cpu_count", "torch_threads")
 
 
@@ -135,14 +134,14 @@ def _fields(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "type"}
 
 
-def write_outputs(out: Path, report: dict, lanes: list[Recording], samples: list[dict], gpus: list[dict],
+def write_outputs(out: OutputFolder, report: dict, lanes: list[Recording], samples: list[dict], gpus: list[dict],
                   title: str) -> None:
-    """Write the three outputs atomically (a reader never sees half a file)."""
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "report.json", report)
-    atomic_write_bytes(out / "timeline.png", timeline.render(lanes, samples, gpus, report, title))
+    """Write the three outputs, each atomically (a reader never sees half a file), report.json
+    first: on a full disk it is the one worth keeping. Only over files gpulab wrote (OutputFolder)."""
     events = trace.build(lanes, samples, gpus, timeline.time_origin(lanes, samples))
-    atomic_write_bytes(out / "trace.json", json.dumps(events, separators=(",", ":")).encode())
+    out.write({"report.json": json_bytes(report),
+               "timeline.png": timeline.render(lanes, samples, gpus, report, title),
+               "trace.json": json.dumps(events, separators=(",", ":")).encode()})
 
 
 def print_report(report: dict, out: Path, console: Console | None = None) -> None:

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import gpulab
 from gpulab.errors import UserError
-from gpulab.io import CannotWrite, check_writable, writing_results
+from gpulab.io import CannotWrite, OutputFolder, OutputRefused, check_writable, writing_results
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording, read_lanes
+from gpulab.monitor.output import OUTPUTS
 from gpulab.monitor.parent.hangwatch import HangWatch
 from gpulab.monitor.parent.job import Job
 from gpulab.monitor.parent.sampler import Sampler
@@ -43,12 +44,15 @@ FLIGHT_RECORDER_ENTRIES = 2000
 _AUTOSTART = Path(__file__).resolve().parent.parent / "record" / "autostart"
 
 
-def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) -> int:
-    """Run `command` (a Python invocation) under the profiler; return the script's exit code."""
+def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig, force: bool = False) -> int:
+    """Run `command` (a Python invocation) under the profiler; return the script's exit code.
+    `force`: replace files in `out` that gpulab did not write."""
     interpreter, options, target = split_python_command(command)
     name = training_target(interpreter, target)
     out = out or default_out_dir(name)
+    outputs = OutputFolder.out(out, force)
     check_writable(out)
+    outputs.check(OUTPUTS)  # before the job runs: its report would have nowhere to go
     with writing_results():
         out.mkdir(parents=True, exist_ok=True)
     _import_in_background("gpulab.monitor.output.report")  # matplotlib: ~0.7 s, hidden behind the job
@@ -58,11 +62,12 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig) ->
     report, lanes = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code,
                                      hang=job.hang, stalls=job.stalls, stopped=job.stopped)
     try:
-        write_outputs(out, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
-    except OSError as e:
+        write_outputs(outputs, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
+    except (OSError, OutputRefused) as e:
         # The job ran: its exit code is still the answer; only the report is lost (each file is
-        # whole or absent, the atomic writers see to it).
-        print(f"gpulab profile: {CannotWrite(e)}", file=sys.stderr, flush=True)
+        # whole or absent, the atomic writers see to it; a user's file put there meanwhile stays).
+        problem = CannotWrite(e) if isinstance(e, OSError) else e
+        print(f"gpulab profile: {problem}", file=sys.stderr, flush=True)
         return job.exit_code
     print_report(report, out)
     return job.exit_code

@@ -22,7 +22,7 @@ from rich.console import Console
 
 from gpulab.errors import UserError
 from gpulab.host import usable_cores
-from gpulab.io import atomic_write_json, check_writable, writing_results
+from gpulab.io import OutputFolder, check_writable, json_bytes, writing_results
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.phases import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
@@ -38,6 +38,7 @@ MAX_PAIRS = 5
 # this share of their median: then one more pair would not change the answer in its first digit.
 STABLE_SPREAD = 0.10
 STABLE_WINDOW = 3
+TRY_OUTPUT = "try.json"
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def _item(key: str, value) -> str:
 
 
 def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items: list[str], steps: int,
-                max_pairs: int = MAX_PAIRS) -> int:
+                max_pairs: int = MAX_PAIRS, force: bool = False) -> int:
     change = parse_change(items)
     if steps < 3:
         raise UserError(f"--steps {steps}: measure at least 3 steps (e.g. --steps 30) to see a spread")
@@ -141,7 +142,9 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
         raise UserError(f"--max-pairs {max_pairs}: use {MIN_PAIRS} to 50 (each pair runs the script twice)")
     interpreter, options, target = split_python_command(command)
     out = out or default_out_dir(target)
+    outputs = OutputFolder.out(out, force)
     check_writable(out)
+    outputs.check([TRY_OUTPUT])  # before the runs: minutes of them, then nowhere to write
     argv = [interpreter, *options, *target]
     label = "with " + " ".join(items)
     with _removed_if_refused(out):
@@ -149,7 +152,7 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
         trial.run_until_stable(change, label, max_pairs)
         result = trial.result(change, label)
         with writing_results():
-            atomic_write_json(out / "try.json", result)
+            outputs.write({TRY_OUTPUT: json_bytes(result)})
     _print(result, out)
     return 0
 
