@@ -25,6 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PARITY_TESTS = ["tests/parallel/test_parity.py"]
 TORCHRUN_TESTS = ["tests/parallel/test_distributed.py"]
+HOSTILE_RUNS = "tests/hostile/test_run_dirs.py"
+HOSTILE_DATA = "tests/hostile/test_data.py"
+HOSTILE_OPTIONS = "tests/hostile/test_options.py"
+HOSTILE_OUTPUTS = "tests/hostile/test_outputs.py"
 
 
 @dataclass
@@ -158,6 +162,57 @@ MUTATIONS = [
              '    (re.compile(r"(?:^|; )self\\.(?!training\\b)[\\w.]+ (?:==|!=|is) "), lambda m: (',
              '    (re.compile(r"^never$"), lambda m: (',
              ["tests/monitor/test_diagnose.py::test_a_recompile_on_a_module_attribute_says_to_set_it_once"]),
+    Mutation("checkpoint.pt unpickled in full (code it names runs)", "src/gpulab/train/rundir.py",
+             'checkpoint = torch.load(f, map_location="cpu", weights_only=True)',
+             'checkpoint = torch.load(f, map_location="cpu", weights_only=False)',
+             [f"{HOSTILE_RUNS}::test_a_checkpoint_that_names_code_is_refused_unrun"]),
+    Mutation("a model's import path read from config.json imported without the user naming it", "src/gpulab/train/rundir.py",
+             "if isinstance(saved, str) and models.is_factory(saved) and saved != self.trust.model:",
+             "if False:", [f"{HOSTILE_RUNS}::test_a_model_named_by_import_path_in_config_json_is_never_imported"]),
+    Mutation("a sharded checkpoint's .metadata unpickled in full", "src/gpulab/parallel/shard_files.py",
+             "metadata = MetadataUnpickler(io.BytesIO(data)).load()", "metadata = pickle.loads(data)",
+             [f"{HOSTILE_RUNS}::test_a_sharded_checkpoint_whose_metadata_names_code_is_refused_unless_trusted"]),
+    Mutation("a sharded checkpoint's non-tensor values unpickled in full", "src/gpulab/parallel/shard_files.py",
+             "allowed = torch.load(value, weights_only=True)", "allowed = torch.load(value, weights_only=False)",
+             [f"{HOSTILE_RUNS}::test_a_sharded_value_that_names_code_is_refused"]),
+    Mutation("rank messages from the rendezvous store unpickled", "src/gpulab/parallel/world.py",
+             "value = json.loads(self.store.get(key))", 'value = __import__("pickle").loads(self.store.get(key))',
+             [f"{HOSTILE_RUNS}::test_rank_messages_are_json_never_unpickled"]),
+    Mutation("the lock file opened through a link (its target overwritten)", "src/gpulab/train/rundir.py",
+             "flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK", "flags = os.O_RDWR | os.O_NONBLOCK",
+             [f"{HOSTILE_RUNS}::test_a_run_claimed_through_a_linked_lock_is_refused_at_the_lock"]),
+    Mutation("a folder with a run-like config.json but no lock taken for a gpulab run", "src/gpulab/train/rundir.py",
+             "    if not has_lock_file(path):\n        return False\n",
+             '    if not has_lock_file(path):\n        return (path / "config.json").exists()\n',
+             [f"{HOSTILE_RUNS}::test_a_folder_that_only_looks_like_a_run_is_not_one"]),
+    Mutation("config.json's fields used without checking their types", "src/gpulab/config.py",
+             "            check_type(name, value, typing.get_type_hints(cls)[name])\n", "            pass\n",
+             [f"{HOSTILE_RUNS}::test_a_field_of_the_wrong_type_is_one_line"]),
+    Mutation("config.json read whole, however large", "src/gpulab/train/rundir.py",
+             'read_regular_file(self.path / "config.json", CONFIG_MAX_BYTES)', 'read_regular_file(self.path / "config.json", 1 << 40)',
+             [f"{HOSTILE_RUNS}::test_config_json_larger_than_any_config_is_not_read_whole"]),
+    Mutation("an IDX file's data read whole, past its declared size (a gzip bomb decompressed in full)",
+             "src/gpulab/data/idx.py", "data = _read_at_most(f, size + TRAILING_COUNTED + 1)", "data = f.read()",
+             [HOSTILE_DATA]),
+    Mutation("the declared IDX data size computed in int64: (2**31, 2**31, 4) overflows to 0", "src/gpulab/data/idx.py",
+             "size = math.prod(shape)", "size = int(np.prod(shape, dtype=np.int64))", [HOSTILE_DATA]),
+    Mutation("a file from elsewhere opened blocking: a FIFO with no writer hangs the open", "src/gpulab/io.py",
+             "flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC", "flags = os.O_RDONLY | os.O_CLOEXEC",
+             [f"{HOSTILE_DATA}::test_a_fifo_or_device_as_a_data_file"]),
+    Mutation("cpu*K without an upper bound (cpu*65 builds 65 model copies)", "src/gpulab/devices.py",
+             "    if k is None or not 1 <= k <= MAX_VIRTUAL_REPLICAS:", "    if k is None or not 1 <= k:",
+             [HOSTILE_OPTIONS]),
+    Mutation("cpu*K's count given to int() unguarded (5000 digits: a traceback)", "src/gpulab/devices.py",
+             "    k = int(significant) if len(significant) <= len(str(MAX_VIRTUAL_REPLICAS)) else None",
+             "    k = int(significant)", [HOSTILE_OPTIONS]),
+    Mutation("an output the user edited after gpulab wrote it taken for gpulab's (its name in the record is enough)",
+             "src/gpulab/io.py", "        elif _sha256_of(self.path / name) not in (recorded or {}).get(name, []):",
+             "        elif name not in (recorded or {}):", [HOSTILE_OUTPUTS]),
+    Mutation("a run's profile/ that is a link followed (train --profile writes into its target)", "src/gpulab/io.py",
+             "            if self.real_folder:", "            if False:", [HOSTILE_OUTPUTS]),
+    Mutation("export's model and numbers written one after the other (a failed OUT.json leaves a new OUT)",
+             "src/gpulab/io.py", "        staged = _stage_all(self.path, files) if together else {}",
+             "        staged, together = {}, False", [HOSTILE_OUTPUTS]),
 ]
 
 
