@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from gpulab.bytecode import use_own_cache_where_needed
 from gpulab.errors import UserError
 
 
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_own_cache_where_needed()  # before torch is imported: read-only installs compile it every time
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         # Under torchrun: an unexpected exception's traceback goes where torchrun's summary reads it.
         from torch.distributed.elastic.multiprocessing.errors import record

@@ -317,6 +317,12 @@ def _rename_all(staged: dict[str, Path], folder: Path) -> None:
     fsync_dir(folder)
 
 
+def cache_dir() -> Path:
+    """gpulab's own cache folder: $XDG_CACHE_HOME/gpulab, by default ~/.cache/gpulab."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gpulab"
+
+
 def git_commit() -> str | None:
     """The commit of the checkout gpulab runs from (read-only `git rev-parse`), with '+dirty' when
     tracked files have uncommitted changes, or None outside a checkout: every result file records

@@ -22,6 +22,7 @@ import torch
 
 from gpulab.data.idx import read_idx
 from gpulab.errors import UserError
+from gpulab.io import cache_dir as gpulab_cache_dir
 
 FILES = {
     "train_images": "train-images-idx3-ubyte",
@@ -49,8 +50,7 @@ class Split:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gpulab" / "fashion-mnist"
+    return gpulab_cache_dir() / "fashion-mnist"
 
 
 def candidate_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
