@@ -213,6 +213,9 @@ MUTATIONS = [
     Mutation("export's model and numbers written one after the other (a failed OUT.json leaves a new OUT)",
              "src/gpulab/io.py", "        staged = _stage_all(self.path, files) if together else {}",
              "        staged, together = {}, False", [HOSTILE_OUTPUTS]),
+    Mutation("gpulab's bytecode prefix set over an install that has its own bytecode (which it then hides)",
+             "src/gpulab/bytecode.py", "if source is None or has_bytecode(source) or os.access(source.parent, os.W_OK):",
+             "if source is None or os.access(source.parent, os.W_OK):", ["tests/test_bytecode.py"]),
 ]
 
 
