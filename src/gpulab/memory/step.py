@@ -26,9 +26,8 @@ lives either):
     temporaries                 the rest of the peak: intermediate results not saved for
                                 backward, an optimizer's scratch buffers
 What the probe reads of a tensor is integers (tensors.storage_span); it keeps no reference to
-one, puts no weak reference or finalizer on one and asks for no storage object (issue 33: a
-profiler that holds such things on a CUDA job's tensors crashed 4 of 9 jobs at garbage
-collection). Everything here runs for the measured step only (its cost: a few microseconds per
+one, puts no weak reference or finalizer on one and asks for no storage object (a profiler
+that holds such things on a CUDA job's tensors crashes jobs at garbage collection). Everything here runs for the measured step only (its cost: a few microseconds per
 saved tensor and per allocation; on a CPU one walk over the script's objects).
 """
 

@@ -1,7 +1,7 @@
 """What tensors hold, counted once per storage: views of one storage (a weight and its
 transpose, a batch and its slices) share their bytes, so every sum here is over unique storages.
 
-Read only what is safe to read (issue 33: the profiler crashed CUDA jobs): a tensor's data
+Read only what is safe to read (anything more has crashed CUDA jobs under the profiler): a tensor's data
 address, offset, sizes and strides - plain integers - and nothing that changes the tensor's
 life. No `untyped_storage()` (it leaves a Python object attached to the storage until the storage
 dies, which torch >= 2.10 then has to keep in step from every thread that touches the storage),

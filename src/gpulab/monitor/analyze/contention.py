@@ -6,8 +6,8 @@ A thread that has work but no core waits on a run queue. That happens when the j
 threads than it has cores (torch's intra-op threads + DataLoader workers and their threads), or
 when other processes use the same cores. For torch's compute it costs more than its share: the
 OpenMP threads of a parallel op meet at its end, so one thread without a core holds the others.
-Measured on this project's 2-core VM, with one busy process beside a small CNN: 341 ms per step
-at torch's 2 threads, 243 ms at 1, 136 ms alone (issue 28).
+With one busy process beside a small CNN on 2 cores, a step at torch's 2 threads takes longer
+than at 1, and both far longer than alone (docs/profiling.md has the measurement).
 
 The wait share and when the cores count as contended: gpulab.host.CoreWait, the one rule that
 gpulab train's warning uses too.

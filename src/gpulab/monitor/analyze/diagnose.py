@@ -67,7 +67,7 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     if not whole_run and all(s["i"] < warmup_steps for s in steady):
         # Every step past the warm-up ran inside a measurement window (the run ended in one, an
         # out-of-memory error say): warm-up steps carry CUDA's start-up and gpulab's own windows'
-        # set-up, and no finding about the loop is drawn from them (issue 33).
+        # set-up, and no finding about the loop is drawn from them.
         too_few = finding("none", 0.0, f"no step after the warm-up ran outside gpulab's measurement windows "
                           f"({len(steady)} warm-up step(s), {excluded['profiler_window']} measured for kernels or "
                           f"memory): too few steps to judge the loop", None, "too_few_steps")

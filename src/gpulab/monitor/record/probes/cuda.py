@@ -82,8 +82,7 @@ class CudaSyncProbe(Probe):
 
     def hook(self) -> None:
         # Only with a CUDA device to use: on a CUDA build without one the wrappers would cost the
-        # script's every .to() and tensor repr for nothing (issue 28: ~1 ms of mnist_rnn's 5.5 ms
-        # fetch of 64 samples). With a device the wrappers are inert until a CUDA tensor shows up.
+        # script's every .to() and tensor repr for nothing (a fifth of a small data fetch). With a device the wrappers are inert until a CUDA tensor shows up.
         if not cuda_device_present():
             return
         self.enabled = True
@@ -227,7 +226,7 @@ class CudaSyncProbe(Probe):
 
     def _write_usage(self) -> None:
         """Once the script has memory on a GPU, say so at once: a process that dies before its end
-        record must still read as a GPU job, not as one that never used the GPU (issue 33)."""
+        record must still read as a GPU job, not as one that never used the GPU."""
         usage = cuda_usage(self._debug_mode.used)
         if usage["devices"]:
             self._usage_written = True

@@ -9,7 +9,7 @@ DataLoader fetch is a transform: while the transforms probe wants them (FETCH_MO
 hears of each (FETCH_MODULE_ENTERED / _EXITED). In every other fetch the hooks are paused, by a
 patch of DataLoader.__iter__ and _BaseDataLoaderIter.__next__ around the loaders probe's: global
 hooks send every module call through torch's slow path (~1.3 us each, more with what they do),
-which per-sample transforms pay per sample - 8 points of data share in issue 28's mnist_rnn. The
+which per-sample transforms pay per sample, enough to move a loop's data share by points. The
 iterator's start is paused too: DataLoader workers are forked there, and run without the hooks.
 """
 

@@ -1,7 +1,7 @@
 """The user's lines that made the host wait: syncs and host-to-device copies, per line, whole run,
 and how much of it came once the loop was past its warm-up: a finding about the steps points at
 the line the steps wait at, not at a set-up call (the model's one `.to(device)`, which also pays
-for CUDA's start-up, outweighs a per-step copy in seconds over a short run; issue 33)."""
+for CUDA's start-up, outweighs a per-step copy in seconds over a short run)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ A sample is taken one of two ways:
   calls never see EINTR.
 - By thread, the fallback: a helper thread reads sys._current_frames(). It needs the GIL to look,
   so its samples land where the training thread lets the GIL go (the torch call after a long
-  stretch of pure Python), not where the time went (issue 28: 56 of 59 samples on a 0.2 ms
-  collate wrapper behind 46 ms of per-pixel Python). It is used where SIGALRM is not gpulab's to
+  stretch of pure Python), not where the time went (a thin collate wrapper would get the samples
+  of the per-pixel Python before it). It is used where SIGALRM is not gpulab's to
   take: the recorded thread is not the main thread (Python runs handlers only there), the script
   has a SIGALRM handler or an alarm of its own, or it takes SIGALRM while recording - then the
   timer stops and SIGALRM's default is back before the script's own call goes through

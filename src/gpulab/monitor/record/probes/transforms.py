@@ -9,7 +9,7 @@ callables; v2's are nn.Modules, which the module hooks see).
 
 Timing them costs: the module hooks that see them send every module call through torch's slow
 path, and each span reads the clock and keeps a record - a few microseconds per sample and
-transform, enough to move the data share of a loop of cheap transforms by 8 points (issue 28).
+transform, enough to move the data share of a loop of cheap transforms by several points.
 So they are timed only while `timing` is True: in the warm-up steps (are there any?) and then,
 if there are, in a window of WINDOW_STEPS steps once the other measurement windows are over;
 the window's steps are left out of the statistics like theirs, and the report ranks the
