@@ -216,6 +216,12 @@ MUTATIONS = [
     Mutation("gpulab's bytecode prefix set over an install that has its own bytecode (which it then hides)",
              "src/gpulab/bytecode.py", "if source is None or has_bytecode(source) or os.access(source.parent, os.W_OK):",
              "if source is None or os.access(source.parent, os.W_OK):", ["tests/test_bytecode.py"]),
+    Mutation("a sharded checkpoint's pieces read wherever its metadata points (/dev/zero, ../, past a file's end)",
+             "src/gpulab/parallel/shard_files.py", "    check_storage(folder, metadata)\n", "",
+             [f"{HOSTILE_RUNS}::test_a_sharded_checkpoint_pointing_outside_its_files_is_refused"]),
+    Mutation("the recorder's import hook consumed by a lookup (find_spec) that imports nothing: the recorder never starts",
+             "src/gpulab/monitor/record/interpreter.py", "                sys.meta_path.insert(0, self)\n",
+             "                pass\n", ["tests/monitor/test_import_hook.py"]),
 ]
 
 

@@ -16,6 +16,7 @@ through PYTHONPYCACHEPREFIX.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -48,9 +49,11 @@ def use_own_cache_where_needed() -> Path | None:
 
 
 def module_source(name: str) -> Path | None:
-    """The source file of package or module `name`, found without importing it."""
+    """The source file of top-level package or module `name`, found on sys.path without importing
+    it and without asking sys.meta_path's finders (an import hook there, the profiler's, waits
+    for the module's import)."""
     try:
-        spec = importlib.util.find_spec(name)
+        spec = importlib.machinery.PathFinder.find_spec(name)
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):

@@ -13,6 +13,7 @@ import ast
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -212,6 +213,28 @@ def test_a_sharded_value_that_names_code_is_refused(tmp_path):
     with pytest.raises(UserError, match="cannot be read safely .*--trust-checkpoint"):
         read_shards({"lr": 0.1}, tmp_path / "c.dcp", no_dist=True)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("where, words", [
+    ("/dev/zero", "points at '/dev/zero', not one of the folder's own shard files"),
+    ("../elsewhere.distcp", "points at '../elsewhere.distcp'"),
+    ("past the end", "points past the end of"),
+])
+def test_a_sharded_checkpoint_pointing_outside_its_files_is_refused(tmp_path, where, words):
+    """DCP's metadata says where each piece lies: a path and a length that are read as they are."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "c.dcp"
+    dcp.save({"model": LeNet().state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    info = next(iter(metadata.storage_data.values()))
+    if where == "past the end":
+        info.length = (folder / info.relative_path).stat().st_size + 1
+    else:
+        info.relative_path = where
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UserError, match=re.escape(words)):
+        read_shards({"model": LeNet().state_dict()}, folder, no_dist=True)
 
 
 def test_a_checkpoint_naming_shards_outside_the_run_is_refused(run_copy, tmp_path, capsys):

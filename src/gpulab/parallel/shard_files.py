@@ -16,14 +16,16 @@ checkpoint is read, not when gpulab starts.
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import re
 import warnings
 from pathlib import Path
 
 import torch
 
 from gpulab.errors import UserError
-from gpulab.io import read_regular_file
+from gpulab.io import open_regular_file, read_regular_file
 
 METADATA_MAX_BYTES = 1 << 28  # a model of millions of tensors has a few MiB of metadata
 
@@ -39,6 +41,9 @@ SAFE_GLOBALS = {
 }
 """What a `.metadata` file written by torch.distributed.checkpoint holds, besides torch's dtypes:
 records of plain values, never a callable that does anything."""
+
+SHARD_FILE = re.compile(r"[\w.-]+\.distcp")
+"""What torch.distributed.checkpoint names a shard file (__0_0.distcp): a name in the folder, no path."""
 
 TRUST_HINT = "if you made it or trust who did, pass --trust-checkpoint to read it with torch's own reader"
 
@@ -93,7 +98,36 @@ def read_metadata(folder: Path):
     metadata = MetadataUnpickler(io.BytesIO(data)).load()
     if not isinstance(metadata, dcp.metadata.Metadata):
         raise pickle.UnpicklingError("not DCP metadata")
+    check_storage(folder, metadata)
     return metadata
+
+
+def check_storage(folder: Path, metadata) -> None:
+    """Every piece the metadata points at lies inside one of the folder's own shard files: read
+    as it is, a path could lead anywhere (/dev/zero, another user's file) and a length be
+    anything."""
+    sizes: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name, offset, length = (getattr(info, key, None) for key in ("relative_path", "offset", "length"))
+        if not (isinstance(name, str) and SHARD_FILE.fullmatch(name)):
+            raise UserError(f"{folder}: its .metadata points at {str(name)[:80]!r}, not one of the folder's own shard "
+                            "files (*.distcp): it was altered; the checkpoint is not read")
+        if name not in sizes:
+            try:
+                sizes[name] = read_size(folder / name)
+            except OSError as e:
+                raise UserError(f"{folder}: cannot read its shard file {name} ({e.strerror or e}); the sharded "
+                                "checkpoint is incomplete") from None
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= sizes[name]):
+            raise UserError(f"{folder}: its .metadata points past the end of {name}: it was altered or the file is "
+                            "truncated; the checkpoint is not read")
+
+
+def read_size(path: Path) -> int:
+    """The size of a regular file (never through a link)."""
+    with open_regular_file(path) as f:
+        return os.fstat(f.fileno()).st_size
 
 
 def _not_safe(folder: Path, error: Exception) -> UserError:

@@ -13,7 +13,10 @@ def after_import(name: str, callback):
     has been); returns an undo that drops the hook if it has not fired yet.
 
     A finder at the head of sys.meta_path waits for the import of `name`, finds the real spec
-    with the finders after it, and runs `callback` right after the module's own code."""
+    with the finders after it, and runs `callback` right after the module's own code. It leaves
+    sys.meta_path when the module is executed, not when it is looked for: a script (or gpulab)
+    may ask importlib.util.find_spec(name) without importing it, and the hook must still be
+    there for the import."""
     if name in sys.modules:
         callback(sys.modules[name])
         return lambda: None
@@ -22,13 +25,17 @@ def after_import(name: str, callback):
         def find_spec(self, fullname, path=None, target=None):
             if fullname != name:
                 return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
+            sys.meta_path.remove(self)  # the real spec, from the finders after this one
+            try:
+                spec = importlib.util.find_spec(fullname)
+            finally:
+                sys.meta_path.insert(0, self)
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
                 return spec
             execute = spec.loader.exec_module
 
             def exec_module(module):
+                undo()
                 execute(module)
                 callback(module)
 
