@@ -186,7 +186,7 @@ MUTATIONS = [
              '    if not has_lock_file(path):\n        return (path / "config.json").exists()\n',
              [f"{HOSTILE_RUNS}::test_a_folder_that_only_looks_like_a_run_is_not_one"]),
     Mutation("config.json's fields used without checking their types", "src/gpulab/config.py",
-             "            check_type(name, value, typing.get_type_hints(cls)[name])\n", "            pass\n",
+             "            check_type(name, value, hints[name])\n", "            pass\n",
              [f"{HOSTILE_RUNS}::test_a_field_of_the_wrong_type_is_one_line"]),
     Mutation("config.json read whole, however large", "src/gpulab/train/rundir.py",
              'read_regular_file(self.path / "config.json", CONFIG_MAX_BYTES)', 'read_regular_file(self.path / "config.json", 1 << 40)',

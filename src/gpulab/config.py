@@ -162,9 +162,10 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> "TrainConfig":
         """A saved config (config.json, or one rank's copy of it): every field checked for its
         type before any is used, since a file may come from anywhere."""
+        hints = typing.get_type_hints(cls)
         known = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
         for name, value in known.items():
-            check_type(name, value, typing.get_type_hints(cls)[name])
+            check_type(name, value, hints[name])
         return cls(**known)
 
 

@@ -7,7 +7,6 @@ link is refused, not written through. A failed write leaves the old outputs in p
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -506,4 +506,7 @@ def test_torchrun_s_variables_that_are_not_numbers_are_one_line(tiny_data, tmp_p
 def test_the_collective_timeout_is_bounded(capsys):
     code, _, err = run_cli([*TRAIN, "--timeout", "1e300"], capsys)
     assert_one_line_error(code, err, "--timeout 1e+300", "at most")
-    assert timedelta(seconds=TrainConfig(timeout=24 * 3600).timeout)  # the longest one fits timedelta
+    longest = TrainConfig(timeout=24 * 3600).timeout  # the longest accepted: a timedelta torch can take
+    assert timedelta(seconds=longest) == timedelta(days=1)
+    with pytest.raises(UserError, match="at most"):
+        TrainConfig(timeout=24 * 3600 + 1)
