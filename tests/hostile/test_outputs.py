@@ -147,7 +147,8 @@ def test_bench_refuses_to_replace_the_users_vectorize_json_before_benchmarking(t
     assert code == 0, err
     assert json.loads((out / "vectorize.json").read_text())["benchmark"] == "vectorize"
     code, _, err = run_cli(argv, capsys)
-    assert code == 0, err  # its own files, replaced
+    assert code == 0, err  # its own files, replaced, written atomically: no temporary left behind
+    assert sorted(p.name for p in out.iterdir()) == [".gpulab-outputs.json", "vectorize.json", "vectorize.png"]
 
     # A file of gpulab's that the user changed is theirs now.
     edited = {out / "vectorize.png": b"edited by hand"}

@@ -11,7 +11,6 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -19,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 
 from gpulab.bench.harness import Check, ResultMismatch, Timing, check_close
-from gpulab.io import atomic_write_bytes, json_bytes
+from gpulab.io import json_bytes
 
 # ----------------------------------------------------------------------------- formatting
 
@@ -198,10 +197,6 @@ def render(result: Result, console: Console) -> None:
 def json_of(result: Result) -> bytes:
     """<name>.json's content."""
     return json_bytes(_jsonable(result.to_dict()))
-
-
-def write_json(result: Result, path: Path) -> None:
-    atomic_write_bytes(path, json_of(result))
 
 
 def _jsonable(x):
