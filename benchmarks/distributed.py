@@ -14,7 +14,7 @@ Memory per rank, counted from the tensors themselves after the timed epochs (the
 parameters + gradients + optimizer state, each rank's local shard for FSDP), and each rank's peak
 resident memory (the whole process: torch, the data, activations).
 
-Every row is gpulab's own `build` + `train_epoch` (the code `gpulab train` runs): one warm-up
+Every row is gpulab's own `build` + `run_epoch` (the code `gpulab train` runs): one warm-up
 epoch, then timed epochs. The configurations run in rounds (A B C D, A B C D, ...) because this
 VM's speed drifts over minutes; ratios are taken within a round, and the median and range over
 rounds are reported.
@@ -72,7 +72,7 @@ def worker(spec: dict) -> None:
     """Runs as each rank (under torchrun) or as the one process; rank 0 writes spec['out']."""
     from gpulab.parallel.world import from_environment
     from gpulab.train import TrainConfig, build
-    from gpulab.train.loop import train_epoch
+    from gpulab.train.loop import run_epoch
 
     world = from_environment()
     if world.world_size == 1:
@@ -85,8 +85,8 @@ def worker(spec: dict) -> None:
     run = build(cfg, world)
     if sync == "gpulab-no-overlap":
         run.strategy.grad_sync.overlap = False
-    train_epoch(run, 0)  # warm-up: allocations, oneDNN kernel choice
-    epochs = [train_epoch(run, e) for e in range(1, 1 + spec["epochs"])]
+    run_epoch(run, 0)  # warm-up: allocations, oneDNN kernel choice
+    epochs = [run_epoch(run, e) for e in range(1, 1 + spec["epochs"])]
     memory = world.gather({"state": state_bytes(run.strategy), "peak_rss": peak_rss_bytes()})
     busbw = measure_gloo_busbw(world) if spec.get("busbw") and world.world_size > 1 else None
     if world.world_size == 1 and spec.get("busbw"):
@@ -118,7 +118,7 @@ def local_bytes(t: torch.Tensor) -> int:
 def state_bytes(strategy) -> dict[str, int]:
     """What each rank holds of the model's training state, counted from the tensors."""
     params = [p for r in strategy.replicas for p in r.parameters()]
-    optimizers = getattr(strategy, "optimizers", None) or [strategy.optimizer]
+    optimizers = strategy.optimizers
     optimizer = sum(local_bytes(v) for opt in optimizers for state in opt.state.values()
                     for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     counted = {"parameters": sum(local_bytes(p) for p in params),

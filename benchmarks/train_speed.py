@@ -35,7 +35,7 @@ from gpulab.bench.environment import environment
 from gpulab.devices import resolve, synchronize
 from gpulab.io import atomic_write_json
 from gpulab.train import TrainConfig, build
-from gpulab.train.loop import evaluate, train_epoch
+from gpulab.train.loop import evaluate, run_epoch
 
 BATCH = textbook.BATCH
 
@@ -68,9 +68,9 @@ def run_textbook(train_split, test_split, device, steps: int) -> dict:
 
 
 def run_gpulab(devices: str, channels_last: str = "auto", precision: str = "auto") -> dict:
-    """One epoch of gpulab's own trainer loop (train_epoch), then its evaluation."""
+    """One epoch of gpulab's own trainer loop (run_epoch), then its evaluation."""
     run = build(TrainConfig(devices=devices, epochs=1, channels_last=channels_last, precision=precision))
-    epoch = train_epoch(run, 0)
+    epoch = run_epoch(run, 0)
     return {"samples_per_s": epoch["samples_per_s"], "seconds": epoch["train_seconds"], "test_acc": evaluate(run)["test_acc"]}
 
 

@@ -1,7 +1,8 @@
 """Fingerprint what a fixed-seed training computes, to show a refactor changed nothing.
 
 Trains a few configurations that cover gpulab's paths (one device; k devices in one process with
-the textbook recipe; a user's own data with gradient accumulation; 2 torchrun ranks) and prints,
+the textbook recipe; a user's own data; 2 torchrun ranks with gpulab's sync and accumulation,
+with DDP, with FSDP2 and accumulation) and prints,
 for each, the sha256 of every tensor the final checkpoint holds (weights and optimizer state) and
 each epoch's losses written exactly (float.hex). Two checkouts that print the same lines trained
 bit for bit the same.
@@ -33,6 +34,10 @@ CLI_RUNS = {
     "cpu*2 in one process, textbook recipe": ["train", "--devices", "cpu*2", "--epochs", "1", "--recipe", "textbook"],
     "2 torchrun ranks (gloo), accumulate 2": ["launch", "-n", "2", "--", "--devices", "cpu", "--epochs", "1",
                                                "--accumulate", "2"],
+    "2 torchrun ranks (gloo), --sync ddp": ["launch", "-n", "2", "--", "--devices", "cpu", "--epochs", "1",
+                                            "--sync", "ddp"],
+    "2 torchrun ranks (gloo), --shard fsdp, accumulate 2": ["launch", "-n", "2", "--", "--devices", "cpu",
+                                                            "--epochs", "1", "--shard", "fsdp", "--accumulate", "2"],
 }
 
 
@@ -56,11 +61,23 @@ def tensor_digest(state) -> str:
     return h.hexdigest()[:16]
 
 
+def strategy_state(run_dir: Path, checkpoint: dict) -> dict:
+    """The checkpoint's model and optimizer state; a sharded run's read back whole from its shards."""
+    state = checkpoint["strategy"]
+    if "shards" not in state:
+        return state
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = run_dir / "whole.pt"
+    dcp_to_torch_save(run_dir / state["shards"], whole)
+    return torch.load(whole, map_location="cpu", weights_only=False)
+
+
 def describe(run_dir: Path) -> str:
     checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
     rows = json.loads((run_dir / "metrics.json").read_text())  # one row per epoch
     losses = " ".join(f"{r['train_loss'].hex()}/{r['test_loss'].hex()}" for r in rows)
-    return f"weights+optimizer {tensor_digest(checkpoint['strategy'])}  losses {losses}"
+    return f"weights+optimizer {tensor_digest(strategy_state(run_dir, checkpoint))}  losses {losses}"
 
 
 def cli_run(args: list[str], out: Path) -> str:

@@ -18,8 +18,8 @@ import gpulab.monitor
 from gpulab.errors import UserError
 from gpulab.io import CannotWrite
 from gpulab.monitor.record import patches
-from gpulab.parallel import phases
-from gpulab.parallel.phases import PhaseTimer
+from gpulab.train import step as phases
+from gpulab.train.step import PhaseTimer
 from tests.conftest import disk_full_for
 
 

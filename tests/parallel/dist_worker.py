@@ -70,25 +70,28 @@ def make_batches(model: str, batch_size: int, steps: int) -> list[tuple[torch.Te
 
 
 def main(cases: list[dict], out: Path) -> None:
-    from gpulab.parallel.distributed import Distributed
+    from gpulab.parallel.distributed import DDPSync, Distributed
     from gpulab.parallel.sharded import Sharded
     from gpulab.parallel.world import from_environment
+    from gpulab.train.step import Trainer
 
     world = from_environment()
     world.connect(torch.device("cpu"), "gloo", timeout_s=60)
     for case in cases:
+        model, device, optimizer = make_model(case["model"]), torch.device("cpu"), OPTIMIZERS[case["optimizer"]]
         if case.get("shard") == "fsdp":
-            strategy = Sharded(make_model(case["model"]), world, torch.device("cpu"), case["batch_size"],
-                               OPTIMIZERS[case["optimizer"]], accumulate=case.get("accumulate", 1))
+            strategy = Sharded(model, world, device, case["batch_size"], optimizer)
+        elif case["sync"] == "ddp":
+            strategy = DDPSync(model, world, device, case["batch_size"], optimizer)
         else:
             strategy = Distributed(
-                make_model(case["model"]), world, torch.device("cpu"), case["batch_size"], OPTIMIZERS[case["optimizer"]],
-                sync=case["sync"], accumulate=case.get("accumulate", 1), sync_bn=case.get("sync_bn", False),
+                model, world, device, case["batch_size"], optimizer, sync_bn=case.get("sync_bn", False),
                 bucket_bytes=case.get("bucket_bytes", 25 * 2**20), first_bucket_bytes=case.get("first_bucket_bytes", 2**20),
             )
+        trainer = Trainer(strategy, nn.functional.cross_entropy, accumulate=case.get("accumulate", 1))
         for X, y in make_batches(case["model"], case["batch_size"], case["steps"]):
             part = torch.tensor_split(torch.arange(len(y)), world.world_size)[world.rank]  # GlobalBatches' rule
-            strategy.train_step(X[part], y[part], nn.functional.cross_entropy)
+            trainer.train_step(X[part], y[part])
         torch.save(strategy.state_dict()["model"], out / f"{case['name']}-rank{world.rank}.pt")
     world.close()
 

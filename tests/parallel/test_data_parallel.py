@@ -5,7 +5,8 @@ from torch import nn
 from gpulab.devices import resolve
 from gpulab.errors import UserError
 from gpulab.models import LeNet
-from gpulab.parallel import DataParallel, Meter, replicate, split_batch
+from gpulab.parallel import DataParallel, replicate, split_batch
+from gpulab.train.step import Meter, Trainer
 
 CPU = torch.device("cpu")
 
@@ -61,12 +62,13 @@ def test_replicas_stay_identical_and_loss_is_the_batch_mean():
     with torch.no_grad():
         expected = nn.functional.cross_entropy(model(X), y)
     meter = Meter(CPU)
-    loss = dp.train_step(X, y, nn.functional.cross_entropy, meter)
+    trainer = Trainer(dp, nn.functional.cross_entropy)
+    loss = trainer.train_step(X, y, meter)
     torch.testing.assert_close(loss, expected)
     for r in dp.replicas[1:]:
         for p, q in zip(r.parameters(), dp.module.parameters()):
             assert torch.equal(p, q)
-    stats = meter.read()
+    stats = trainer.read(meter)
     assert stats["count"] == 11 and 0 <= stats["accuracy"] <= 1
     torch.testing.assert_close(stats["loss"], expected.item())
 
@@ -76,8 +78,8 @@ def test_evaluate_spreads_over_devices_and_counts_every_sample():
     model = LeNet()
     X, y = torch.randn(50, 1, 28, 28), torch.randint(0, 10, (50,))
     batches = [(X[i : i + 16], y[i : i + 16]) for i in range(0, 50, 16)]  # last batch of 2 < k
-    single = DataParallel(model, [CPU]).evaluate(batches)
-    multi = DataParallel(model, resolve("cpu*3")).evaluate(batches)
+    single = Trainer(DataParallel(model, [CPU]), nn.functional.cross_entropy).evaluate(batches)
+    multi = Trainer(DataParallel(model, resolve("cpu*3")), nn.functional.cross_entropy).evaluate(batches)
     with torch.no_grad():
         expected = (model(X).argmax(1) == y).float().mean().item()
     assert single["count"] == multi["count"] == 50
@@ -88,7 +90,7 @@ def test_per_device_batchnorm_buffers_are_averaged_for_evaluation():
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 26 * 26, 10))
     dp = DataParallel(model, resolve("cpu*2"))
     X = torch.cat([torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28) + 5])  # shards see different stats
-    dp.train_step(X, torch.randint(0, 10, (8,)), nn.functional.cross_entropy)
+    Trainer(dp, nn.functional.cross_entropy).train_step(X, torch.randint(0, 10, (8,)))
     a, b = (r[1].running_mean.clone() for r in dp.replicas)
     assert not torch.allclose(a, b)
     dp.sync_buffers()
@@ -99,7 +101,7 @@ def test_per_device_batchnorm_buffers_are_averaged_for_evaluation():
 def test_state_dict_round_trip_into_more_devices():
     torch.manual_seed(0)
     src = DataParallel(LeNet(), [CPU], optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    src.train_step(torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,)), nn.functional.cross_entropy)
+    Trainer(src, nn.functional.cross_entropy).train_step(torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,)))
     dst = DataParallel(LeNet(), resolve("cpu*2"), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     dst.load_state_dict(src.state_dict())
     for r in dst.replicas:
@@ -112,15 +114,15 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_close_loss():
     model = LeNet()
     X, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
     fp32 = DataParallel(model, resolve("cpu*2"))
-    bf16 = DataParallel(model, resolve("cpu*2"), autocast=torch.bfloat16)
-    loss32 = fp32.train_step(X, y, nn.functional.cross_entropy)
-    loss16 = bf16.train_step(X, y, nn.functional.cross_entropy)
+    bf16 = DataParallel(model, resolve("cpu*2"))
+    loss32 = Trainer(fp32, nn.functional.cross_entropy).train_step(X, y)
+    loss16 = Trainer(bf16, nn.functional.cross_entropy, autocast=torch.bfloat16).train_step(X, y)
     assert loss16.dtype == torch.float32  # autocast computes the loss in fp32
     assert abs(loss16.item() - loss32.item()) < 0.05
     assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
     for p, q in zip(bf16.replicas[0].parameters(), bf16.replicas[1].parameters()):
         assert torch.equal(p, q)  # replicas stay identical in mixed precision too
-    assert bf16.evaluate([(X, y)])["count"] == 16
+    assert Trainer(bf16, nn.functional.cross_entropy, autocast=torch.bfloat16).evaluate([(X, y)])["count"] == 16
 
 
 def test_bf16_evaluation_loss_is_computed_in_fp32():
@@ -129,5 +131,6 @@ def test_bf16_evaluation_loss_is_computed_in_fp32():
     X, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = nn.functional.cross_entropy(model(X), y).item()  # autocast: loss in fp32
-    got = DataParallel(model, resolve("cpu*2"), autocast=torch.bfloat16).evaluate([(X, y)], nn.functional.cross_entropy)
+    trainer = Trainer(DataParallel(model, resolve("cpu*2")), nn.functional.cross_entropy, autocast=torch.bfloat16)
+    got = trainer.evaluate([(X, y)], nn.functional.cross_entropy)
     assert got["loss"] == pytest.approx(expected, abs=1e-4)

@@ -12,6 +12,7 @@ from gpulab.errors import UserError
 from gpulab.models import build
 from gpulab.parallel.data_parallel import DataParallel
 from gpulab.parallel.graphed import check_capturable, graph_lr, restore, snapshot
+from gpulab.train.step import Meter, Trainer
 
 
 def sgd(params, fused=True, **kw):
@@ -81,13 +82,17 @@ def test_replayed_step_trains_as_plain_pytorch_and_follows_the_learning_rate():
     model = build("lenet").double()
     reference = build("lenet").double().to(device)
     reference.load_state_dict(model.state_dict())
-    strategy = DataParallel(model, [device], optimizer=lambda p: sgd(p), compile="graphs")
+    strategy = DataParallel(model, [device], optimizer=lambda p: sgd(p))
+    trainer = Trainer(strategy, nn.functional.cross_entropy, compile="graphs")
+    meter = Meter(device)
     ref_opt = sgd(reference.parameters(), fused=False)
     lrs = [0.5, 0.25, 0.125, 0.0625, 0.5]  # exact in float32: the graph's lr is the reference's
     for lr, (X, y) in zip(lrs, batches(5)):
         X, y = X.double().to(device), y.to(device)
-        strategy.set_lr(lr)
-        loss = strategy.train_step(X, y, nn.functional.cross_entropy)
+        trainer.set_lr(lr)
+        meter.totals.zero_()
+        trainer.step(X, y, meter)
+        loss = meter.totals[0] / len(y)
         for group in ref_opt.param_groups:
             group["lr"] = lr
         ref_opt.zero_grad()
@@ -95,6 +100,6 @@ def test_replayed_step_trains_as_plain_pytorch_and_follows_the_learning_rate():
         ref_loss.backward()
         ref_opt.step()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-9, atol=1e-12)
-    assert strategy.graph is not None and strategy.graph.graph is not None  # replayed, not eager
+    assert trainer.graph is not None and trainer.graph.graph is not None  # replayed, not eager
     for a, b in zip(strategy.module.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -16,7 +16,8 @@ from gpulab.cli import main
 from gpulab.devices import resolve
 from gpulab.models import LeNet
 from gpulab.parallel import DataParallel
-from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_parameter_difference
+from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training
+from gpulab.train.step import Trainer
 
 _spec = importlib.util.spec_from_file_location("dist_worker", Path(__file__).with_name("dist_worker.py"))
 worker = importlib.util.module_from_spec(_spec)
@@ -62,10 +63,11 @@ def max_diff(reference: nn.Module, dp: DataParallel) -> float:
     )
 
 
-def data_parallel(model, data, loss_fn, optimizer, k, **options) -> DataParallel:
+def data_parallel(model, data, loss_fn, optimizer, k, accumulate=1, **options) -> DataParallel:
     dp = DataParallel(copy.deepcopy(model), resolve(f"cpu*{k}"), optimizer=optimizer, **options)
+    trainer = Trainer(dp, loss_fn, accumulate=accumulate)
     for X, y in data:
-        dp.train_step(X, y, loss_fn)
+        trainer.train_step(X, y)
     return dp
 
 
@@ -86,7 +88,7 @@ def test_parity_float64(k, batch_size, optimizer, model):
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_a_learning_rate_schedule_set_each_step_is_plain_pytorch_s(k):
-    """The trainer sets the learning rate every step through the strategy (set_lr); plain PyTorch
+    """The trainer sets the learning rate every step (Trainer.set_lr); plain PyTorch
     sets it on its one optimizer's param_groups."""
     torch.manual_seed(0)
     net = LeNet().double()
@@ -102,9 +104,10 @@ def test_a_learning_rate_schedule_set_each_step_is_plain_pytorch_s(k):
         loss_fn(model(X), y).backward()
         opt.step()
     dp = DataParallel(copy.deepcopy(net), resolve(f"cpu*{k}"), optimizer=OPTIMIZERS["sgd-momentum"])
+    trainer = Trainer(dp, loss_fn)
     for lr, (X, y) in zip(rates, data):
-        dp.set_lr(lr)
-        dp.train_step(X, y, loss_fn)
+        trainer.set_lr(lr)
+        trainer.train_step(X, y)
     assert max_diff(model, dp) <= 1e-9
 
 
@@ -164,10 +167,13 @@ def test_per_device_batchnorm_is_not_parity():
     assert max_diff(reference, dp) > 1e-6
 
 
-def test_max_parameter_difference_measures_parity_and_its_absence():
+def test_the_parity_reference_measures_parity_and_its_absence():
+    """gpulab.parallel.parity's reference and difference (what --check-parity uses) on k devices."""
     torch.manual_seed(0)
-    net, loss_fn = LeNet(), nn.functional.cross_entropy
-    assert max_parameter_difference(net, resolve("cpu*3"), batches(24), loss_fn, OPTIMIZERS["adam"]) <= FLOAT64_TOLERANCE
+    net, loss_fn = LeNet().double(), nn.functional.cross_entropy
+    reference = reference_training(net, batches(24), loss_fn, OPTIMIZERS["adam"])
+    dp = data_parallel(net, batches(24), loss_fn, OPTIMIZERS["adam"], 3)
+    assert max_difference(reference.parameters(), dp.module.parameters()) <= FLOAT64_TOLERANCE
 
     def twice(params):  # an optimizer that steps twice: what parity must catch
         opt = OPTIMIZERS["adam"](params)

@@ -60,7 +60,7 @@ def test_one_step_of_your_model_loss_and_optimizer_equals_plain_pytorch(tmp_path
 
     run = build(config(tmp_path, devices=devices), train_data=train_set, test_data=test_set, model=ours,
                 loss_fn=nn.MSELoss(), optimizer=adam)
-    run.strategy.train_step(X, y, run.loss_fn)
+    run.trainer.train_step(X, y)
     for got, want in zip(run.strategy.state_dict()["model"].values(), reference.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

@@ -17,12 +17,12 @@ import torch
 
 from tests.conftest import assert_one_line_error, run_cli
 from gpulab.errors import UserError
-from gpulab.parallel import DataParallel
 from gpulab.parallel.launch import LAUNCHED_BY_GPULAB
 from gpulab.train import TrainConfig, train
 from gpulab.train import loop, rundir
 from gpulab.train.resume import resume_hint
 from gpulab.train.rundir import CHECKPOINT
+from gpulab.train.step import Trainer
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,16 +45,16 @@ def saved_epoch(run_dir: Path) -> int:
 def during_first_epoch(monkeypatch, action):
     """Call `action()` once, at the start of the first epoch trained (the directory is claimed, no
     checkpoint yet): a second run started while the first one is working."""
-    real = loop.train_epoch
+    real = loop.run_epoch
     calls = []
 
-    def train_epoch(run, epoch, progress=None):
+    def run_epoch(run, epoch, progress=None):
         if not calls:
             calls.append(epoch)
             action()
         return real(run, epoch, progress)
 
-    monkeypatch.setattr(loop, "train_epoch", train_epoch)
+    monkeypatch.setattr(loop, "run_epoch", run_epoch)
 
 
 def stop(row: dict) -> None:
@@ -391,21 +391,21 @@ def test_divergence_stops_within_the_epoch_without_a_host_read_per_step(tiny_dat
     monkeypatch.setattr(loop, "CHECK_EVERY", 4)
     reads = HostReads(monkeypatch)
     steps = []
-    real_step = DataParallel.train_step
+    real_step = Trainer.train_step
 
-    def train_step(self, X, y, loss_fn, meter=None):
+    def train_step(self, X, y, meter=None):
         steps.append(1)
         reads.active = True  # from the first step on: the loop's own reads only
         try:
-            return real_step(self, X, y, loss_fn, meter)
+            return real_step(self, X, y, meter)
         finally:
             reads.active = False
 
-    monkeypatch.setattr(DataParallel, "train_step", train_step)
-    real_epoch = loop.train_epoch
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    real_epoch = loop.run_epoch
     seen = {}
 
-    def train_epoch(run, epoch, progress=None):
+    def run_epoch(run, epoch, progress=None):
         seen["steps_per_epoch"] = len(run.train_loader)
         reads.active = True
         try:
@@ -413,7 +413,7 @@ def test_divergence_stops_within_the_epoch_without_a_host_read_per_step(tiny_dat
         finally:
             reads.active = False
 
-    monkeypatch.setattr(loop, "train_epoch", train_epoch)
+    monkeypatch.setattr(loop, "run_epoch", run_epoch)
     with pytest.raises(UserError) as info:
         train(config(tmp_path / "run", lr=1e6))
     assert seen["steps_per_epoch"] == 16
@@ -424,16 +424,16 @@ def test_divergence_stops_within_the_epoch_without_a_host_read_per_step(tiny_dat
 
 def test_reads_stay_one_per_epoch_for_a_healthy_run_of_short_epochs(tiny_data, tmp_path, monkeypatch):
     reads = HostReads(monkeypatch)
-    real_epoch = loop.train_epoch
+    real_epoch = loop.run_epoch
 
-    def train_epoch(run, epoch, progress=None):
+    def run_epoch(run, epoch, progress=None):
         reads.active = True
         try:
             return real_epoch(run, epoch, progress)
         finally:
             reads.active = False
 
-    monkeypatch.setattr(loop, "train_epoch", train_epoch)
+    monkeypatch.setattr(loop, "run_epoch", run_epoch)
     train(config(tmp_path / "run"))
     # 16 steps < CHECK_EVERY: the epoch's one read of the metrics, and on the run's first step the
     # one read of the labels' range (CheckedLoss: out-of-range labels are a device-side assert on CUDA).
@@ -453,13 +453,13 @@ def blow_up(monkeypatch, epoch: int, key: str, value: float):
 
         monkeypatch.setattr(loop, "evaluate", evaluate)
     else:
-        real_epoch = loop.train_epoch
+        real_epoch = loop.run_epoch
 
-        def train_epoch(run, e, progress=None):
+        def run_epoch(run, e, progress=None):
             result = real_epoch(run, e, progress)
             return {**result, key: value} if e + 1 == epoch else result
 
-        monkeypatch.setattr(loop, "train_epoch", train_epoch)
+        monkeypatch.setattr(loop, "run_epoch", run_epoch)
 
 
 @pytest.mark.parametrize("key, value, said", [
@@ -508,8 +508,8 @@ def test_the_divergence_rule():
 NAN_WITHIN_EPOCH_JOB = '''
 import os, sys, torch
 from gpulab.errors import UserError
-from gpulab.parallel.distributed import Distributed
 from gpulab.train import TrainConfig, loop, train
+from gpulab.train.step import Trainer
 
 loop.CHECK_EVERY = 2
 g = torch.Generator().manual_seed(0)
@@ -517,11 +517,11 @@ X, y = torch.randn(256, 1, 28, 28, generator=g), torch.randint(0, 10, (256,), ge
 X[5] = float("nan")  # one sample: it lands in one rank's part of one batch
 data = torch.utils.data.TensorDataset(X, y)
 steps = []
-real_step = Distributed.train_step
+real_step = Trainer.train_step
 def train_step(self, *args, **kwargs):
     steps.append(1)
     return real_step(self, *args, **kwargs)
-Distributed.train_step = train_step
+Trainer.train_step = train_step
 try:
     train(TrainConfig(devices="cpu", epochs=1, batch_size=16, precision="fp32", out=sys.argv[1]),
           train_data=data, test_data=data)

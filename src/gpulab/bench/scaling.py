@@ -1,6 +1,6 @@
 """scaling: data-parallel training throughput for k = 1..n devices, LeNet and ResNet-18.
 
-One step is `DataParallel.train_step` as the trainer runs it: split the batch over k devices,
+One step is gpulab train's (`Trainer.train_step` through DataParallel): split the batch over k devices,
 forward/backward on each, allreduce the gradients (gpulab's auto choice: NCCL on GPUs), update
 every replica. The batch is already on the first device (as `DeviceLoader` delivers it), and
 it is synthetic: throughput does not depend on pixel values, and the benchmark needs no dataset.
@@ -31,6 +31,7 @@ from gpulab.bench.harness import measure
 from gpulab.bench.report import Column, Result, figure
 from gpulab.devices import cpu, format_devices
 from gpulab.parallel import DataParallel
+from gpulab.train.step import Trainer
 
 LESSON = (
     "Data parallelism multiplies throughput when each device gets enough work per step; "
@@ -157,10 +158,10 @@ def _time_steps(cfg: Config, name: str, devices: list[torch.device], batch: int)
     channels_last = devices[0].type == "cpu"
     dp = DataParallel(_model(name, channels_last), devices, optimizer=lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
     X, y = _batch(batch, devices[0], channels_last)
-    loss_fn = nn.CrossEntropyLoss()
+    trainer = Trainer(dp, nn.CrossEntropyLoss())
     # wall+sync at every k (also k=1 on one GPU): the same clock for every row of a curve
     return measure(
-        lambda: dp.train_step(X, y, loss_fn),
+        lambda: trainer.train_step(X, y),
         devices,
         clock="wall+sync",
         warmup=cfg.warmup,
@@ -190,7 +191,7 @@ def _check_parity(cfg: Config, result: Result, name: str, devices: list[torch.de
     opt.step()
     model = _model(name, channels_last).double()
     dp = DataParallel(model, devices, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), sync_bn=sync_bn)
-    dp.train_step(X, y, nn.CrossEntropyLoss())
+    Trainer(dp, nn.CrossEntropyLoss()).train_step(X, y)
     what = f"{name}: one float64 step on {format_devices(devices)} == plain PyTorch on {devices[0]}"
     result.check(what, [p.detach() for p in dp.module.parameters()], [p.detach() for p in reference.parameters()],
                  rtol=1e-9, atol=1e-12)

@@ -5,7 +5,7 @@
 
 `gpulab profile -- python script.py` does the same for an unmodified script (parent/runner.py
 runs it with record/autostart/ on its PYTHONPATH); `gpulab train --profile` for gpulab's own
-trainer, whose per-phase step timer is gpulab.parallel.phases.PhaseTimer (the profiler listens to
+trainer, whose per-phase step timer is gpulab.train.step.PhaseTimer (the profiler listens to
 its phases).
 
 Importing this package does not import torch: the profiler's bootstrap must let the user's script

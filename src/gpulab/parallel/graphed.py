@@ -1,12 +1,10 @@
 """The whole training step of one GPU - forward, loss, backward, the optimizer's update - recorded
 once as a CUDA graph and replayed for every batch (`gpulab train --compile graphs` on one device).
 
-Why: a small model's step is a few hundred microseconds of GPU work behind milliseconds of Python
-and kernel launches (LeNet on an H200: 73 kernels of ~2 us each in a 2.9 ms step, the card busy
-16% of it, with torch.compile's own CUDA graphs around forward and backward only). A replay is
-one launch for all of it: the host's part of a step becomes two copies into the graph's input
-buffers, the learning rate written to the device, and the replay. On that H200 LeNet's epoch
-went from 0.52 s (0.78 s eager) to 0.12-0.13 s (benchmarks/results/h200-2026-11-27-issue35).
+Why: a small model's step is little GPU work behind much Python and many kernel launches, so the
+card idles between kernels. A replay is one launch for all of it: the host's part of a step
+becomes two copies into the graph's input buffers, the learning rate written to the device, and
+the replay (measured: docs/benchmarks.md).
 
 How, as torch's CUDA graph notes describe whole-network capture:
 - the step runs a few times on a side stream first (torch.compile compiles, autograd and the

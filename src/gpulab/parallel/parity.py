@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from gpulab.parallel.data_parallel import DataParallel
 
 FLOAT64_TOLERANCE = 1e-9
 
@@ -59,24 +58,3 @@ def max_difference(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> floa
     """The largest |difference| between corresponding tensors (e.g. two models' parameters)."""
     diffs = [(p.double().cpu() - q.double().cpu()).abs().max() for p, q in zip(a, b, strict=True)]
     return torch.stack(diffs).max().item() if diffs else 0.0
-
-
-def max_parameter_difference(
-    model: nn.Module,
-    devices: list[torch.device],
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable,
-    optimizer: Callable,
-    dtype: torch.dtype = torch.float64,
-    allreduce: str = "auto",
-) -> float:
-    """Plain PyTorch vs DataParallel over `devices` on the same batches: the largest parameter
-    difference of any replica."""
-    batches = list(batches)
-    reference = reference_training(model, batches, loss_fn, optimizer, dtype, devices[0])
-    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    # Per-device BatchNorm is a different computation by design; parity holds with sync BN.
-    multi = DataParallel(copy.deepcopy(model).to(dtype), devices, optimizer=optimizer, allreduce=allreduce, sync_bn=has_bn)
-    for X, y in batches:
-        multi.train_step(X.to(dtype), y, loss_fn)
-    return max(max_difference(reference.parameters(), replica.parameters()) for replica in multi.replicas)

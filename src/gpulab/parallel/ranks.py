@@ -1,9 +1,9 @@
-"""What the two torchrun strategies share: one device per rank, a model on it that starts from
-rank 0's parameters, and the collectives that read the job's metrics and keep BatchNorm's running
+"""What the torchrun strategies share: one device per rank, a model on it that starts from rank
+0's parameters, and the collectives that read the job's metrics and keep BatchNorm's running
 statistics in step.
 
-    RankStrategy   the common state and steps of Distributed (replicated: gpulab's bucketed
-                   sync or DDP) and Sharded (FSDP2); each adds how gradients are exchanged
+    RankStrategy   the common state and steps of Distributed (gpulab's bucketed sync), DDPSync
+                   (DDP) and Sharded (FSDP2); each adds how gradients are exchanged
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from gpulab.parallel.meter import Meter, summarize
-from gpulab.parallel.phases import PhaseTimer
-from gpulab.parallel.strategy import ShardStep, set_lr
+from gpulab.parallel.strategy import Shard
 from gpulab.parallel.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -28,16 +26,6 @@ def broadcast_from_main(module: nn.Module, world: World) -> None:
     with torch.no_grad(), world.collectives():
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t, src=0, group=world.group)
-
-
-def reduce_over_ranks(meter: Meter, world: World) -> dict[str, float]:
-    """Every rank's loss sum, correct count and sample count, summed in one collective."""
-    import torch.distributed as dist
-
-    totals = torch.cat([meter.totals, meter.totals.new_tensor([meter.count])])
-    with world.collectives():
-        dist.all_reduce(totals, group=world.group)
-    return summarize(*totals.tolist())
 
 
 @torch.no_grad()
@@ -53,32 +41,49 @@ def average_buffers(module: nn.Module, world: World) -> None:
 
 
 class RankStrategy:
-    """One torchrun rank's device, model and shard of every global batch; the subclass adds the
-    gradient exchange (train_step), evaluation and state."""
+    """One torchrun rank's device, model and part of every global batch; the subclass adds the
+    gradient exchange, and its own state where it differs."""
 
-    def __init__(self, module: nn.Module, world: World, device: torch.device, batch_size: int,
-                 accumulate: int, timer: PhaseTimer | None, autocast: torch.dtype | None, compile: str):
-        """`batch_size`: the global batch (all ranks together) of every training step; `compile`:
-        how each micro-batch's forward and loss run (ShardStep)."""
+    sharded_checkpoint = False  # state_dict() is whole on every process; rank 0 writes it
+    loss_scale = 1
+
+    def __init__(self, module: nn.Module, world: World, device: torch.device, batch_size: int):
+        """`batch_size`: the global batch (all ranks together) of every training step."""
         self.world = world
         self.devices = [device]
         self.num_replicas = world.world_size
         self.batch_size = batch_size
-        self.accumulate = accumulate
-        self.autocast = autocast
         self.buffers_stale = True  # BatchNorm's running statistics drift apart per rank
-        self.timer = timer or PhaseTimer([device], enabled=False)
         self.module = module.to(device)
         broadcast_from_main(self.module, world)
         self.replicas = [self.module]  # this process's copies of the model (DataParallel has k)
-        self.optimizer: torch.optim.Optimizer | None = None  # the subclass's, once its model is wrapped
-        self.shard_step = ShardStep(compile)
+        self.model: nn.Module = self.module  # what training calls: the subclass's wrapper, if any
+        self.optimizers: list[torch.optim.Optimizer] = []  # the subclass's, once its model is wrapped
 
-    def set_lr(self, lr: float) -> None:
-        set_lr([self.optimizer], lr)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizers[0]
 
-    def reduce(self, meter: Meter) -> dict[str, float]:
-        return reduce_over_ranks(meter, self.world)
+    def global_batch(self, local: int) -> int:
+        return self.batch_size
+
+    def split(self, X: torch.Tensor, y: torch.Tensor) -> list[Shard]:
+        return [(X, y)]  # this rank's part is already on its device
+
+    def each(self, fn, shards: list[Shard]) -> list[tuple]:
+        (X, y), = shards
+        return [fn(self.model, X, y)]
+
+    def collectives(self):
+        return self.world.collectives()
+
+    def sum_over_processes(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, group=self.world.group)
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
 
     def sync_buffers(self) -> None:
         """Average BatchNorm running statistics over ranks. Collective: every rank has made the
@@ -86,3 +91,11 @@ class RankStrategy:
         if self.buffers_stale:
             self.buffers_stale = False
             average_buffers(self.module, self.world)
+
+    def state_dict(self) -> dict:
+        self.sync_buffers()
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -19,19 +19,14 @@ multiplied by k, as for DDP: the result is the gradient of the global batch's me
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gpulab.parallel.data_parallel import micro_batches
-from gpulab.parallel.meter import Meter
-from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.ranks import OptimizerFactory, RankStrategy
 from gpulab.parallel.shard_files import read_shards
-from gpulab.parallel.strategy import LossFn, eval_batch
 from gpulab.parallel.world import World
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
@@ -83,21 +78,18 @@ class Sharded(RankStrategy):
         device: torch.device,
         batch_size: int,
         optimizer: OptimizerFactory = lambda p: torch.optim.SGD(p, lr=0.1),
-        accumulate: int = 1,
-        timer: PhaseTimer | None = None,
-        autocast: torch.dtype | None = None,
-        compile: str = "off",
+        param_dtype: torch.dtype | None = None,
     ):
         """`batch_size`: the global batch (all ranks together) of every training step;
-        `autocast`: bf16 as FSDP's mixed-precision policy (mixed_precision()), not torch.autocast."""
-        super().__init__(module, world, device, batch_size, accumulate, timer, autocast, compile)
+        `param_dtype`: bf16 as FSDP's mixed-precision policy (mixed_precision()), not torch.autocast."""
+        super().__init__(module, world, device, batch_size)
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(world.group, device.type)
-        policy = mixed_precision(autocast)
+        policy = mixed_precision(param_dtype)
         self.units = shard_units(self.module)
-        if autocast is not None:
+        if param_dtype is not None:
             # BatchNorm in fp32: its running statistics are buffers, which the policy leaves in fp32,
             # and batch_norm refuses bf16 weights beside fp32 statistics (autocast runs it in fp32 too)
             for bn in (m for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
@@ -105,51 +97,29 @@ class Sharded(RankStrategy):
         for unit in self.units:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(self.module, mesh=mesh, mp_policy=policy)
-        self.model = self.module
-        self.optimizer = optimizer(self.module.parameters())
+        self.param_dtype = param_dtype
+        self.loss_scale = world.world_size  # FSDP averages gradients over ranks; gpulab sums them
+        self.optimizers = [optimizer(self.module.parameters())]
         self.description = f"shard fsdp over {world.backend} ({len(self.units)} units + root)"
-        if autocast is not None:
-            self.description += f"; {str(autocast).removeprefix('torch.')} parameters gathered, fp32 gradients reduced"
+        if param_dtype is not None:
+            self.description += f"; {str(param_dtype).removeprefix('torch.')} parameters gathered, fp32 gradients reduced"
         self.module.train(True)
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ what the step asks
 
-    def train_step(self, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn, meter: Meter | None = None) -> torch.Tensor:
-        """One synchronized step on this rank's part (X, y) of a global batch of `batch_size`."""
-        self.buffers_stale = True
-        total = torch.zeros((), device=self.devices[0])
-        parts = micro_batches(X, y, self.accumulate)
+    def zero_grad(self) -> None:
+        self.buffers_stale = True  # a training step: evaluate / state_dict average them once again
         self.optimizer.zero_grad(set_to_none=True)
-        with self.world.collectives():
-            for j, (X_micro, y_micro) in enumerate(parts):
-                # Gradients are reduce-scattered after the last micro-batch only (no_sync's role).
-                self.module.set_requires_gradient_sync(j == len(parts) - 1)
-                with self.timer.phase("forward_backward"):
-                    # no torch.autocast: FSDP's policy casts (mixed_precision())
-                    mean, correct = self.shard_step(self.module, X_micro, y_micro, loss_fn, None)
-                    loss = mean * (len(y_micro) / self.batch_size)
-                    (loss * self.world.world_size).backward()  # FSDP averages over ranks; gpulab sums
-                total = total + loss.detach()
-                if meter is not None:
-                    meter.add(loss.detach() * self.batch_size, correct, len(y_micro))
-            with self.timer.phase("optimizer"):
-                self.optimizer.step()
-        return total
 
-    # ------------------------------------------------------------------ metrics, evaluation, state
+    def exchanging(self, last: bool):
+        # Gradients are reduce-scattered after the last micro-batch only (no_sync's role).
+        self.module.set_requires_gradient_sync(last)
+        return nullcontext()
 
-    @torch.no_grad()
-    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn | None = None) -> dict:
-        """Every rank evaluates its part of each batch (the same number of batches on every rank:
-        each forward all-gathers the units' parameters, a collective)."""
-        self.sync_buffers()
-        self.module.train(False)
-        meter = Meter(self.devices[0])
-        with self.world.collectives():
-            for X, y in batches:
-                meter.add(*eval_batch(self.module, X, y, loss_fn, None), len(y))  # the policy casts
-        self.module.train(True)
-        return self.reduce(meter)
+    def finish_exchange(self):
+        return nullcontext()  # FSDP's reduce-scatters are done when its backward returns
+
+    # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
         """The whole model and optimizer state, gathered on every rank (collective); the optimizer's

@@ -42,7 +42,7 @@ def main(spec: dict) -> None:
     def one_step(note_batch=None):
         if note_batch is not None:
             note_batch((X, y))
-        strategy.train_step(X, y, run.loss_fn)
+        run.trainer.train_step(X, y)
 
     try:
         result["peak"] = measure_step(one_step, device, strategy.replicas, strategy.optimizers)["peak"]

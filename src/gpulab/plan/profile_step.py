@@ -6,7 +6,7 @@ backward each gradient bucket becomes ready to send.
 `gpulab.plan.step` starts it (one process per copy) and reads the `StepProfile` it writes; this
 side imports torch and gpulab train's modules, that side neither.
 
-The step is gpulab train's own (`build` + `strategy.train_step` + the data loader) on one device
+The step is gpulab train's own (`build` + `Trainer.train_step` + the data loader) on one device
 with the per-device batch; the buckets are the ones `GradSync` would send (`Buckets`: same
 layout, same sizes). Timestamps, all on the device's clock:
 
@@ -39,8 +39,6 @@ from gpulab.config import TrainConfig
 from gpulab.io import atomic_write_json
 from gpulab.memory.step import measure_step
 from gpulab.parallel.distributed import GradSync
-from gpulab.parallel.meter import Meter
-from gpulab.parallel.phases import add_phase_listener
 from gpulab.parallel.sharded import Sharded, shard_units
 from gpulab.parallel.world import World
 from gpulab.plan.predict import fit_overlap
@@ -48,6 +46,7 @@ from gpulab.plan.profile import StepProfile
 from gpulab.train.build import build
 from gpulab.train.precision import autocast_dtype
 from gpulab.train.recipe import make_optimizer
+from gpulab.train.step import Meter, Trainer, add_phase_listener
 
 WARMUP_S = 1.0
 MIN_STEPS = 5
@@ -135,6 +134,9 @@ class _TimedStep:
         self.buckets.add_ready_listener(lambda _replica, b: marks.setdefault("buckets", {}).__setitem__(b, clock.now()))
         self.exchange = _Exchange(self.buckets)
         self.meter = Meter(self.device)
+        # The same step with the loss each copy takes when the copies exchange gradients.
+        self.exchanging_trainer = copy.copy(run.trainer)
+        self.exchanging_trainer.loss_fn = self._summed_to_mean
 
     def __call__(self, enough: bool = False, exchanged: bool = False, note_batch=None):
         marks, clock = self.marks, self.clock
@@ -143,9 +145,9 @@ class _TimedStep:
         X, y = next(self.source)
         if note_batch is not None:
             note_batch((X, y))
-        self.strategy.set_lr(self.run.peak_lr)
+        self.run.trainer.set_lr(self.run.peak_lr)
         self.exchange.begin_step(exchanged)
-        self.strategy.train_step(X, y, self._summed_to_mean if exchanged else self.run.loss_fn, self.meter)
+        (self.exchanging_trainer if exchanged else self.run.trainer).train_step(X, y, self.meter)
         all_done = self.in_step(enough)
         end = clock.now()
         clock.settle()
@@ -240,15 +242,16 @@ def _measure_sharded_step(spec: dict, run, source, in_step) -> tuple[float, int]
     _release(run.strategy)  # its whole state would count in the sharded step's memory
     world = _CopiesWorld(spec["copy"], spec["copies"])
     strategy = Sharded(model, world, run.strategy.devices[0], spec["batch"] * spec["copies"],
-                       make_optimizer(run.cfg.recipe_spec, run.peak_lr), autocast=autocast_dtype(run.cfg, run.devices))
+                       make_optimizer(run.cfg.recipe_spec, run.peak_lr), param_dtype=autocast_dtype(run.cfg, run.devices))
     loss_fn = lambda out, y: run.loss_fn(out, y) / spec["copies"]  # noqa: E731 (each copy its share, as a rank)
+    trainer = Trainer(strategy, loss_fn)  # FSDP's policy casts: no autocast
 
     def step(enough: bool = False, note_batch=None) -> tuple[float, bool]:
         start = time.perf_counter()
         X, y = next(source)
         if note_batch is not None:
             note_batch((X, y))
-        strategy.train_step(X, y, loss_fn)
+        trainer.train_step(X, y)
         return time.perf_counter() - start, in_step(enough)
 
     _warm_up(step, spec)

@@ -16,14 +16,13 @@ from gpulab.errors import UserError
 from gpulab.host import fix_malloc_thresholds
 from gpulab.options import flag, train_fields
 from gpulab.parallel import DataParallel, World
-from gpulab.parallel.distributed import Distributed
+from gpulab.parallel.distributed import DDPSync, Distributed
 from gpulab.parallel.sharded import Sharded
-from gpulab.parallel.meter import classifies
-from gpulab.parallel.phases import PhaseTimer
 from gpulab.parallel.strategy import Strategy
 from gpulab.parallel.world import choose_backend
 from gpulab.train.precision import autocast_dtype, compile_mode, use_channels_last
 from gpulab.train.recipe import make_optimizer
+from gpulab.train.step import CheckedLoss, PhaseTimer, Trainer
 
 
 @dataclass
@@ -32,10 +31,10 @@ class Run:
 
     cfg: TrainConfig
     world: World
-    strategy: Strategy
+    trainer: Trainer
+    """The step (and evaluation) every strategy runs, with the strategy it runs through."""
     train_loader: data.DeviceLoader | data.HostLoader
     test_loader: data.DeviceLoader | data.HostLoader
-    loss_fn: torch.nn.Module
     timer: PhaseTimer
     batch_size: int
     peak_lr: float
@@ -51,6 +50,14 @@ class Run:
     unconfirmed_epoch: int | None = None
     """On the other ranks, while rank 0 writes this epoch's checkpoint: whether it did, they learn at
     the barrier after it (a failure before then leaves them unsure)."""
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.trainer.strategy
+
+    @property
+    def loss_fn(self) -> CheckedLoss:
+        return self.trainer.loss_fn
 
     @property
     def devices(self) -> list[torch.device]:
@@ -160,26 +167,19 @@ def check_sharding(cfg: TrainConfig, world: World) -> None:
 
 
 def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, devices: list[torch.device],
-                  batch_size: int, lr: float, timer: PhaseTimer | None = None, optimizer=None,
-                  compile: str = "off") -> Strategy:
+                  batch_size: int, lr: float, optimizer=None, compile: str = "off") -> Strategy:
     """`compile`: off, on or graphs (compile_mode's answer); a compiled step steps the recipe's
     optimizer fused (a caller's own optimizer is left as given), except on FSDP's sharded
     parameters (DTensors), which torch's fused SGD does not take: its foreach step there."""
     sharded = world.world_size > 1 and cfg.shard == "fsdp"
     optimizer = optimizer or make_optimizer(cfg.recipe_spec, lr, fused=compile != "off" and not sharded)
-    autocast = autocast_dtype(cfg, devices)
     if sharded:
-        return Sharded(model, world, devices[0], batch_size, optimizer, accumulate=cfg.accumulate, timer=timer,
-                       autocast=autocast, compile=compile)
+        return Sharded(model, world, devices[0], batch_size, optimizer, param_dtype=autocast_dtype(cfg, devices))
+    if world.world_size > 1 and cfg.sync == "ddp":
+        return DDPSync(model, world, devices[0], batch_size, optimizer)
     if world.world_size > 1:
-        return Distributed(
-            model, world, devices[0], batch_size, optimizer, sync=cfg.sync, accumulate=cfg.accumulate,
-            sync_bn=cfg.sync_bn, timer=timer, autocast=autocast, compile=compile,
-        )
-    return DataParallel(
-        model, devices, optimizer=optimizer, allreduce=cfg.allreduce, sync_bn=cfg.sync_bn, timer=timer,
-        autocast=autocast, accumulate=cfg.accumulate, compile=compile,
-    )
+        return Distributed(model, world, devices[0], batch_size, optimizer, sync_bn=cfg.sync_bn)
+    return DataParallel(model, devices, optimizer=optimizer, allreduce=cfg.allreduce, sync_bn=cfg.sync_bn)
 
 
 def check_own_model(model: torch.nn.Module) -> None:
@@ -188,44 +188,6 @@ def check_own_model(model: torch.nn.Module) -> None:
         listing = ", ".join(sorted(str(d) for d in devices))
         raise UserError(f"the model's parameters are on several devices ({listing}): gpulab places one whole copy "
                         "per device itself - pass the model on one device (e.g. model.cpu())")
-
-
-class CheckedLoss:
-    """The loss function, checked on its first call: one-line errors instead of a broadcast error or
-    a silently wrong gradient deep in the step. Also learns whether accuracy applies (class scores
-    for integer labels), from shapes alone."""
-
-    def __init__(self, loss_fn):
-        self.loss_fn = loss_fn
-        self.checked = False
-        self.classifies = True
-
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.checked:
-            return self.loss_fn(outputs, targets)
-        if not isinstance(outputs, torch.Tensor):
-            raise UserError(f"the model returned a {type(outputs).__name__}: gpulab trains models whose forward "
-                            "returns one tensor (wrap the model to return the one the loss takes)")
-        if outputs.shape[:1] != targets.shape[:1]:
-            raise UserError(f"the model's outputs have batch size {outputs.shape[0] if outputs.dim() else 'none'} "
-                            f"(shape {tuple(outputs.shape)}) but the labels have {targets.shape[0] if targets.dim() else 'none'}: "
-                            "the first dimension of both must be the batch")
-        if classifies(outputs, targets) and len(targets):
-            # One host read, on the first step only: labels the class scores cannot index give
-            # an IndexError deep in cross_entropy otherwise.
-            low, high = torch.stack([targets.min(), targets.max()]).tolist()
-            if low < 0 or high >= outputs.shape[1]:
-                raise UserError(f"labels run from {low} to {high}, but the model gives {outputs.shape[1]} class scores "
-                                f"(labels must be 0..{outputs.shape[1] - 1}; the built-in models have 10 classes): "
-                                "relabel the data or use a model with more outputs")
-        loss = self.loss_fn(outputs, targets)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise UserError(f"the loss returned {shape}, not one number: gpulab needs the batch's mean loss "
-                            "(e.g. reduction='mean', PyTorch's default)")
-        self.classifies = classifies(outputs, targets)
-        self.checked = True
-        return loss
 
 
 # Options that may differ between machines: where the data and the run directory are, which
@@ -284,16 +246,19 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
 
     compile = world.all_or_none(lambda: compile_mode(cfg, devices))
     timer = PhaseTimer(devices)
-    strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, timer, optimizer, compile)
+    strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, optimizer, compile)
+    loss_fn = CheckedLoss(loss_fn or torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing))
+    # A sharded model's precision is FSDP's policy, not autocast's.
+    autocast = None if isinstance(strategy, Sharded) else autocast_dtype(cfg, devices)
+    trainer = Trainer(strategy, loss_fn, autocast, cfg.accumulate, compile, timer)
     # Linear scaling needs a warm-up: a k-times larger lr from step 0 diverges (Goyal et al. 2017).
     warmup_steps = len(train_loader) if cfg.scale_batch and replicas > 1 else 0
     return Run(
         cfg=cfg,
         world=world,
-        strategy=strategy,
+        trainer=trainer,
         train_loader=train_loader,
         test_loader=test_loader,
-        loss_fn=CheckedLoss(loss_fn or torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)),
         timer=timer,
         batch_size=batch_size,
         peak_lr=peak_lr,

@@ -29,7 +29,7 @@ def banner(run: Run, run_dir: RunDir) -> str:
     return (
         f"training {model} on {placement(run)}: {cfg.epochs} epochs, batch {run.batch_size} "
         f"(~{run.batch_size // strategy.num_replicas} per {per}), {schedule}, "
-        f"{precision(strategy)}{COMPILED[run.compile]}, {strategy.description} -> {run_dir.path}"
+        f"{precision(run)}{COMPILED[run.compile]}, {strategy.description} -> {run_dir.path}"
         + ("\n--sync-bn has no effect here: this model has no BatchNorm layers" if no_batchnorm else "")
     )
 
@@ -37,10 +37,10 @@ def banner(run: Run, run_dir: RunDir) -> str:
 COMPILED = {"off": "", "on": ", torch.compile", "graphs": ", torch.compile + CUDA graphs"}
 
 
-def precision(strategy: Strategy) -> str:
-    if strategy.autocast is None:
-        return "fp32"
-    return "bf16 (FSDP's mixed precision)" if isinstance(strategy, Sharded) else "bf16 autocast"
+def precision(run: Run) -> str:
+    if isinstance(run.strategy, Sharded):
+        return "fp32" if run.strategy.param_dtype is None else "bf16 (FSDP's mixed precision)"
+    return "fp32" if run.trainer.autocast is None else "bf16 autocast"
 
 
 def epoch_line(row: dict, epochs: int, strategy: Strategy) -> str:

@@ -1,11 +1,15 @@
-"""The training loop: epoch after epoch, batch -> strategy step (forward, backward, gradient
-exchange, update), with the running metrics on the device and one collective read per epoch
-(plus, every CHECK_EVERY steps, the non-finite flag); after each epoch, evaluation, checkpoint,
-metrics. What it runs is built by `build` (gpulab.train.build).
+"""The training loop, read top to bottom:
 
-The same loop runs in one process over k devices (`DataParallel`) and as every rank of a
-torchrun job (`Distributed`); the `World` decides who prints and writes (rank 0) and stops every
-rank together when one fails.
+    train      a new run, or one resumed from its directory: set up (start), then fit
+    fit        epoch after epoch: run_epoch, then end_epoch; any rank's failure stops all
+    run_epoch  the epoch's steps (Trainer.step: gpulab.train.step), the running metrics on the
+               device and one collective read per epoch (plus, every CHECK_EVERY steps, the
+               non-finite flag)
+    end_epoch  evaluation, the divergence rule, checkpoint and metrics
+
+What it runs is built by `build` (gpulab.train.build). The same loop runs in one process over
+k devices and as every rank of a torchrun job; the `World` decides who prints and writes
+(rank 0) and stops every rank together when one fails.
 """
 
 from __future__ import annotations
@@ -31,8 +35,7 @@ from gpulab.host import CoreWatch
 from gpulab.io import check_writable as check_folder_writable
 from gpulab.memory.peak import peak_memory, reset_peaks
 from gpulab.monitor import profile
-from gpulab.parallel import Meter, World
-from gpulab.parallel.meter import FiniteWatch
+from gpulab.parallel import World
 from gpulab.parallel.failures import PeerLost, Terminated
 from gpulab.parallel.world import SharedError, from_environment
 from gpulab.train.build import Run, build
@@ -41,6 +44,7 @@ from gpulab.train.recipe import lr_at
 from gpulab.train.resume import (extension_line, interrupted_line, restore, resume_command, resume_hint, saved_config,
                                  start_over_command)
 from gpulab.train.rundir import RunDir, Trust, check_writable, claims, default_run_dir
+from gpulab.train.step import FiniteWatch, Meter
 
 CHECK_EVERY = 50
 """Steps between reads of the running non-finite flag (FiniteWatch): a diverged run stops within
@@ -52,227 +56,6 @@ has exploded (see `divergence`)."""
 
 class NonFiniteLoss(RuntimeError):
     """The run diverged: a non-finite loss, or an epoch that exploded (`divergence`)."""
-
-
-# ----------------------------------------------------------------------------- building
-
-
-# ----------------------------------------------------------------------------- one epoch
-
-
-def rank_sum(world: World) -> Callable[[torch.Tensor], None] | None:
-    """Under torchrun: sum a tensor in place over every rank (a collective on the training group)."""
-    if world.world_size == 1:
-        return None
-
-    def combine(t: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        with world.collectives():
-            dist.all_reduce(t, group=world.group)
-
-    return combine
-
-
-def run_steps(run: Run, epoch: int, meter: Meter, watch: FiniteWatch, progress: Progress | None, task) -> dict:
-    """The epoch's steps, then every rank's totals read (which waits for the device)."""
-    cfg, loader = run.cfg, run.train_loader
-    total_steps = cfg.epochs * len(loader)
-    batches = iter(loader)
-    for step in range(len(loader)):
-        run.position = f"epoch {epoch + 1}, step {step + 1}/{len(loader)}"
-        with run.timer.phase("data"):
-            X, y = next(batches)
-        if run.schedule_lr:
-            run.strategy.set_lr(lr_at(epoch * len(loader) + step, total_steps, run.peak_lr, cfg.recipe_spec,
-                                      run.warmup_steps))
-        run.strategy.train_step(X, y, run.loss_fn, meter)
-        if progress:
-            progress.advance(task)
-        if (step + 1) % CHECK_EVERY == 0 and step + 1 < len(loader):  # the last step: reduce reads it all
-            seen = watch.poll(step + 1)
-            if seen:  # every rank reads the same sum at the same step: all stop together
-                raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {seen[0]} by step {seen[1]}/{len(loader)}")
-    stats = run.strategy.reduce(meter)  # also waits for the device: the epoch's time is complete
-    synchronize(run.devices)
-    return stats
-
-
-def train_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
-    """One pass over the training set. Reads the device once, at the end (with every rank's totals),
-    and every CHECK_EVERY steps the running non-finite flag (FiniteWatch: no per-step sync, and
-    on a GPU no wait), so that a diverged run stops within the epoch."""
-    cfg, loader = run.cfg, run.train_loader
-    loader.set_epoch(epoch)
-    meter = Meter(run.devices[0])
-    watch = FiniteWatch(meter, rank_sum(run.world))
-    run.timer.reset()
-    reset_peaks(run.devices)
-    task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
-    synchronize(run.devices)
-    cores = CoreWatch().start()
-    with CompileClock() as compiling:
-        t0 = time.perf_counter()
-        stats = run_steps(run, epoch, meter, watch, progress, task)
-        # torch.compile's compiles (the first epoch's, a recompile) are reported apart from the epoch
-        compile_seconds = compiling.take()
-        seconds = time.perf_counter() - t0 - compile_seconds
-    core_wait = cores.stop()
-    if progress:
-        progress.remove_task(task)
-    if not math.isfinite(stats["loss"]):  # every rank sees the same sum: all stop together
-        raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {stats['loss']}")
-    phases = {name: [round(s, 4) for s in per_device] for name, per_device in run.timer.summary().items()}
-    return {
-        "peak_memory": epoch_peak_memory(run),
-        "train_loss": stats["loss"],
-        "train_acc": stats["accuracy"] if run.loss_fn.classifies else None,
-        "train_seconds": seconds,
-        "compile_seconds": compile_seconds,
-        "samples_per_s": stats["count"] / seconds,
-        "phases_s": phases,
-        "allreduce_share": [s / seconds for s in phases.get("allreduce", [0.0])],
-        # the share of the epoch this process's busy threads waited for a core; more of them than cores?
-        "core_wait_share": core_wait.share if core_wait else None,
-        "cores_contended": core_wait.contended if core_wait else None,
-        "threads_to_try": core_wait.threads_to_try(torch.get_num_threads()) if core_wait else None,
-    }
-
-
-def epoch_peak_memory(run: Run) -> dict[str, int]:
-    """This epoch's peak memory per device ("cuda:0", or "cpu": the process's peak resident
-    memory), and under torchrun per rank ("rank 1 cuda:1"): one gather per epoch."""
-    peaks = peak_memory(run.devices)
-    if run.world.world_size == 1:
-        return peaks
-    every = run.world.gather(peaks)
-    if every is None:  # not the main rank: it keeps its own
-        return {f"rank {run.world.rank} {device}": n for device, n in peaks.items()}
-    return {f"rank {rank} {device}": n for rank, per_rank in enumerate(every) for device, n in per_rank.items()}
-
-
-def evaluate(run: Run) -> dict:
-    t0 = time.perf_counter()
-    result = run.strategy.evaluate(run.test_loader, run.loss_fn)
-    accuracy = result["accuracy"] if run.loss_fn.classifies else None
-    return {"test_loss": result["loss"], "test_acc": accuracy, "eval_seconds": time.perf_counter() - t0}
-
-
-def divergence(row: dict, history: list[dict]) -> str | None:
-    """Why this epoch diverged (so it must not be kept as good), or None.
-
-    The rule: an epoch is good when its training loss and its test loss are both finite and
-    neither exceeds DIVERGENCE_FACTOR (100) x the run's first-epoch training loss; for the first
-    epoch that is its own training loss. The first epoch's mean loss lies between the untrained
-    model's and what it learnt, and a healthy run stays below it (overfitting raises the test loss
-    a few times, not a hundred), so 100x means the run exploded. A reference <= 0 (a loss of the
-    user's that can be negative) leaves only the finiteness rule."""
-    reference = history[0]["train_loss"] if history else row["train_loss"]
-    for key, name in (("train_loss", "training loss"), ("test_loss", "test loss")):
-        value = row[key]
-        if not math.isfinite(value):
-            return f"the {name} became {value}"
-        if math.isfinite(reference) and reference > 0 and value > DIVERGENCE_FACTOR * reference:
-            return (f"the {name} became {value:.4g}, over {DIVERGENCE_FACTOR:g}x the first epoch's training loss "
-                    f"({reference:.4g})")
-    return None
-
-
-def save_epoch(run_dir: RunDir, state: dict, history: list[dict], world: World, last: bool) -> None:
-    """The checkpoint, then the metrics. A write that fails (a full disk, a folder gone) is one
-    line that says what is intact: the file being replaced is, by atomic_write_bytes."""
-    epoch = history[-1]["epoch"]
-    try:
-        run_dir.save_checkpoint({"strategy": state, "history": history, "epoch": epoch})
-    except OSError as e:
-        if len(history) > 1:
-            kept = (f"the checkpoint of epoch {history[-2]['epoch']} is intact: free space, then "
-                    f"{resume_command(run_dir, world)}")
-        else:
-            kept = f"no checkpoint was saved yet: free space, then start over with {start_over_command(run_dir, world)}"
-        raise UserError(f"could not write epoch {epoch}'s checkpoint to {run_dir.path} ({e.strerror or e}); {kept}") from None
-    try:
-        run_dir.write_metrics(history, last)
-    except OSError as e:
-        raise UserError(f"epoch {epoch}'s checkpoint is saved in {run_dir.path} but its metrics could not be written "
-                        f"({e.strerror or e}): free space, then {resume_command(run_dir, world)}") from None
-
-
-def checkpoint_state(run: Run, run_dir: RunDir, epoch: int) -> dict:
-    """What checkpoint.pt holds of the strategy: its whole state (rank 0 writes it), or for a
-    sharded run the folder every rank has just written its shard into."""
-    if not run.strategy.sharded_checkpoint:
-        return run.strategy.state_dict()
-    folder = run_dir.shards_folder(epoch)
-    try:
-        run.strategy.save_shards(folder)
-    except OSError as e:
-        raise UserError(f"could not write epoch {epoch}'s shard to {folder} ({e.strerror or e}); the checkpoint "
-                        f"before it is intact: free space, then {resume_command(run_dir, run.world)}") from None
-    return {"shards": folder.name}
-
-
-def run_one_epoch(run: Run, epoch: int, progress: Progress, run_dir: RunDir, history: list[dict]) -> dict:
-    """Train and evaluate one epoch, then checkpoint and write the metrics (appends to `history`).
-    An epoch that diverged (`divergence`) is not kept: the last good checkpoint stays."""
-    try:
-        row = {"epoch": epoch + 1, **train_epoch(run, epoch, progress)}
-        run.position = f"end of epoch {epoch + 1} (evaluation and checkpoint)"
-        row.update(evaluate(run))
-        why = divergence(row, history)  # the same numbers on every rank: all stop together
-        if why:
-            raise NonFiniteLoss(f"epoch {epoch + 1}: {why}")
-    except NonFiniteLoss as e:
-        # A checkpoint exists only once an epoch has finished; if the first one diverged
-        # there is nothing to keep, and saying "epoch 0" would promise a file that isn't there.
-        if history:
-            kept = f"last good checkpoint (epoch {history[-1]['epoch']}) kept in {run_dir.path}: lower --lr"
-        else:
-            kept = (f"no checkpoint saved in {run_dir.path} (no epoch finished without diverging): start over there "
-                    f"with a lower --lr (gpulab train --out {run_dir.path} ...)")
-        raise SharedError(f"{e}; stopped, {kept}", printed_by=0) from None
-    row["lr_peak"] = run.peak_lr
-    row["replicas"] = run.strategy.num_replicas
-    history.append(row)
-    state = checkpoint_state(run, run_dir, epoch + 1)  # collective: every rank takes part
-    if run.world.is_main:
-        save_epoch(run_dir, state, history, run.world, last=epoch + 1 == run.cfg.epochs)
-        if "shards" in state:  # committed: the folders checkpoint.pt no longer names go
-            run_dir.remove_shards_but(state["shards"])
-        run.saved_epoch = epoch + 1
-    else:
-        run.unconfirmed_epoch = epoch + 1
-    # The others wait here for rank 0's writes (within --timeout), so a failure meanwhile is
-    # reported at the epoch's end, not as step 1 of the next.
-    run.world.barrier()
-    run.saved_epoch, run.unconfirmed_epoch = epoch + 1, None
-    return row
-
-
-# ----------------------------------------------------------------------------- the whole run
-
-
-def new_run_dir(cfg: TrainConfig) -> Path:
-    """The main process picks the directory (a timestamp by default) and checks it is usable."""
-    # A factory spec (package.module:factory) names the folder by its factory: no ':' in paths.
-    path = Path(cfg.out) if cfg.out else default_run_dir(cfg.model.rpartition(":")[2])
-    if cfg.out:
-        check_writable(path)  # usable, not the user's other files, not a run with a checkpoint or in use
-    else:
-        check_folder_writable(path)  # the name itself is made unique when the run claims it
-    return path
-
-
-def check_data_sizes(run: Run) -> None:
-    """Nothing to train or test on stops here, before the directory is written: not after an
-    "epoch" of 0 samples saved as a result."""
-    if len(run.train_loader) == 0:
-        raise UserError(
-            f"no training batches: the training data is empty or smaller than one batch of {run.batch_size} "
-            "(the short last batch is dropped): use more data or a smaller --batch-size"
-        )
-    if len(run.test_loader) == 0:
-        raise UserError("the test set is empty: pass test data with at least one sample")
 
 
 def train(
@@ -302,21 +85,26 @@ def train(
     """
     world = from_environment()
     own = {"model": model, "loss_fn": loss_fn, "optimizer": optimizer}
+    console = console or Console(highlight=False, soft_wrap=True)
+    if not world.is_main:
+        console = Console(quiet=True)
     try:
         with claims():  # the run directory is this run's until it ends, however it ends
-            return _train(world, cfg, resume, console, on_epoch_end, train_data, test_data, own, data_dir, epochs,
-                          trust)
+            run, run_dir, history, start_epoch = start(world, cfg, resume, console, train_data, test_data, own,
+                                                       data_dir, epochs, trust)
+            if start_epoch >= run.cfg.epochs:
+                return history[-1]
+            return fit(run, run_dir, history, start_epoch, console, on_epoch_end)
     except (PeerLost, Terminated) as e:  # before training began (the loop reports its own)
         raise world.failure(e, "set-up", "Nothing was trained yet") from None
     finally:
         world.close()
 
 
-def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_data, own: dict, data_dir=None,
-           epochs=None, trust: Trust = Trust()) -> dict:
-    console = console or Console(highlight=False, soft_wrap=True)
-    if not world.is_main:
-        console = Console(quiet=True)
+def start(world: World, cfg, resume, console: Console, train_data, test_data, own: dict, data_dir=None,
+          epochs=None, trust: Trust = Trust()) -> tuple[Run, RunDir, list[dict], int]:
+    """Everything built and checked, then the run directory claimed (a new run) or read (a resumed
+    one): (run, its directory, the epochs' rows so far, the first epoch to train)."""
     if resume:
         run_dir = RunDir(Path(resume), option="--resume", trust=trust)
         cfg, checkpoint, saved_epochs = saved_config(world, run_dir, data_dir, epochs)
@@ -330,22 +118,33 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
         if start_epoch >= cfg.epochs:
             console.print(escape(f"{run_dir.path} is complete: {start_epoch} of {cfg.epochs} epochs trained; to train "
                                  f"it further, give a new total: gpulab train --resume {run_dir.path} --epochs N"))
-            return history[-1]
+            return run, run_dir, history, start_epoch
     else:
         # Only now, everything built, is the directory written: claimed (locked for the run's life,
         # a default name made unique), then config.json with what build() learnt (input shape).
         run_dir.path = Path(world.share("run-dir-claimed", lambda: run_dir.start(run.cfg.to_dict())))
         history, start_epoch = [], 0
-
     console.print(escape(banner(run, run_dir)))
     if resume and epochs is not None and epochs != saved_epochs and run.schedule_lr:  # (only rank 0 knows; only it prints)
         console.print(escape(extension_line(run, start_epoch)))
+    return run, run_dir, history, start_epoch
+
+
+def fit(run: Run, run_dir: RunDir, history: list[dict], start_epoch: int, console: Console,
+        on_epoch_end: Callable[[dict], None] | None) -> dict:
+    """Epoch after epoch from `start_epoch`: train, evaluate, checkpoint, print. A failure on any
+    rank stops every rank, each with one line that says where and how to go on."""
+    cfg, world = run.cfg, run.world
     # --profile: the same machinery as `gpulab profile`; report, timeline and trace go to <run>/profile.
     profiling = profile(out=run_dir.path / "profile", console=console, real_folder=True) if cfg.profile and world.is_main else nullcontext()
     with profiling, progress_bar(console, show=world.is_main) as progress:
         try:
             for epoch in range(start_epoch, cfg.epochs):
-                row = run_one_epoch(run, epoch, progress, run_dir, history)
+                try:
+                    row = {"epoch": epoch + 1, **run_epoch(run, epoch, progress)}
+                    end_epoch(run, epoch, row, run_dir, history)
+                except NonFiniteLoss as e:
+                    raise diverged(e, run_dir, history) from None
                 console.print(escape(epoch_line(row, cfg.epochs, run.strategy)))
                 warning = contention_line(row, torch.get_num_threads())
                 if warning:
@@ -361,9 +160,221 @@ def _train(world: World, cfg, resume, console, on_epoch_end, train_data, test_da
         except BaseException as e:
             world.report_failure(e)  # so the surviving ranks can name this rank and its reason
             raise
-
     console.print(escape(result_line(history, run)))
     return history[-1]
+
+
+def run_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
+    """One pass over the training set, step after step. Reads the device once, at the end (with
+    every rank's totals), and every CHECK_EVERY steps the running non-finite flag (FiniteWatch:
+    no per-step sync, and on a GPU no wait), so that a diverged run stops within the epoch."""
+    cfg, loader = run.cfg, run.train_loader
+    loader.set_epoch(epoch)
+    meter = Meter(run.devices[0])
+    watch = FiniteWatch(meter, rank_sum(run.world))
+    run.timer.reset()
+    reset_peaks(run.devices)
+    task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
+    synchronize(run.devices)
+    cores = CoreWatch().start()
+    with CompileClock() as compiling:
+        t0 = time.perf_counter()
+        batches = iter(loader)
+        for step in range(len(loader)):
+            run.position = f"epoch {epoch + 1}, step {step + 1}/{len(loader)}"
+            with run.timer.phase("data"):
+                X, y = next(batches)
+            if run.schedule_lr:
+                run.trainer.set_lr(lr_at(epoch * len(loader) + step, cfg.epochs * len(loader), run.peak_lr,
+                                         cfg.recipe_spec, run.warmup_steps))
+            run.trainer.step(X, y, meter)
+            if progress:
+                progress.advance(task)
+            if (step + 1) % CHECK_EVERY == 0 and step + 1 < len(loader):  # the last step: read() reads it all
+                seen = watch.poll(step + 1)
+                if seen:  # every rank reads the same sum at the same step: all stop together
+                    raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {seen[0]} by step "
+                                        f"{seen[1]}/{len(loader)}")
+        stats = run.trainer.read(meter)  # also waits for the device: the epoch's time is complete
+        synchronize(run.devices)
+        # torch.compile's compiles (the first epoch's, a recompile) are reported apart from the epoch
+        compile_seconds = compiling.take()
+        seconds = time.perf_counter() - t0 - compile_seconds
+    core_wait = cores.stop()
+    if progress:
+        progress.remove_task(task)
+    if not math.isfinite(stats["loss"]):  # every rank sees the same sum: all stop together
+        raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {stats['loss']}")
+    return epoch_row(run, stats, seconds, compile_seconds, core_wait)
+
+
+def end_epoch(run: Run, epoch: int, row: dict, run_dir: RunDir, history: list[dict]) -> None:
+    """Evaluate the epoch trained, then checkpoint it and write the metrics (appends `row` to
+    `history`). An epoch that diverged (`divergence`) is not kept: the last good checkpoint stays."""
+    run.position = f"end of epoch {epoch + 1} (evaluation and checkpoint)"
+    row.update(evaluate(run))
+    why = divergence(row, history)  # the same numbers on every rank: all stop together
+    if why:
+        raise NonFiniteLoss(f"epoch {epoch + 1}: {why}")
+    row["lr_peak"] = run.peak_lr
+    row["replicas"] = run.strategy.num_replicas
+    history.append(row)
+    state = checkpoint_state(run, run_dir, epoch + 1)  # collective: every rank takes part
+    if run.world.is_main:
+        save_epoch(run_dir, state, history, run.world, last=epoch + 1 == run.cfg.epochs)
+        if "shards" in state:  # committed: the folders checkpoint.pt no longer names go
+            run_dir.remove_shards_but(state["shards"])
+        run.saved_epoch = epoch + 1
+    else:
+        run.unconfirmed_epoch = epoch + 1
+    # The others wait here for rank 0's writes (within --timeout), so a failure meanwhile is
+    # reported at the epoch's end, not as step 1 of the next.
+    run.world.barrier()
+    run.saved_epoch, run.unconfirmed_epoch = epoch + 1, None
+
+
+# ----------------------------------------------------------------------------- the parts
+
+
+def evaluate(run: Run) -> dict:
+    t0 = time.perf_counter()
+    result = run.trainer.evaluate(run.test_loader, run.loss_fn)
+    accuracy = result["accuracy"] if run.loss_fn.classifies else None
+    return {"test_loss": result["loss"], "test_acc": accuracy, "eval_seconds": time.perf_counter() - t0}
+
+
+def divergence(row: dict, history: list[dict]) -> str | None:
+    """Why this epoch diverged (so it must not be kept as good), or None.
+
+    The rule: an epoch is good when its training loss and its test loss are both finite and
+    neither exceeds DIVERGENCE_FACTOR (100) x the run's first-epoch training loss; for the first
+    epoch that is its own training loss. The first epoch's mean loss lies between the untrained
+    model's and what it learnt, and a healthy run stays below it (overfitting raises the test loss
+    a few times, not a hundred), so 100x means the run exploded. A reference <= 0 (a loss of the
+    user's that can be negative) leaves only the finiteness rule."""
+    reference = history[0]["train_loss"] if history else row["train_loss"]
+    for key, name in (("train_loss", "training loss"), ("test_loss", "test loss")):
+        value = row[key]
+        if not math.isfinite(value):
+            return f"the {name} became {value}"
+        if math.isfinite(reference) and reference > 0 and value > DIVERGENCE_FACTOR * reference:
+            return (f"the {name} became {value:.4g}, over {DIVERGENCE_FACTOR:g}x the first epoch's training loss "
+                    f"({reference:.4g})")
+    return None
+
+
+def diverged(error: NonFiniteLoss, run_dir: RunDir, history: list[dict]) -> SharedError:
+    """The one line a diverged run stops with: what diverged, and what is kept."""
+    # A checkpoint exists only once an epoch has finished; if the first one diverged
+    # there is nothing to keep, and saying "epoch 0" would promise a file that isn't there.
+    if history:
+        kept = f"last good checkpoint (epoch {history[-1]['epoch']}) kept in {run_dir.path}: lower --lr"
+    else:
+        kept = (f"no checkpoint saved in {run_dir.path} (no epoch finished without diverging): start over there "
+                f"with a lower --lr (gpulab train --out {run_dir.path} ...)")
+    return SharedError(f"{error}; stopped, {kept}", printed_by=0)
+
+
+def epoch_row(run: Run, stats: dict, seconds: float, compile_seconds: float, core_wait) -> dict:
+    """The training half of an epoch's metrics row."""
+    phases = {name: [round(s, 4) for s in per_device] for name, per_device in run.timer.summary().items()}
+    return {
+        "peak_memory": epoch_peak_memory(run),
+        "train_loss": stats["loss"],
+        "train_acc": stats["accuracy"] if run.loss_fn.classifies else None,
+        "train_seconds": seconds,
+        "compile_seconds": compile_seconds,
+        "samples_per_s": stats["count"] / seconds,
+        "phases_s": phases,
+        "allreduce_share": [s / seconds for s in phases.get("allreduce", [0.0])],
+        # the share of the epoch this process's busy threads waited for a core; more of them than cores?
+        "core_wait_share": core_wait.share if core_wait else None,
+        "cores_contended": core_wait.contended if core_wait else None,
+        "threads_to_try": core_wait.threads_to_try(torch.get_num_threads()) if core_wait else None,
+    }
+
+
+def epoch_peak_memory(run: Run) -> dict[str, int]:
+    """This epoch's peak memory per device ("cuda:0", or "cpu": the process's peak resident
+    memory), and under torchrun per rank ("rank 1 cuda:1"): one gather per epoch."""
+    peaks = peak_memory(run.devices)
+    if run.world.world_size == 1:
+        return peaks
+    every = run.world.gather(peaks)
+    if every is None:  # not the main rank: it keeps its own
+        return {f"rank {run.world.rank} {device}": n for device, n in peaks.items()}
+    return {f"rank {rank} {device}": n for rank, per_rank in enumerate(every) for device, n in per_rank.items()}
+
+
+def rank_sum(world: World) -> Callable[[torch.Tensor], None] | None:
+    """Under torchrun: sum a tensor in place over every rank (a collective on the training group)."""
+    if world.world_size == 1:
+        return None
+
+    def combine(t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        with world.collectives():
+            dist.all_reduce(t, group=world.group)
+
+    return combine
+
+
+def checkpoint_state(run: Run, run_dir: RunDir, epoch: int) -> dict:
+    """What checkpoint.pt holds of the strategy: its whole state (rank 0 writes it), or for a
+    sharded run the folder every rank has just written its shard into."""
+    if not run.strategy.sharded_checkpoint:
+        return run.strategy.state_dict()
+    folder = run_dir.shards_folder(epoch)
+    try:
+        run.strategy.save_shards(folder)
+    except OSError as e:
+        raise UserError(f"could not write epoch {epoch}'s shard to {folder} ({e.strerror or e}); the checkpoint "
+                        f"before it is intact: free space, then {resume_command(run_dir, run.world)}") from None
+    return {"shards": folder.name}
+
+
+def save_epoch(run_dir: RunDir, state: dict, history: list[dict], world: World, last: bool) -> None:
+    """The checkpoint, then the metrics. A write that fails (a full disk, a folder gone) is one
+    line that says what is intact: the file being replaced is, by atomic_write_bytes."""
+    epoch = history[-1]["epoch"]
+    try:
+        run_dir.save_checkpoint({"strategy": state, "history": history, "epoch": epoch})
+    except OSError as e:
+        if len(history) > 1:
+            kept = (f"the checkpoint of epoch {history[-2]['epoch']} is intact: free space, then "
+                    f"{resume_command(run_dir, world)}")
+        else:
+            kept = f"no checkpoint was saved yet: free space, then start over with {start_over_command(run_dir, world)}"
+        raise UserError(f"could not write epoch {epoch}'s checkpoint to {run_dir.path} ({e.strerror or e}); {kept}") from None
+    try:
+        run_dir.write_metrics(history, last)
+    except OSError as e:
+        raise UserError(f"epoch {epoch}'s checkpoint is saved in {run_dir.path} but its metrics could not be written "
+                        f"({e.strerror or e}): free space, then {resume_command(run_dir, world)}") from None
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    """The main process picks the directory (a timestamp by default) and checks it is usable."""
+    # A factory spec (package.module:factory) names the folder by its factory: no ':' in paths.
+    path = Path(cfg.out) if cfg.out else default_run_dir(cfg.model.rpartition(":")[2])
+    if cfg.out:
+        check_writable(path)  # usable, not the user's other files, not a run with a checkpoint or in use
+    else:
+        check_folder_writable(path)  # the name itself is made unique when the run claims it
+    return path
+
+
+def check_data_sizes(run: Run) -> None:
+    """Nothing to train or test on stops here, before the directory is written: not after an
+    "epoch" of 0 samples saved as a result."""
+    if len(run.train_loader) == 0:
+        raise UserError(
+            f"no training batches: the training data is empty or smaller than one batch of {run.batch_size} "
+            "(the short last batch is dropped): use more data or a smaller --batch-size"
+        )
+    if len(run.test_loader) == 0:
+        raise UserError("the test set is empty: pass test data with at least one sample")
 
 
 def config_of_new_run(cfg: TrainConfig, train_data, model, data_dir: str | None) -> TrainConfig:

@@ -25,6 +25,7 @@ from gpulab.parallel.world import World, from_environment
 from gpulab.config import TrainConfig
 from gpulab.parallel.sharded import Sharded
 from gpulab.train.build import build, make_loaders, make_strategy
+from gpulab.train.step import Trainer
 from gpulab.train.precision import use_channels_last
 from gpulab.train.recipe import make_optimizer
 
@@ -69,12 +70,13 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
     for dtype in (torch.float32, torch.float64):
         model = copy.deepcopy(initial).to(dtype)
         strategy = make_strategy(cfg, world, model, run.devices, run.batch_size, run.peak_lr, compile=run.compile)
+        trainer = Trainer(strategy, run.loss_fn, run.trainer.autocast, cfg.accumulate, run.compile)
         for X, y in local:
-            strategy.train_step(X.to(run.devices[0], dtype), y.to(run.devices[0]), run.loss_fn)
+            trainer.step(X.to(run.devices[0], dtype), y.to(run.devices[0]))
         trained = world.gather(trained_parameters(strategy))
         # A step recorded whole as a CUDA graph reads its learning rate from a float32 tensor (what
         # torch's fused optimizers take): in float64 the reference applies that same number
-        lr = graph_lr(run.peak_lr) if getattr(strategy, "graph", None) is not None else run.peak_lr
+        lr = graph_lr(run.peak_lr) if trainer.graph is not None else run.peak_lr
         if world.is_main:
             reference = reference_training(
                 initial, batches, run.loss_fn, make_optimizer(cfg.recipe_spec, lr), dtype, run.devices[0]

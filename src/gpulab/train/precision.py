@@ -44,7 +44,7 @@ def autocast_dtype(cfg: TrainConfig, devices: list[torch.device]) -> torch.dtype
 
 
 def compile_mode(cfg: TrainConfig, devices: list[torch.device]) -> str:
-    """off, on or graphs (ShardStep): --compile, with auto's choice resolved.
+    """off, on or graphs (the Trainer's Forward): --compile, with auto's choice resolved.
 
     auto: off, where measured. LeNet on this project's 2-core Zen 4 EPYC (native bf16; 2026-11-27,
     two epochs per setting, benchmarks/results/cpu-amd-epyc-2core/compile_speed.txt): compiled,

@@ -1,5 +1,5 @@
 """The trainer-phases probe: gpulab's own trainer reports its phases through PhaseTimer, and each
-phase is a span of the category it belongs to (gpulab.parallel.phases.add_phase_listener, once
+phase is a span of the category it belongs to (gpulab.train.step.add_phase_listener, once
 that module is imported: public, gpulab's own hook).
 """
 
@@ -20,7 +20,7 @@ PHASE_CATEGORY = {
 
 class TrainerPhasesProbe(Probe):
     def hook(self) -> None:
-        self.patches.on_undo(after_import("gpulab.parallel.phases", self._listen_to_phases))
+        self.patches.on_undo(after_import("gpulab.train.step", self._listen_to_phases))
 
     def _listen_to_phases(self, phases) -> None:
         self.patches.on_undo(phases.add_phase_listener(self._phase))
