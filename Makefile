@@ -18,7 +18,7 @@ demo: setup data
 # gpulab counts them; xdist's own `-n auto` counts physical cores, one on a 2-vCPU SMT VM; --dist
 # loadscope: a module's tests in one worker, so its shared runs are made once), then those marked
 # `alone` (the profiler's: they measure the machine) one after another. Both parts run even when
-# the first fails; each ends with its 15 slowest tests (README's "Tests" says what the suite takes where).
+# the first fails; each ends with its 15 slowest tests (docs/benchmarks.md's "Tests: what the suite takes where").
 SHARED = -n $(shell $(PY) -c "from gpulab.host import usable_cores; print(usable_cores())") --dist loadscope
 
 test: setup data
