@@ -8,7 +8,7 @@ alike. Each triple gives a paired ratio, mode / baseline; the overhead is the me
 ratios over all triples, with a 95 % confidence interval from order statistics.
 
   baseline   nothing but the loop
-  sampler    gpulab.monitor.Sampler at 100 ms in this process (the worst case: `gpulab profile`
+  sampler    gpulab.monitor.parent.sampler.Sampler at 100 ms in this process (the worst case: `gpulab profile`
              runs it in the parent process, where it takes no GIL time from the loop)
   profile    everything `gpulab.monitor.profile` runs during the loop: the sampler, the recorder's
              hooks (DataLoader, forward, backward, optimizer) and its 20 ms stack sampler

@@ -222,6 +222,15 @@ MUTATIONS = [
     Mutation("the recorder's import hook consumed by a lookup (find_spec) that imports nothing: the recorder never starts",
              "src/gpulab/monitor/record/interpreter.py", "                sys.meta_path.insert(0, self)\n",
              "                pass\n", ["tests/monitor/test_import_hook.py"]),
+    Mutation("decoded Fashion-MNIST found by its files' paths only (a file replaced: its old arrays read)",
+             "src/gpulab/data/decoded.py", 'h.update(f"{key}={path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino};".encode())',
+             'h.update(f"{key}={path};".encode())', ["tests/data/test_decoded.py"]),
+    Mutation("a decoded entry believed without the checks its source files get",
+             "src/gpulab/data/fashion_mnist.py", "    if arrays is None or splits_problem(paths, arrays):",
+             "    if arrays is None:", ["tests/data/test_decoded.py"]),
+    Mutation("curves.png drawn in the run's own thread before its last epoch (the epoch waits for it)",
+             "src/gpulab/train/curves.py", 'self._start(lambda: draw(self.folder / "curves.png", rows, title))',
+             'draw(self.folder / "curves.png", rows, title)', ["tests/train/test_rundir.py"]),
 ]
 
 

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 64 * 2**20
@@ -49,6 +51,12 @@ def fix_malloc_thresholds() -> bool:
 
 
 # ----------------------------------------------------------------------------- cores
+
+
+def seconds_since_start() -> float:
+    """Wall seconds since this process was created (the kernel's record, to 10 ms): what a user
+    who started the command has waited so far, interpreter start-up and imports included."""
+    return time.time() - psutil.Process().create_time()
 
 
 def usable_cores(pid: int = 0) -> int:

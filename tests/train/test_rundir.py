@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import matplotlib
 
@@ -15,6 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from gpulab.errors import UserError  # noqa: E402
+from gpulab.train import curves  # noqa: E402
 from gpulab.train.rundir import RunDir  # noqa: E402
 
 C0, C1 = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two line colours: train, test
@@ -95,12 +97,38 @@ def test_curves_are_drawn_after_the_last_epoch_and_at_most_every_so_often_before
     (tmp_path / "config.json").write_text(json.dumps({"model": "lenet", "devices": "cpu"}))
     run_dir = RunDir(tmp_path)
     run_dir.write_metrics([row(1, 0.9, 0.7)], last=False)  # a short run's epoch 1: no picture yet
+    run_dir.curves.wait()
     assert (tmp_path / "metrics.json").exists() and not (tmp_path / "curves.png").exists()
-    monkeypatch.setattr("gpulab.train.rundir.PLOT_EVERY_S", 0.0)  # as if the last picture were old
+    monkeypatch.setattr("gpulab.train.curves.PLOT_EVERY_S", 0.0)  # as if the last picture were old
     run_dir.write_metrics([row(1, 0.9, 0.7), row(2, 0.8, 0.75)], last=False)
+    run_dir.curves.wait()
     assert (tmp_path / "curves.png").exists()
-    monkeypatch.setattr("gpulab.train.rundir.PLOT_EVERY_S", 3600.0)
+    monkeypatch.setattr("gpulab.train.curves.PLOT_EVERY_S", 3600.0)
     (tmp_path / "curves.png").unlink()
     run_dir.write_metrics([row(1, 0.9, 0.7), row(2, 0.8, 0.75), row(3, 0.7, 0.8)], last=True)
-    assert (tmp_path / "curves.png").exists()
+    assert (tmp_path / "curves.png").exists()  # the last one is there when write_metrics returns
     plt.close("all")
+
+
+def test_an_epoch_never_waits_for_a_picture_under_way(tmp_path, monkeypatch):
+    """Before the last epoch, curves.png is drawn on a thread of its own: write_metrics returns
+    while the drawing is still going; the last epoch's picture waits for it, then is drawn."""
+    (tmp_path / "config.json").write_text(json.dumps({"model": "lenet", "devices": "cpu"}))
+    run_dir = RunDir(tmp_path)
+    release, drawn = threading.Event(), []
+    real_draw = curves.draw
+
+    def slow_draw(path, history, title):
+        release.wait(timeout=5)
+        drawn.append(len(history))
+        real_draw(path, history, title)
+
+    monkeypatch.setattr(curves, "draw", slow_draw)
+    monkeypatch.setattr(curves, "PLOT_EVERY_S", 0.0)
+    run_dir.write_metrics([row(1, 0.9, 0.7)], last=False)
+    assert run_dir.curves.busy() and drawn == []  # returned with the picture under way
+    run_dir.write_metrics([row(1, 0.9, 0.7), row(2, 0.8, 0.75)], last=False)  # one at a time: skipped
+    release.set()
+    run_dir.write_metrics([row(1, 0.9, 0.7), row(2, 0.8, 0.75), row(3, 0.7, 0.8)], last=True)
+    assert drawn == [1, 3] and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert not list(tmp_path.glob(".*.tmp"))

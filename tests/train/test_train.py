@@ -21,7 +21,7 @@ from gpulab.train.recipe import lr_at
 from gpulab.train.rundir import CHECKPOINT, LOCK, RunDir, check_writable, default_run_dir
 
 MEASURED_KEYS = {"train_seconds", "samples_per_s", "phases_s", "allreduce_share", "eval_seconds", "peak_memory",
-                 "core_wait_share", "cores_contended", "threads_to_try"}
+                 "core_wait_share", "cores_contended", "threads_to_try", "first_step_s", "wall_s"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -85,6 +85,9 @@ def test_run_dir_contents(tiny_data, tmp_path):
         for key in ("train_loss", "train_acc", "test_loss", "test_acc", "train_seconds", "samples_per_s", "lr_peak"):
             assert isinstance(row[key], float) and math.isfinite(row[key]), key
         assert 0 <= row["train_acc"] <= 1 and 0 <= row["test_acc"] <= 1
+    # What the user waited, from the process's start: for the first step, for each epoch's result.
+    assert 0 < rows[0]["first_step_s"] < rows[0]["wall_s"] < rows[1]["wall_s"]
+    assert "first_step_s" not in rows[1]
     with open(out / "metrics.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in table] == [1, 2]
@@ -131,6 +134,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_data, tmp_path, d
 
     final = train(resume=str(crashed))
     assert final["epoch"] == 3
+    assert "first_step_s" in metrics(crashed)[1]  # the resumed process's first step
     assert_same_weights(whole, crashed)
     assert deterministic(metrics(crashed)) == deterministic(metrics(whole))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpulab.data import decoded
 from gpulab.data.idx import read_idx
 from gpulab.errors import UserError
 from gpulab.io import cache_dir as gpulab_cache_dir
@@ -135,35 +136,46 @@ def _download(target: Path) -> dict[str, Path]:
 
 
 def load(data_dir: str | os.PathLike | None = None, download: bool = False) -> tuple[Split, Split]:
-    """(train, test) splits, validated: shapes, image/label counts and label range."""
+    """(train, test) splits, validated: shapes, image/label counts and label range. The files are
+    decoded once; later runs read the decoded arrays from gpulab's cache (gpulab.data.decoded)."""
     paths = find(data_dir, download)
-    splits = []
+    arrays = decoded.read(decoded_dir(), paths)
+    if arrays is None or splits_problem(paths, arrays):  # an entry gpulab would not have written: decode
+        arrays = {key: read_idx(path, expect_ndim=3 if key.endswith("images") else 1) for key, path in paths.items()}
+        problem = splits_problem(paths, arrays)
+        if problem:
+            raise UserError(problem)
+        decoded.write(decoded_dir(), paths, arrays)
+    return tuple(
+        Split(images=torch.from_numpy(np.array(arrays[f"{part}_images"])).unsqueeze(1),
+              labels=torch.from_numpy(arrays[f"{part}_labels"].astype(np.int64)))
+        for part in ("train", "test")
+    )
+
+
+def decoded_dir() -> Path:
+    return gpulab_cache_dir() / "fashion-mnist-decoded"
+
+
+def splits_problem(paths: dict[str, Path], arrays: dict[str, np.ndarray]) -> str | None:
+    """What keeps the splits from being Fashion-MNIST's (images 28x28, as many images as labels,
+    labels 0..9), in one line naming the file; None when they are."""
     for part in ("train", "test"):
-        images = read_idx(paths[f"{part}_images"], expect_ndim=3)
-        labels = read_idx(paths[f"{part}_labels"], expect_ndim=1)
+        images, labels = arrays[f"{part}_images"], arrays[f"{part}_labels"]
+        images_path, labels_path = paths[f"{part}_images"], paths[f"{part}_labels"]
+        if images.ndim != 3 or labels.ndim != 1:
+            return f"{images_path}: not N images of H x W beside {labels_path}'s N labels"
         if len(images) == 0:
-            raise UserError(f"{paths[f'{part}_images']} holds no images: the {part} split is empty; use the full dataset")
+            return f"{images_path} holds no images: the {part} split is empty; use the full dataset"
         if images.shape[1:] != (28, 28):
-            raise UserError(
-                f"{paths[f'{part}_images']}: images are {images.shape[1]}x{images.shape[2]}, but Fashion-MNIST's are "
-                "28x28: wrong files? (other images: pass them to gpulab.train.train() as train_data/test_data)"
-            )
+            return (f"{images_path}: images are {images.shape[1]}x{images.shape[2]}, but Fashion-MNIST's are "
+                    "28x28: wrong files? (other images: pass them to gpulab.train.train() as train_data/test_data)")
         if len(images) != len(labels):
-            raise UserError(
-                f"{paths[f'{part}_images']} has {len(images)} images but {paths[f'{part}_labels']} has "
-                f"{len(labels)} labels; the two files are from different datasets"
-            )
+            return (f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels; the two "
+                    "files are from different datasets")
         if labels.size and labels.max() >= len(CLASSES):
-            raise UserError(
-                f"{paths[f'{part}_labels']}: label {int(labels.max())} out of range 0..{len(CLASSES) - 1}"
-            )
-        splits.append(
-            Split(
-                images=torch.from_numpy(np.array(images)).unsqueeze(1),
-                labels=torch.from_numpy(labels.astype(np.int64)),
-            )
-        )
-    return splits[0], splits[1]
+            return f"{labels_path}: label {int(labels.max())} out of range 0..{len(CLASSES) - 1}"
+    return None
 
 
 def write_subset(folder: Path, num_train: int, num_test: int = 256, data_dir: str | os.PathLike | None = None) -> Path:

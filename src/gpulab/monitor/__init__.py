@@ -1,7 +1,8 @@
 """See where the time goes.
 
     profile(out=...)   profile a training loop in this process (`with ... as p:`; `p.step()`)
-    Sampler            background sampling of GPUs (NVML, GPM) and the process (psutil)
+
+(the background sampler of GPUs and the process is parent/sampler.py's Sampler).
 
 `gpulab profile -- python script.py` does the same for an unmodified script (parent/runner.py
 runs it with record/autostart/ on its PYTHONPATH); `gpulab train --profile` for gpulab's own
@@ -9,10 +10,9 @@ trainer, whose per-phase step timer is gpulab.train.step.PhaseTimer (the profile
 its phases).
 
 Importing this package does not import torch: the profiler's bootstrap must let the user's script
-be the one that imports it (a script may set OMP_NUM_THREADS first).
+be the one that imports it (a script may set OMP_NUM_THREADS first). Nor anything else of the
+profiler: `gpulab train` imports it for --profile, and a run without it pays nothing.
 """
-
-from gpulab.monitor.parent.sampler import Sampler
 
 
 def profile(out="profile", **settings):
@@ -26,4 +26,4 @@ def profile(out="profile", **settings):
     return start_session(out, **settings)
 
 
-__all__ = ["Sampler", "profile"]
+__all__ = ["profile"]

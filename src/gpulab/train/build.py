@@ -43,6 +43,8 @@ class Run:
     """The recipe's schedule sets the learning rate each step; a caller's own optimizer keeps its own."""
     compile: str = "off"
     """How the step runs: off, on (torch.compile) or graphs (and CUDA graphs): --compile, resolved."""
+    first_step_s: float | None = None
+    """When this process's first training step ended, in seconds since the process started."""
     position: str = "set-up"
     """Where the loop is ("epoch 2, step 37"), for the message when another rank fails."""
     saved_epoch: int = 0

@@ -31,7 +31,7 @@ from gpulab.compiler import CompileClock
 from gpulab.config import TrainConfig
 from gpulab.devices import synchronize
 from gpulab.errors import UserError
-from gpulab.host import CoreWatch
+from gpulab.host import CoreWatch, seconds_since_start
 from gpulab.io import check_writable as check_folder_writable
 from gpulab.memory.peak import peak_memory, reset_peaks
 from gpulab.monitor import profile
@@ -135,6 +135,8 @@ def fit(run: Run, run_dir: RunDir, history: list[dict], start_epoch: int, consol
     """Epoch after epoch from `start_epoch`: train, evaluate, checkpoint, print. A failure on any
     rank stops every rank, each with one line that says where and how to go on."""
     cfg, world = run.cfg, run.world
+    if world.is_main and any(d.type == "cuda" for d in run.devices):
+        run_dir.curves.prepare()  # while a GPU trains the host's cores are free: matplotlib's import now
     # --profile: the same machinery as `gpulab profile`; report, timeline and trace go to <run>/profile.
     profiling = profile(out=run_dir.path / "profile", console=console, real_folder=True) if cfg.profile and world.is_main else nullcontext()
     with profiling, progress_bar(console, show=world.is_main) as progress:
@@ -177,6 +179,7 @@ def run_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
     task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
     synchronize(run.devices)
     cores = CoreWatch().start()
+    row_extra = {}
     with CompileClock() as compiling:
         t0 = time.perf_counter()
         batches = iter(loader)
@@ -188,6 +191,10 @@ def run_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
                 run.trainer.set_lr(lr_at(epoch * len(loader) + step, cfg.epochs * len(loader), run.peak_lr,
                                          cfg.recipe_spec, run.warmup_steps))
             run.trainer.step(X, y, meter)
+            if run.first_step_s is None:  # what the user waited for training to begin (one sync, once)
+                synchronize(run.devices)
+                run.first_step_s = seconds_since_start()
+                row_extra = {"first_step_s": run.first_step_s}
             if progress:
                 progress.advance(task)
             if (step + 1) % CHECK_EVERY == 0 and step + 1 < len(loader):  # the last step: read() reads it all
@@ -205,7 +212,7 @@ def run_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
         progress.remove_task(task)
     if not math.isfinite(stats["loss"]):  # every rank sees the same sum: all stop together
         raise NonFiniteLoss(f"epoch {epoch + 1}: the training loss became {stats['loss']}")
-    return epoch_row(run, stats, seconds, compile_seconds, core_wait)
+    return {**epoch_row(run, stats, seconds, compile_seconds, core_wait), **row_extra}
 
 
 def end_epoch(run: Run, epoch: int, row: dict, run_dir: RunDir, history: list[dict]) -> None:
@@ -213,6 +220,7 @@ def end_epoch(run: Run, epoch: int, row: dict, run_dir: RunDir, history: list[di
     `history`). An epoch that diverged (`divergence`) is not kept: the last good checkpoint stays."""
     run.position = f"end of epoch {epoch + 1} (evaluation and checkpoint)"
     row.update(evaluate(run))
+    row["wall_s"] = seconds_since_start()  # since this process started: the time to this accuracy
     why = divergence(row, history)  # the same numbers on every rank: all stop together
     if why:
         raise NonFiniteLoss(f"epoch {epoch + 1}: {why}")

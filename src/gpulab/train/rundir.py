@@ -50,6 +50,7 @@ from gpulab.errors import UserError
 from gpulab.io import (atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable,
                        open_regular_file, read_regular_file)
 from gpulab.parallel.shard_files import read_shards
+from gpulab.train.curves import Curves
 
 CHECKPOINT = "checkpoint.pt"
 SHARDS_GLOB = "checkpoint-epoch*.dcp"  # a sharded run's checkpoints (torch.distributed.checkpoint folders)
@@ -57,7 +58,6 @@ SHARDS_NAME = re.compile(r"checkpoint-epoch[0-9]+\.dcp")
 LOCK = ".gpulab.lock"
 RESULTS = ("metrics.json", "metrics.csv", "curves.png")
 """What a finished epoch writes besides the checkpoint: stale when a run starts over in place."""
-PLOT_EVERY_S = 30.0  # curves.png at most this often during a run, and always after its last epoch
 CONFIG_MAX_BYTES = 1 << 20  # a run's config.json is under 1 KiB: anything near this is not one
 
 # The run directories claimed inside the innermost `claims()` block, released when it ends.
@@ -220,7 +220,7 @@ class RunDir:
         """The command-line option that named this existing run ("--resume"), which the errors of
         reading it start with; None where the folder was named on its own (gpulab export DIR)."""
         self._lock: int | None = None
-        self._drawn_at = time.monotonic()  # curves.png: when last drawn (a run's first after PLOT_EVERY_S)
+        self._curves: Curves | None = None
 
     @property
     def label(self) -> str:
@@ -377,9 +377,8 @@ class RunDir:
         return config
 
     def write_metrics(self, history: list[dict], last: bool = True) -> None:
-        """metrics.json and metrics.csv; curves.png when `last` (the run's last epoch, a resume)
-        or when the last one is PLOT_EVERY_S old: drawing it takes ~0.3 s (and importing
-        matplotlib 0.6 s), more than a small model's epoch on a GPU."""
+        """metrics.json and metrics.csv; curves.png after the run's last epoch (`last`, or a
+        resume), and now and then before on a thread of its own (train/curves.py)."""
         atomic_write_json(self.path / "metrics.json", history)
         flat = [csv_row(row) for row in history]
         buf = io.StringIO()
@@ -387,9 +386,14 @@ class RunDir:
         writer.writeheader()
         writer.writerows(flat)
         atomic_write_bytes(self.path / "metrics.csv", buf.getvalue().encode())
-        if last or time.monotonic() - self._drawn_at >= PLOT_EVERY_S:
-            self._plot_curves(history)
-            self._drawn_at = time.monotonic()
+        self.curves.update(history, last)
+
+    @property
+    def curves(self) -> Curves:
+        """curves.png of this run (once its folder is claimed: the path is final)."""
+        if self._curves is None:
+            self._curves = Curves(self.path, self._title)
+        return self._curves
 
     def metrics_epochs(self) -> list | None:
         """The epochs metrics.json lists (None when it is missing or unreadable)."""
@@ -397,39 +401,6 @@ class RunDir:
             return [row["epoch"] for row in json.loads((self.path / "metrics.json").read_text())]
         except (OSError, ValueError, TypeError, KeyError):
             return None
-
-    def _plot_curves(self, history: list[dict]) -> None:
-        """Loss and accuracy by epoch, each on its own axes, every epoch a marker (so that a
-        1-epoch run shows its point), titled with the run."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        epochs = [r["epoch"] for r in history]
-        classifier = history[-1].get("train_acc") is not None
-        fig, axes = plt.subplots(1, 2 if classifier else 1, figsize=(9 if classifier else 5.5, 3.6), dpi=120,
-                                 squeeze=False)
-        panels = [(axes[0][0], "loss", [("train_loss", "train"), ("test_loss", "test")])]
-        if classifier:
-            panels.append((axes[0][1], "accuracy", [("train_acc", "train"), ("test_acc", "test")]))
-        for ax, name, series in panels:
-            for key, label in series:
-                values = [r.get(key) for r in history]
-                if any(v is not None for v in values):
-                    ax.plot(epochs, values, "o-" if label == "train" else "s--", label=label)
-            ax.set_xlabel("epoch")
-            ax.set_ylabel(name)
-            ax.set_xlim(0.5, max(epochs[-1], 2) + 0.5)
-            ax.xaxis.get_major_locator().set_params(integer=True)
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.suptitle(self._title(), parse_math=False)  # a folder named run$x$ is a name, not mathtext
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
-        atomic_write_bytes(self.path / "curves.png", buf.getvalue())
 
     def _title(self) -> str:
         """The run's folder, with its model and devices when config.json says them."""
