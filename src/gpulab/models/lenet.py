@@ -18,7 +18,9 @@ class LeNet(nn.Module):
         self.fc1 = nn.Linear(800, 128)
         self.fc2 = nn.Linear(128, num_classes)
         self.pool = nn.AvgPool2d(2)
-        self.relu = nn.ReLU()
+        # In place: the layer before each ReLU (a convolution, a linear layer) needs its input, not its
+        # output, for its gradient, so the ReLU may overwrite that output: one tensor less per layer.
+        self.relu = nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(self.relu(self.conv1(x)))
