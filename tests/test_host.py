@@ -4,11 +4,13 @@ may use (affinity, cgroup quota)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import hashlib
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,14 @@ def test_the_wait_for_gloo_workers_never_passes_its_limit():
     finally:
         release.set()
         thread.join()
+
+
+def test_seconds_since_start_is_the_time_since_the_process_was_spawned():
+    """What a child says it has waited since its creation is what its parent measured since the
+    spawn (the kernel counts in 10 ms ticks; psutil's creation time alone can be up to 1 s off)."""
+    code = ("import json, time; t = time.time(); from gpulab.host import seconds_since_start; "
+            "time.sleep(0.3); print(json.dumps([time.time(), seconds_since_start()]))")
+    spawned = time.time()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    now, since_start = json.loads(done.stdout)
+    assert since_start == pytest.approx(now - spawned, abs=0.05)

@@ -54,9 +54,17 @@ def fix_malloc_thresholds() -> bool:
 
 
 def seconds_since_start() -> float:
-    """Wall seconds since this process was created (the kernel's record, to 10 ms): what a user
-    who started the command has waited so far, interpreter start-up and imports included."""
-    return time.time() - psutil.Process().create_time()
+    """Wall seconds since this process was created: what a user who started the command has
+    waited so far, interpreter start-up and imports included. On Linux both ends are counted from
+    boot (/proc/uptime, and the process's start in /proc/self/stat: 10 ms ticks); psutil's
+    create_time adds the boot time, which /proc/stat keeps to whole seconds - up to 1 s off."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        # the fields after the command's name (in parentheses, which may hold spaces): starttime is the 20th
+        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time() - psutil.Process().create_time()
 
 
 def usable_cores(pid: int = 0) -> int:

@@ -164,8 +164,10 @@ def test_training_ratios_are_round_by_round_against_the_textbook():
     table = result.table("training", "", [])
     runs = {training.TEXTBOOK: [training.figures(20, [9, 9], [1, 1], 0, 0.8), training.figures(20, [6, 6], [1, 1], 0, 0.8)],
             training.EAGER: [training.figures(5, [2, 2], [0.5, 0.5], 0, 0.9), training.figures(10, [3, 3], [0.5, 0.5], 0, 0.9)]}
-    rows = training._rows(table, "cpu", runs, epochs=2)
+    rows = training._rows(table, "cpu", training.FIRST, runs, epochs=2)
     assert rows[training.EAGER]["ratio_min"] == 2.0 and rows[training.EAGER]["ratio_max"] == 4.0
+    assert rows[training.EAGER]["ratio"] == 3.0  # 20/5 and 20/10: the whole processes' seconds, round by round
+    assert (rows[training.EAGER]["wall_s"], rows[training.EAGER]["wall_s_min"], rows[training.EAGER]["wall_s_max"]) == (7.5, 5, 10)
     assert rows[training.EAGER]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch
     assert rows[training.EAGER]["train_ratio"] == 3.25  # 9/2 and 6/3, round by round: not 7.5/2.5
     assert (rows[training.EAGER]["train_ratio_min"], rows[training.EAGER]["train_ratio_max"]) == (2.0, 4.5)
@@ -197,25 +199,22 @@ def test_the_textbook_s_training_seconds_leave_its_evaluation_out(tiny_data, mon
     monkeypatch.setattr(textbook, "WORKERS", 0)  # the tiny set in-process: the clock is what is tested
     told = textbook.main(2, "cpu")
     assert all(s < 100 for s in told["train_seconds"]) and all(s >= 100 for s in told["eval_seconds"])
-    assert len(told["train_seconds"]) == len(told["eval_seconds"]) == 2 and told["test_acc"] == 0.5
+    assert len(told["train_seconds"]) == len(told["eval_seconds"]) == 2 and told["test_acc"] == [0.5, 0.5]
 
 
-def test_training_headline_names_gpulab_s_fastest_process_and_fastest_epochs():
-    """The H200's rows of 2026-11-27: every gpulab process slower than the textbook's (start-up,
-    compiling), the recorded step's epochs 9.5x faster. The headline must say both, and never
-    crown the textbook against itself."""
-    from gpulab.bench import training
+def test_the_textbook_reports_its_first_step_and_each_epoch_s_end_since_its_start(tiny_data, monkeypatch):
+    """The moments `gpulab train` writes in its metrics.json, from the textbook's port too, on the
+    same clock: seconds since the process was created (gpulab.host.seconds_since_start)."""
+    from gpulab.bench import textbook
 
-    def row(name, ratio, train_ratio, acc):
-        return {"contender": name, "ratio": ratio, "train_ratio": train_ratio, "test_acc": acc}
-
-    rows = {training.TEXTBOOK: row(training.TEXTBOOK, 1.0, 1.0, 0.817),
-            training.EAGER: row(training.EAGER, 0.95, 1.65, 0.908),
-            training.COMPILED: row(training.COMPILED, 0.79, 1.68, 0.907),
-            training.GRAPHS: row(training.GRAPHS, 0.84, 9.53, 0.907), "floor": {"flops_per_epoch": 1}}
-    assert training.headline("cuda:0", rows) == (
-        "cuda:0: gpulab train 0.95x the textbook per epoch, whole process (test acc 0.908); "
-        "in the epochs alone gpulab train --compile graphs 9.53x (test acc 0.907)")
+    clock = iter(range(100, 200))
+    monkeypatch.setattr(textbook, "seconds_since_start", lambda: float(next(clock)))
+    accuracies = iter([0.7, 0.8])
+    monkeypatch.setattr(textbook, "accuracy", lambda *args: next(accuracies))
+    monkeypatch.setattr(textbook, "WORKERS", 0)
+    told = textbook.main(2, "cpu")
+    # read once after the first batch, then once after each epoch's evaluation
+    assert (told["first_step_s"], told["wall_s"], told["test_acc"]) == (100.0, [101.0, 102.0], [0.7, 0.8])
 
 
 @pytest.mark.parametrize("native", [True, False])

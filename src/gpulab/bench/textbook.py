@@ -8,8 +8,11 @@ that gpulab train is measured against (`gpulab bench training`, benchmarks/train
     and its sgd: p -= lr * grad / batch (lr 0.2), the device synchronized after every batch;
   - evaluation after every epoch, one batch at a time, reading each batch's hits to the host.
 
-    python -m gpulab.bench.textbook EPOCHS DEVICE   -> one JSON line: each epoch's training seconds and
-    evaluation seconds (timed apart), the test accuracy
+    python -m gpulab.bench.textbook EPOCHS DEVICE   -> one JSON line, per epoch (lists): the training
+    seconds and the evaluation seconds (timed apart), the test accuracy, and `wall_s`, the seconds
+    since this process was created when that epoch's evaluation ended; and `first_step_s`, the
+    seconds since the process was created when its first training batch had finished on the
+    device - the same figures `gpulab train` writes in its metrics.json
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from gpulab import data
 from gpulab.devices import resolve, synchronize
+from gpulab.host import seconds_since_start
 
 BATCH = 256
 LR = 0.2
@@ -85,18 +89,22 @@ def main(epochs: int, device_spec: str) -> dict:
     W = params(device)
     train_iter = DataLoader(data.ImageDataset(train_split), BATCH, shuffle=True, num_workers=WORKERS)
     test_iter = DataLoader(data.ImageDataset(test_split), BATCH, num_workers=WORKERS)
-    train_s, eval_s, test_acc = [], [], None
+    train_s, eval_s, test_acc, wall_s, first_step_s = [], [], [], [], None
     for _ in range(epochs):
         t0 = time.perf_counter()
         for X, y in train_iter:
             train_batch(X.to(device), y.to(device), [W], [device], LR)
             synchronize([device])  # the chapter waits for every batch
+            if first_step_s is None:  # what a user waited for training to begin (synchronized above)
+                first_step_s = seconds_since_start()
         t1 = time.perf_counter()
-        test_acc = accuracy(test_iter, W, device)
+        test_acc.append(accuracy(test_iter, W, device))
         # timed apart, as gpulab train's metrics time training and evaluation
         train_s.append(t1 - t0)
         eval_s.append(time.perf_counter() - t1)
-    return {"train_seconds": train_s, "eval_seconds": eval_s, "test_acc": test_acc}
+        wall_s.append(seconds_since_start())  # as gpulab train's rows: when this accuracy was known
+    return {"train_seconds": train_s, "eval_seconds": eval_s, "test_acc": test_acc, "wall_s": wall_s,
+            "first_step_s": first_step_s}
 
 
 if __name__ == "__main__":
