@@ -8,8 +8,9 @@ XDG_CACHE_HOME (gpulab's cache, gpulab.io.cache_dir(): its bytecode cache where 
 one, its decoded data) and under it TORCHINDUCTOR_CACHE_DIR (torch.compile's; Triton's kernels go
 under it) - and right after it a SECOND run of the same command on the same folder: what a user's
 next run finds. The contenders: the textbook's port (per-sample DataLoader with 4 workers,
-functional LeNet, manual SGD, a sync per batch), `gpulab train` as it is (eager), `gpulab train
---compile on`, and on CUDA `--compile graphs`; each trains `epochs` epochs.
+functional LeNet, manual SGD, a sync per batch), `gpulab train` as it is (eager), and on CUDA `gpulab train
+--compile on` and `--compile graphs` (Config.compiled says why not on the CPU); each trains
+`epochs` epochs.
 
 A row (a contender's first or second run) gives the medians over the rounds: the whole process's
 seconds [min .. max] and their ratio to the textbook's (its run of the same kind), round by round
@@ -87,9 +88,11 @@ class Config:
     """Training samples (None: the whole of Fashion-MNIST); fewer for smoke tests."""
     timeout_s: float = 3600.0
     compiled: bool = True
-    """Also `gpulab train --compile on` (and `graphs` on CUDA); the tiny preset leaves them out:
-    compiling the step takes longer than its one small epoch, and tests/train/test_compile.py
-    checks compiled training on its own."""
+    """Also, on a GPU, `gpulab train --compile on` and `--compile graphs`. Not on the CPU: there
+    compiled epochs ran 0-8% faster for 5-20 s of compiling (docs/benchmarks.md, "Where the
+    defaults come from"), which a 10-epoch demo never wins back, and each such run takes minutes.
+    The tiny preset leaves them out everywhere: tests/train/test_compile.py checks compiled
+    training on its own."""
 
 
 PRESETS = {
@@ -104,10 +107,9 @@ def contenders(device: torch.device, compiled: bool = True) -> dict[str, list[st
     spec = format_devices([device]).strip("[]")
     gpulab = ["gpulab", "train", "--devices", spec]
     found = {TEXTBOOK: ["gpulab.bench.textbook"], EAGER: gpulab}
-    if compiled:
+    if compiled and device.type == "cuda":
         found[COMPILED] = [*gpulab, "--compile", "on"]
-        if device.type == "cuda":
-            found[GRAPHS] = [*gpulab, "--compile", "graphs"]
+        found[GRAPHS] = [*gpulab, "--compile", "graphs"]
     return found
 
 
@@ -247,8 +249,11 @@ def run(cfg: Config, ctx, result: Result) -> None:
     if not cfg.compiled:
         result.skip("compiled rows (gpulab train --compile on/graphs)", "left out of this preset: compiling takes "
                     "longer than its epoch (run the full or quick preset)")
+    elif any(d.type == "cpu" for d in ctx.single_devices()):
+        result.skip("compiled rows on the CPU (gpulab train --compile on)", "compiled epochs ran 0-8% faster there for "
+                    "5-20 s of compiling (docs/benchmarks.md, Where the defaults come from): run on a GPU")
     if not any(d.type == "cuda" for d in ctx.single_devices()):
-        result.skip("GPU rows (the same contenders on a GPU, and --compile graphs: the step replayed as a CUDA graph)",
+        result.skip("GPU rows (the same contenders on a GPU, and --compile on/graphs: the step replayed as a CUDA graph)",
                     ctx.no_gpu_reason())
     summary = {}
     with tempfile.TemporaryDirectory(prefix="gpulab-bench-training-") as tmp:
