@@ -10,7 +10,7 @@ import pytest
 
 from gpulab.monitor.analyze.diagnose import diagnose
 from gpulab.monitor.analyze.findings import MIN_SHARE
-from gpulab.monitor.analyze.phases import select_steady
+from gpulab.monitor.analyze.step_costs import select_steady
 from gpulab.monitor.events import CATEGORIES, Recording
 
 GPU = {"index": 0, "name": "Test GPU", "uuid": "GPU-1234", "memory_total_mib": 80000.0, "gpm": False}

@@ -14,7 +14,7 @@ from pathlib import Path
 from gpulab.cli import main
 from gpulab.monitor.events import MAX_BLOCKS, Recording
 from gpulab.monitor.record.blocks import BLOCK_STEPS, StepBlocks
-from gpulab.monitor.analyze.phases import aggregate_summary
+from gpulab.monitor.analyze.step_costs import aggregate_summary
 
 
 def synthetic_steps(n: int, seed: int = 0) -> list[dict]:

@@ -3,7 +3,7 @@ busy per step (the kernel window on CUDA, else NVML's share; on a CPU the CPU is
 
 from __future__ import annotations
 
-from gpulab.monitor.analyze.phases import StepCosts
+from gpulab.monitor.analyze.step_costs import StepCosts
 from gpulab.monitor.events import Recording
 
 
@@ -93,7 +93,7 @@ def kernel_window(rec: Recording) -> dict | None:
 def device_busy(rec: Recording, step: StepCosts, samples, gpus, used, window) -> tuple[float, str]:
     """Seconds per step the device was busy, and how that was measured."""
     if not used:
-        return step.C, "cpu"
+        return step.compute, "cpu"
     k = kernel_window(rec)
     if k:
         return k["device_busy_s_per_step"], f"kernel window over {k['steps']} steps"
@@ -104,8 +104,8 @@ def device_busy(rec: Recording, step: StepCosts, samples, gpus, used, window) ->
     # counts every other process on a shared GPU, so it is the fallback, and says so.
     util = _mean(r.get("process_sm_pct") for r in rows)
     if util is not None:
-        return util / 100 * step.S, "NVML per-process SM share of this job's processes"
+        return util / 100 * step.seconds, "NVML per-process SM share of this job's processes"
     util = _mean(r.get("kernel_active_pct") for r in rows)
     if util is not None:
-        return util / 100 * step.S, "NVML kernel-active share, device-wide (other processes on the GPU count too)"
-    return step.C, "unknown (no kernel window, no NVML): host compute time used instead"
+        return util / 100 * step.seconds, "NVML kernel-active share, device-wide (other processes on the GPU count too)"
+    return step.compute, "unknown (no kernel window, no NVML): host compute time used instead"

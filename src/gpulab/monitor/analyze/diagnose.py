@@ -1,7 +1,7 @@
 """The front door of the analysis: one process's recording (and the samples taken beside it) ->
 the report's core: steps, step time, phase shares, device summaries and ranked findings.
 
-    phases.py    steady steps and what they are made of      devices.py   samples, device busy
+    step_costs.py  steady steps and what they are made of    devices.py   samples, device busy
     process.py   the per-process rules                       ranks.py     the cross-rank rules
     findings.py  the finding record and the fixes            contention.py  threads waiting for a core
 
@@ -16,7 +16,7 @@ from gpulab.monitor.analyze.compiled import compile_findings
 from gpulab.monitor.analyze.contention import core_use
 from gpulab.monitor.analyze.devices import device_busy, not_measured, summarize_devices, used_gpu_indices
 from gpulab.monitor.analyze.findings import finding
-from gpulab.monitor.analyze.phases import (StepCosts, aggregate_summary, percentile, recorded_seconds, select_steady,
+from gpulab.monitor.analyze.step_costs import (StepCosts, aggregate_summary, percentile, recorded_seconds, select_steady,
                                            step_seconds, steps_found)
 from gpulab.monitor.analyze.process import costly_transforms, process_findings
 from gpulab.monitor.events import DDP_WAIT_COUNT, Recording
@@ -57,10 +57,10 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     later = aggregate_summary(rec)
     if later is not None:  # the shares and findings above are of the detailed window
         report["later_steps"] = later
-    if step.K > 0:
+    if step.collectives > 0:
         report["collectives"] = collectives_summary(step)
     busy, busy_source = device_busy(rec, step, samples, gpus, used, window)
-    report["device_busy"] = {"share": round(min(busy / step.S, 1.0), 4) if step.S else 0.0, "source": busy_source}
+    report["device_busy"] = {"share": round(min(busy / step.seconds, 1.0), 4) if step.seconds else 0.0, "source": busy_source}
     cores = core_use(samples, window)
     if cores is not None:
         report["cores"] = cores.summary()
@@ -92,7 +92,7 @@ def with_compile_findings(findings: list[dict], compiled: list[dict]) -> list[di
 
 
 def collectives_summary(step: StepCosts) -> dict:
-    summary = {"ms_per_step": round(step.K * 1e3, 3), "share": round(step.K / step.S, 4) if step.S else 0.0,
+    summary = {"ms_per_step": round(step.collectives * 1e3, 3), "share": round(step.collectives / step.seconds, 4) if step.seconds else 0.0,
                "source": "torch.distributed calls and waits timed by gpulab"}
     if DDP_WAIT_COUNT in step.counts:
         summary["ddp_backward_wait_ms_per_step"] = round(step.counts[DDP_WAIT_COUNT] * 1e3, 3)

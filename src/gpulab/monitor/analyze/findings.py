@@ -3,7 +3,7 @@ and the fixes in words, shared by the per-process and the cross-rank rules."""
 
 from __future__ import annotations
 
-from gpulab.monitor.analyze.phases import StepCosts
+from gpulab.monitor.analyze.step_costs import StepCosts
 from gpulab.monitor.events import Recording
 
 MIN_SHARE = 0.10  # a cause is named when a fix would save at least this share of the step

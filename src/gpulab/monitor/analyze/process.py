@@ -1,26 +1,27 @@
 """The per-process rules: which cause is eating one process's step, and how much a fix can save.
 
-The model (per steady-state step, all times in seconds):
+The model, per steady step, in seconds (StepCosts, step_costs.py: the step is the sum of data_wait,
+copies, compute, collectives, syncs, compiling and other), and from it:
 
-    S  step time                     D  waiting for data         H  host->device copies
-    C  host time in forward/backward/optimizer                   Y  blocked in host syncs
-    O  other: the user's Python between those calls              (phases.py: S = D + H + C + K + Y + O)
-    B  time the *device* was busy    (CPU: B = C, the CPU is the device;
-                                      CUDA: kernel-window busy time, else NVML kernel-active share x S)
-    I  device idle = S - B           A  host active = S - Y - H (not blocked on the device)
+    busy          how long the *device* was busy (CPU: compute - the CPU is the device; CUDA: the
+                  kernel window's busy time, else NVML's kernel-active share x the step)
+    idle          the device idle: step - busy
+    host active   the host not blocked on the device: step - syncs - copies
+    exposed       host work the device cannot hide: max(0, host active - busy) on CUDA; on the CPU,
+                  where everything is serial, data_wait + other
 
 On CUDA the host normally runs ahead of the device, so host-side costs are free while the device
-has queued work. What a fix can save is therefore bounded by the device's idle time:
+has queued work. What a fix can save is therefore bounded:
 
-    host_sync, h2d_copy     min(Y or H, I)    removing the wait lets the host run ahead
-    input_pipeline          min(D, E)         E = max(0, A - B): host work the device cannot hide
-    launch_overhead         min(C, E)         when the kernel window shows many tiny kernels
-    low_device_utilization  min(O, E)         Python between the training calls
+    host_sync, h2d_copy     min(syncs or copies, idle)   removing the wait lets the host run ahead
+    input_pipeline          min(data_wait, exposed)
+    launch_overhead         min(compute, exposed)        when the kernel window shows many tiny kernels
+    low_device_utilization  min(other, exposed)          Python between the training calls
 
-On the CPU everything is serial (I = S - C, E = D + O) and the shares are the plain fractions of
-the step. A finding is reported when its share is at least MIN_SHARE; a fast input pipeline in a
-compute-bound loop therefore gets no `input_pipeline` finding. Findings are ranked by share;
-"none" stands alone when nothing stands out.
+On the CPU the shares are the plain fractions of the step. A finding is reported when its share
+is at least MIN_SHARE; a fast input pipeline in a compute-bound loop therefore gets no
+`input_pipeline` finding. Findings are ranked by share; "none" stands alone when nothing stands
+out.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from gpulab.host import CORE_SLACK
 from gpulab.monitor.analyze.contention import CoreUse, contention_finding
 from gpulab.monitor.analyze.devices import kernel_window
 from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE, add_support, finding, hottest
-from gpulab.monitor.analyze.phases import PHASE_NAMES, StepCosts, shown_phases
+from gpulab.monitor.analyze.step_costs import PHASE_NAMES, StepCosts, shown_phases
 from gpulab.monitor.events import TRANSFORM_PREFIX, Recording
 
 TINY_KERNEL_US = 20.0  # kernels this short cost about as much to launch as to run
@@ -52,7 +53,7 @@ def costly_transforms(rec: Recording, step: "StepCosts") -> list[dict]:
             if key.startswith(TRANSFORM_PREFIX):
                 name = key.removeprefix(TRANSFORM_PREFIX)
                 seconds[name] = seconds.get(name, 0.0) + value / len(window)
-    ranked = [{"name": name, "share": round(per_step / step.S, 4) if step.S else 0.0,
+    ranked = [{"name": name, "share": round(per_step / step.seconds, 4) if step.seconds else 0.0,
                "ms_per_step": round(per_step * 1e3, 3), "where": (sites.get(name) or {}).get("where")}
               for name, per_step in seconds.items()]
     return sorted(ranked, key=lambda t: t["share"], reverse=True)
@@ -69,21 +70,21 @@ class _Budget:
     sync_blocked: float
     exposed: float
 
-    def idle_text(self, S: float) -> str:
-        return f"; the device was idle {self.idle / S:.0%} of the step ({self.source})" if self.on_cuda else ""
+    def idle_text(self, seconds: float) -> str:
+        return f"; the device was idle {self.idle / seconds:.0%} of the step ({self.source})" if self.on_cuda else ""
 
 
 def _budget(rec: Recording, step: StepCosts, busy: float, source: str, on_cuda: bool) -> _Budget:
-    sync_blocked = step.Y
+    sync_blocked = step.syncs
     k = kernel_window(rec)
     if k:  # the window also saw syncs inside calls gpulab does not time
-        sync_blocked = max(sync_blocked, k["runtime_sync_s_per_step"] - step.H)
+        sync_blocked = max(sync_blocked, k["runtime_sync_s_per_step"] - step.copies)
     if on_cuda:
-        host_active = step.S - sync_blocked - step.H
+        host_active = step.seconds - sync_blocked - step.copies
         exposed = max(0.0, host_active - busy)
     else:  # the CPU is the device: everything that is not compute is in its way
-        exposed = step.D + step.O
-    return _Budget(busy, source, on_cuda, max(0.0, step.S - busy), sync_blocked, exposed)
+        exposed = step.data_wait + step.other
+    return _Budget(busy, source, on_cuda, max(0.0, step.seconds - busy), sync_blocked, exposed)
 
 
 def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: str, gpus: list[dict],
@@ -91,7 +92,7 @@ def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: 
     """`cores`: how the job used its cores over the steady steps (the sampler's), None where not measured."""
     b = _budget(rec, step, busy, busy_source, on_cuda=bool(used))
     candidates = [_input_finding(rec, step, b, cores), _other_finding(rec, step, b),
-                  contention_finding(cores, _torch_threads(rec), _workers(rec), b.idle / step.S if b.on_cuda else None)]
+                  contention_finding(cores, _torch_threads(rec), _workers(rec), b.idle / step.seconds if b.on_cuda else None)]
     if b.on_cuda:
         candidates += [_sync_finding(rec, step, b), _h2d_finding(rec, step, b), _launch_finding(rec, step, b)]
     elif gpus and _known_not_to_use_cuda(rec):
@@ -107,9 +108,9 @@ def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: 
 
 
 def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse | None) -> dict:
-    S = step.S
+    seconds = step.seconds
     loader = rec.fed_loader
-    evidence = f"waited {step.D * 1e3:.1f} ms per step for the next batch ({step.D / S:.0%} of the step, {step.n} steps)"
+    evidence = f"waited {step.data_wait * 1e3:.1f} ms per step for the next batch ({step.data_wait / seconds:.0%} of the step, {step.n} steps)"
     if loader:
         evidence += (f"; DataLoader(batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
                      f"pin_memory={loader['pin_memory']})" + (f" built at {loader['built']}" if loader.get("built") else ""))
@@ -141,7 +142,7 @@ def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse |
     if transforms:
         fix = (f"apply {transforms[0]['name']} once per batch (on the device), not per sample in __getitem__; " + fix)
     where = hottest(rec, "data_wait") or (loader or {}).get("where")
-    return finding("input_pipeline", min(step.D, b.exposed) / S, evidence + b.idle_text(S), where, fix=fix)
+    return finding("input_pipeline", min(step.data_wait, b.exposed) / seconds, evidence + b.idle_text(seconds), where, fix=fix)
 
 
 def _spare_cores(rec: Recording, on_cuda: bool, workers: int, cores: CoreUse | None) -> int:
@@ -190,43 +191,43 @@ def _other_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     quarter of the run: a share that dips below it within one run is as likely to be under it in
     the next (the DDP tutorial's 0.1 ms of loop Python in ~1 ms steps: 4-11% from quarter to
     quarter, named in 2 of 4 runs before this rule)."""
-    S = step.S
+    seconds = step.seconds
     quarters = step.share_by_quarter("other")
     if min(quarters) < MIN_SHARE:
         return None
-    evidence = (f"{step.O * 1e3:.1f} ms per step ({step.O / S:.0%}; {min(quarters):.0%}-{max(quarters):.0%} across "
+    evidence = (f"{step.other * 1e3:.1f} ms per step ({step.other / seconds:.0%}; {min(quarters):.0%}-{max(quarters):.0%} across "
                 f"the run's quarters) is Python between the training calls (outside data loading, forward, backward "
                 f"and the optimizer)")
-    return finding("low_device_utilization", min(step.O, b.exposed) / S, evidence + b.idle_text(S),
+    return finding("low_device_utilization", min(step.other, b.exposed) / seconds, evidence + b.idle_text(seconds),
                     hottest(rec, "other"), "low_device_utilization")
 
 
 def _unexplained_idle(rec: Recording, step: StepCosts, b: _Budget, findings: list[dict]) -> list[dict]:
     """Device idle time that no specific cause accounts for."""
-    S = step.S
-    unexplained = b.idle / S - sum(f["share"] for f in findings)
+    seconds = step.seconds
+    unexplained = b.idle / seconds - sum(f["share"] for f in findings)
     if unexplained < MIN_SHARE or any(f["cause"] == "low_device_utilization" for f in findings):
         return []
-    evidence = (f"the device was busy only {b.busy / S:.0%} of each step ({b.source}); the host spent "
-                f"{step.C * 1e3:.1f} ms per step issuing forward/backward/optimizer work and "
-                f"{step.O * 1e3:.1f} ms elsewhere")
+    evidence = (f"the device was busy only {b.busy / seconds:.0%} of each step ({b.source}); the host spent "
+                f"{step.compute * 1e3:.1f} ms per step issuing forward/backward/optimizer work and "
+                f"{step.other * 1e3:.1f} ms elsewhere")
     where = hottest(rec, "compute") or hottest(rec, "other")
     return [finding("low_device_utilization", unexplained, evidence, where, "low_device_utilization")]
 
 
 def _nothing_stands_out(step: StepCosts, b: _Budget) -> dict:
-    S = step.S
+    seconds = step.seconds
     parts = ", ".join(f"{PHASE_NAMES[name]} {value:.0%}" for name, value in shown_phases(step.shares()) if name != "compute")
     if b.on_cuda:
-        head = f"the device was busy {min(b.busy / S, 1):.0%} of the step ({b.source})"
+        head = f"the device was busy {min(b.busy / seconds, 1):.0%} of the step ({b.source})"
     else:
-        head = f"compute takes {step.C / S:.0%} of the step"
-    if b.on_cuda and b.busy / S >= 1 - MIN_SHARE:
+        head = f"compute takes {step.compute / seconds:.0%} of the step"
+    if b.on_cuda and b.busy / seconds >= 1 - MIN_SHARE:
         # A device busy back to back hides the host's time whatever it does: once the launch
         # queue is full, whichever call comes next blocks (a loader's gather shows as data wait).
-        return finding("none", min(b.busy / S, 1.0), f"{head}; the host's {parts} cost nothing then: they are "
+        return finding("none", min(b.busy / seconds, 1.0), f"{head}; the host's {parts} cost nothing then: they are "
                        f"where it waited for the device", None, "none")
-    return finding("none", min(b.busy / S, 1.0), f"{head}; {parts}: nothing else stands out", None, "none")
+    return finding("none", min(b.busy / seconds, 1.0), f"{head}; {parts}: nothing else stands out", None, "none")
 
 
 def _sync_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
@@ -240,7 +241,7 @@ def _sync_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
         top = sites[0]
         evidence += f"; top: {'/'.join(top['ops'])} at {top['where']} ({top['count']} calls, {top['seconds']:.2f} s)"
     where = sites[0]["where"] if sites else None
-    return finding("host_sync", min(b.sync_blocked, b.idle) / step.S, evidence + b.idle_text(step.S), where, "host_sync")
+    return finding("host_sync", min(b.sync_blocked, b.idle) / step.seconds, evidence + b.idle_text(step.seconds), where, "host_sync")
 
 
 def _h2d_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
@@ -260,10 +261,10 @@ def _h2d_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
         mb = step.counts.get("h2d_pinned_blocking_bytes", 0) / 1e6
         parts.append(f"{pinned_blocking:.1f} per step from pinned memory without non_blocking=True, so the "
                      f"host waited anyway ({mb:.1f} MB)")
-    evidence = "; ".join(parts) + f", {step.H * 1e3:.1f} ms per step in the copy calls"
+    evidence = "; ".join(parts) + f", {step.copies * 1e3:.1f} ms per step in the copy calls"
     where = sites[0]["where"] if sites else None
     fix = "h2d_copy" if pageable else "h2d_copy_pinned"
-    return finding("h2d_copy", min(step.H, b.idle) / step.S, evidence + b.idle_text(step.S), where, fix)
+    return finding("h2d_copy", min(step.copies, b.idle) / step.seconds, evidence + b.idle_text(step.seconds), where, fix)
 
 
 def weight_in_the_steps(site: dict) -> tuple:
@@ -280,9 +281,9 @@ def _launch_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     if k["kernel_median_us"] > TINY_KERNEL_US or k["kernels_per_step"] < MANY_KERNELS_PER_STEP:
         return None
     evidence = (f"{k['kernels_per_step']:.0f} kernels per step, median {k['kernel_median_us']:.1f} us each; the "
-                f"device was busy {b.busy * 1e3:.2f} ms of each {step.S * 1e3:.2f} ms step while the host spent "
-                f"{step.C * 1e3:.2f} ms issuing forward/backward/optimizer work")
-    share = min(step.C, b.exposed) / step.S
+                f"device was busy {b.busy * 1e3:.2f} ms of each {step.seconds * 1e3:.2f} ms step while the host spent "
+                f"{step.compute * 1e3:.2f} ms issuing forward/backward/optimizer work")
+    share = min(step.compute, b.exposed) / step.seconds
     return finding("launch_overhead", share, evidence, hottest(rec, "compute"), "launch_overhead")
 
 
@@ -303,5 +304,5 @@ def _cpu_only_finding(rec: Recording, step: StepCosts, gpus: list[dict]) -> dict
     else:
         evidence = f"torch can use the GPU ({names}) but the script never put work on it"
         fix = "cpu_only_placement"
-    evidence += f"; the CPU computed for {step.C * 1e3:.1f} ms of each {step.S * 1e3:.1f} ms step"
-    return finding("cpu_only_torch", step.C / step.S, evidence, hottest(rec, "compute"), fix)
+    evidence += f"; the CPU computed for {step.compute * 1e3:.1f} ms of each {step.seconds * 1e3:.1f} ms step"
+    return finding("cpu_only_torch", step.compute / step.seconds, evidence, hottest(rec, "compute"), fix)

@@ -7,7 +7,7 @@ import copy
 import statistics
 
 from gpulab.monitor.analyze.findings import MIN_SHARE, add_support, finding, hottest
-from gpulab.monitor.analyze.phases import PHASE_NAMES, StepCosts, select_steady
+from gpulab.monitor.analyze.step_costs import PHASE_NAMES, StepCosts, select_steady
 from gpulab.monitor.events import Recording, trainers
 
 RANK_FIXES = {
@@ -49,7 +49,7 @@ def rank_findings(lanes: list[Recording], warmup_steps: int, until: float | None
         unequal["support"] = f"the step counts of {len(ranks)} ranks"
         findings.append(unequal)
     steps = {r.rank: StepCosts(select_steady(r.steps, warmup_steps)[0] or r.steps) for r in ranks}
-    S = statistics.median(s.S for s in steps.values())
+    seconds = statistics.median(s.seconds for s in steps.values())
     per_category = {"data_wait": "D", "sync": "Y", "h2d": "H", "other": "O"}
     worst = None
     for category, attr in per_category.items():
@@ -60,23 +60,23 @@ def rank_findings(lanes: list[Recording], warmup_steps: int, until: float | None
         if worst is None or excess > worst[0]:
             worst = (excess, category, rank, others)
     excess, category, rank, others = worst
-    if S <= 0:
+    if seconds <= 0:
         return findings
-    if excess / S < MIN_SHARE:  # no rank is late: is every rank waiting on the network instead?
-        comm = _communication_bound(ranks, steps, S)
+    if excess / seconds < MIN_SHARE:  # no rank is late: is every rank waiting on the network instead?
+        comm = _communication_bound(ranks, steps, seconds)
         return findings + ([comm] if comm else [])
     lane = next(r for r in ranks if r.rank == rank)
     waiting = [k for k in steps if k != rank]
-    extra_wait = statistics.median(steps[k].C + steps[k].K for k in waiting) - (steps[rank].C + steps[rank].K)
+    extra_wait = statistics.median(steps[k].compute + steps[k].collectives for k in waiting) - (steps[rank].compute + steps[rank].collectives)
     evidence = (f"rank {rank} spends {excess * 1e3:.1f} ms more per step in {PHASE_NAMES[category]} than the other "
                 f"ranks ({getattr(steps[rank], per_category[category]) * 1e3:.1f} ms vs a median of {others * 1e3:.1f} ms; "
-                f"{excess / S:.0%} of the {S * 1e3:.1f} ms step)")
+                f"{excess / seconds:.0%} of the {seconds * 1e3:.1f} ms step)")
     if extra_wait > 0:
         evidence += (f"; rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'} "
                      f"for it: {extra_wait * 1e3:.1f} ms more per step in compute and collectives, where the gradient "
                      f"allreduce is waited for")
     where = hottest(lane, category)
-    straggler = finding("straggler", excess / S, evidence, where,
+    straggler = finding("straggler", excess / seconds, evidence, where,
                         fix=f"rank {rank} holds every rank back: " + RANK_FIXES[category])
     straggler["rank"] = rank
     add_support(lane, steps[rank], straggler)
@@ -96,16 +96,16 @@ def _before(rec: Recording, until: float) -> Recording:
 COMM_BOUND_SHARE = 0.25
 
 
-def _communication_bound(ranks: list[Recording], steps: dict[int, "StepCosts"], S: float) -> dict | None:
-    shares = {k: s.K / s.S for k, s in steps.items() if s.S > 0}
+def _communication_bound(ranks: list[Recording], steps: dict[int, "StepCosts"], seconds: float) -> dict | None:
+    shares = {k: s.collectives / s.seconds for k, s in steps.items() if s.seconds > 0}
     if not shares or min(shares.values()) < COMM_BOUND_SHARE:
         return None
     share = statistics.median(shares.values())
     listing = ", ".join(f"rank {k} {v:.0%}" for k, v in sorted(shares.items()))
-    evidence = (f"every rank spends a large part of its step in collectives ({listing} of a {S * 1e3:.1f} ms step) "
+    evidence = (f"every rank spends a large part of its step in collectives ({listing} of a {seconds * 1e3:.1f} ms step) "
                 f"and none is late (no rank spends {MIN_SHARE:.0%} of the step more than the others in any host-side "
                 f"phase): the gradients' allreduce itself is the cost")
-    busiest = max(ranks, key=lambda r: steps[r.rank].K)
+    busiest = max(ranks, key=lambda r: steps[r.rank].collectives)
     bound = finding("communication_bound", share, evidence, hottest(busiest, "collective"), fix=(
         "communicate less per sample: a larger per-rank batch, or several micro-batches per allreduce (gradient "
         "accumulation with DDP's no_sync(), gpulab train --accumulate N); larger buckets so fewer, bigger messages "

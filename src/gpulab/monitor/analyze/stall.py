@@ -15,7 +15,7 @@ import statistics
 
 from gpulab.monitor.analyze.findings import finding
 from gpulab.monitor.analyze.hang import line_of, rank_line
-from gpulab.monitor.analyze.phases import PHASE_NAMES, step_seconds
+from gpulab.monitor.analyze.step_costs import PHASE_NAMES, step_seconds
 from gpulab.monitor.events import Recording, trainers
 
 STALL_FACTOR = 20.0  # a step this many times the median ...

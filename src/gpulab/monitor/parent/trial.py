@@ -24,7 +24,7 @@ from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.io import OutputFolder, check_writable, json_bytes, writing_results
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.analyze.phases import percentile, step_seconds
+from gpulab.monitor.analyze.step_costs import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
 from gpulab.monitor.parent.runner import default_out_dir, run_job, split_python_command
 

@@ -45,7 +45,7 @@ from gpulab.monitor.record.probes.kernels import KernelProbe
 from gpulab.monitor.record.probes.loaders import LoaderProbe
 from gpulab.monitor.record.probes.memory import MemoryProbe
 from gpulab.monitor.record.probes.modules import ModuleProbe
-from gpulab.monitor.record.probes.phases import TrainerPhasesProbe
+from gpulab.monitor.record.probes.trainer import TrainerPhasesProbe
 from gpulab.monitor.record.probes.processes import ProcessProbe
 from gpulab.monitor.record.probes.stacks import StackProbe
 from gpulab.monitor.record.probes.transforms import TransformProbe

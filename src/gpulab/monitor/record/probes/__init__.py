@@ -10,7 +10,7 @@ they are installed.
     distributed.py  torch.distributed's collectives and waits, the rank; ddp.py: DDP's wait for its
                     allreduce at the end of backward
     processes.py    forks, multiprocessing children's end, torch's threads under --try threads=N
-    phases.py       gpulab's own trainer's phases (PhaseTimer)
+    trainer.py      gpulab's own trainer's phases (PhaseTimer)
     compiled.py     torch.compile: compiles, recompiles, graph breaks, CUDA graph skips
     cuda.py         CUDA: host syncs and copies (sync_debug.py: torch's sync debug mode; sites.py:
                     the user's lines), the "cuda" record

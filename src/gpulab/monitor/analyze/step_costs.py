@@ -1,9 +1,12 @@
-"""Steps -> the steady steps -> what each steady step is made of, on average.
+"""Steps -> the steady steps -> what each steady step is made of, on average (StepCosts):
 
-    S  step time                     D  waiting for data         H  host->device copies
-    C  host time in forward/backward/optimizer                   Y  blocked in host syncs
-    K  collectives                   O  other: the user's Python between those calls
-                                     S = D + H + C + K + Y + O
+    seconds = data_wait    waiting for the next batch
+            + copies       host->device copies
+            + compute      host time in forward, backward and the optimizer
+            + collectives  waiting in collectives
+            + syncs        blocked in host syncs
+            + compiling    torch.compile compiling
+            + other        the user's Python between those calls
 
 Warm-up steps, the kernel window's steps and epoch-boundary outliers are left out of the steady
 steps.
@@ -103,15 +106,15 @@ def shown_phases(shares: dict[str, float]) -> list[tuple[str, float]]:
 
 
 class StepCosts:
-    """Mean seconds per steady step of each quantity in the model above (DDP's wait for its
-    allreduce inside backward is collective already: record/probes/ddp.py)."""
+    """Mean seconds per steady step of each part of the sum above (DDP's wait for its allreduce
+    inside backward is a collective already: record/probes/ddp.py)."""
 
     def __init__(self, steady: list[dict]):
         n = len(steady)
         self.n = n
         total = {c: sum(s["excl"].get(c, 0.0) for s in steady) for c in CATEGORIES}
-        self.S = sum(step_seconds(s) for s in steady) / n
-        self.D, self.H, self.C, self.K, self.Y, self.M, self.O = (
+        self.seconds = sum(step_seconds(s) for s in steady) / n
+        self.data_wait, self.copies, self.compute, self.collectives, self.syncs, self.compiling, self.other = (
             total[c] / n for c in ("data_wait", "h2d", "compute", "collective", "sync", "compile", "other"))
         counts: dict[str, float] = {}
         for s in steady:
@@ -133,9 +136,9 @@ class StepCosts:
         return shares
 
     def shares(self) -> dict[str, float]:
-        values = {"data_wait": self.D, "compute": self.C, "collective": self.K, "sync": self.Y, "h2d": self.H,
-                  "compile": self.M, "other": self.O}
-        return {k: round(v / self.S, 4) if self.S > 0 else 0.0 for k, v in values.items()}
+        values = {"data_wait": self.data_wait, "compute": self.compute, "collective": self.collectives, "sync": self.syncs, "h2d": self.copies,
+                  "compile": self.compiling, "other": self.other}
+        return {k: round(v / self.seconds, 4) if self.seconds > 0 else 0.0 for k, v in values.items()}
 
 
 def steps_found(rec: Recording) -> str:
