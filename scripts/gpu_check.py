@@ -734,9 +734,11 @@ def check_compile_parity_without_tf32(check: Check, out: Path) -> str:
 
 
 def check_bench_training(check: Check, out: Path) -> str:
-    """`gpulab bench training` on the GPU (full preset: 10 epochs x 3 rounds, interleaved): every
-    contender trains every epoch; compiled, the accuracy after 10 epochs is >= 0.90. The ratios to
-    the textbook are what the JSON records (issue 35's target on one GPU: >= 10x per epoch)."""
+    """`gpulab bench training` on the GPU (full preset: 10 epochs x 3 rounds, interleaved, each
+    contender a first run on empty caches and a second): every contender trains every epoch;
+    compiled, the accuracy after 10 epochs is >= 0.90. The whole-process ratios to the textbook,
+    first and second run, the times to the first step and to 0.90 are what the JSON records (the
+    targets on one GPU: >= 2x first run, >= 3x second run, whole process)."""
     bench = out / "bench-training"
     done = gpulab(["bench", "training", "--devices", "cuda", "--out", str(bench)], out / "bench-training.log",
                   timeout=900)
@@ -744,7 +746,9 @@ def check_bench_training(check: Check, out: Path) -> str:
     rows = [r for r in data["tables"]["training"]["rows"] if r["device"].startswith("cuda")]
     check.details["rows"] = rows
     check.details["floor"] = data["summary"]["devices"]
-    seen = "; ".join(f"{r['contender']}: {r['epoch_s']:.2f} s/epoch whole process ({r['ratio']:.2f}x), "
+    seen = "; ".join(f"{r['contender']} ({r['run']} run): {r['wall_s']:.1f} s whole process ({r['ratio']:.2f}x), "
+                     f"first step {r['first_step_s'] or 0:.1f} s, to 0.90 {r['to_acc_s'] or 0:.1f} s, "
+                     f"{r['epoch_s']:.2f} s/epoch, "
                      f"{r['train_s']:.3f} s training ({r['train_ratio']:.1f}x), "
                      f"compile {r['compile_s']:.1f} s, acc {r['test_acc']:.3f}" for r in rows)
     failed = [c for c in data.get("checks", []) if not c["passed"]]
