@@ -122,9 +122,10 @@ def test_the_readme_s_training_figures_are_the_committed_results(path):
         runs = [per_device[kind] for kind in ("first", "second")] if "first" in per_device else [per_device]
         for contenders in runs:
             textbook, gpulab = contenders["textbook"], contenders["gpulab train"]
-            key = "wall_s" if "first" in per_device else "epoch_s"
+            seconds = ((lambda row: f"{row['wall_s']:.1f} s") if "first" in per_device
+                       else (lambda row: f"{row['epoch_s']:#.3g}"))
             for line in readme_rows:
-                for figure in (f"{textbook[key]:#.3g}", f"{gpulab[key]:#.3g}", f"{gpulab['ratio']:.2f}x",
+                for figure in (seconds(textbook), seconds(gpulab), f"{gpulab['ratio']:.2f}x",
                                f"[{gpulab['ratio_min']:.2f} .. {gpulab['ratio_max']:.2f}]"):
                     assert figure in line, f"README: {figure} ({device}) from {cited} is not in its row"
 
