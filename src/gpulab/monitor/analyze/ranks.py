@@ -50,7 +50,7 @@ def rank_findings(lanes: list[Recording], warmup_steps: int, until: float | None
         findings.append(unequal)
     steps = {r.rank: StepCosts(select_steady(r.steps, warmup_steps)[0] or r.steps) for r in ranks}
     seconds = statistics.median(s.seconds for s in steps.values())
-    per_category = {"data_wait": "D", "sync": "Y", "h2d": "H", "other": "O"}
+    per_category = {"data_wait": "data_wait", "sync": "syncs", "h2d": "copies", "other": "other"}  # -> StepCosts
     worst = None
     for category, attr in per_category.items():
         values = {k: getattr(s, attr) for k, s in steps.items()}
