@@ -122,7 +122,6 @@ class Distributed(RankStrategy):
         self.description = f"sync gpulab over {world.backend}"
         buckets = Buckets([list(self.module.parameters())], bucket_bytes, first_bucket_bytes)
         self.grad_sync = GradSync(buckets, world.group, overlap)
-        self.module.train(True)
 
     def zero_grad(self) -> None:
         self.buffers_stale = True  # a training step: evaluate / state_dict average them once again
@@ -160,14 +159,6 @@ class DDPSync(RankStrategy):
             self.module, device_ids=[device] if device.type == "cuda" else None, process_group=world.group,
             bucket_cap_mb=bucket_bytes / 2**20,
         )
-        self.module.train(True)
-
-    def zero_grad(self) -> None:
-        self.buffers_stale = True
-        self.optimizer.zero_grad(set_to_none=True)
 
     def exchanging(self, last: bool):
         return nullcontext() if last else self.model.no_sync()
-
-    def finish_exchange(self):
-        return nullcontext()  # DDP's all-reduces are done when its backward returns

@@ -3,12 +3,15 @@
 statistics in step.
 
     RankStrategy   the common state and steps of Distributed (gpulab's bucketed sync), DDPSync
-                   (DDP) and Sharded (FSDP2); each adds how gradients are exchanged
+                   (DDP) and Sharded (FSDP2); each adds how gradients are exchanged (exchanging,
+                   and where the wrapper's exchange is not done with backward, zero_grad and
+                   finish_exchange)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -56,6 +59,7 @@ class RankStrategy:
         self.buffers_stale = True  # BatchNorm's running statistics drift apart per rank
         self.module = module.to(device)
         broadcast_from_main(self.module, world)
+        self.module.train(True)  # set once here (evaluation restores it), not walked every step
         self.replicas = [self.module]  # this process's copies of the model (DataParallel has k)
         self.model: nn.Module = self.module  # what training calls: the subclass's wrapper, if any
         self.optimizers: list[torch.optim.Optimizer] = []  # the subclass's, once its model is wrapped
@@ -66,6 +70,13 @@ class RankStrategy:
 
     def global_batch(self, local: int) -> int:
         return self.batch_size
+
+    def zero_grad(self) -> None:
+        self.buffers_stale = True  # a training step: evaluate / state_dict average them once again
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish_exchange(self):
+        return nullcontext()  # a wrapper's own exchange (DDP's, FSDP's) is done when its backward returns
 
     def split(self, X: torch.Tensor, y: torch.Tensor) -> list[Shard]:
         return [(X, y)]  # this rank's part is already on its device

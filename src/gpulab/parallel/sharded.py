@@ -103,21 +103,13 @@ class Sharded(RankStrategy):
         self.description = f"shard fsdp over {world.backend} ({len(self.units)} units + root)"
         if param_dtype is not None:
             self.description += f"; {str(param_dtype).removeprefix('torch.')} parameters gathered, fp32 gradients reduced"
-        self.module.train(True)
 
     # ------------------------------------------------------------------ what the step asks
-
-    def zero_grad(self) -> None:
-        self.buffers_stale = True  # a training step: evaluate / state_dict average them once again
-        self.optimizer.zero_grad(set_to_none=True)
 
     def exchanging(self, last: bool):
         # Gradients are reduce-scattered after the last micro-batch only (no_sync's role).
         self.module.set_requires_gradient_sync(last)
         return nullcontext()
-
-    def finish_exchange(self):
-        return nullcontext()  # FSDP's reduce-scatters are done when its backward returns
 
     # ------------------------------------------------------------------ state
 

@@ -173,7 +173,7 @@ def run_epoch(run: Run, epoch: int, progress: Progress | None = None) -> dict:
     cfg, loader = run.cfg, run.train_loader
     loader.set_epoch(epoch)
     meter = Meter(run.devices[0])
-    watch = FiniteWatch(meter, rank_sum(run.world))
+    watch = FiniteWatch(meter, run.trainer.sum_over_processes)
     run.timer.reset()
     reset_peaks(run.devices)
     task = progress.add_task(f"epoch {epoch + 1}/{cfg.epochs}", total=len(loader)) if progress else None
@@ -312,20 +312,6 @@ def epoch_peak_memory(run: Run) -> dict[str, int]:
     if every is None:  # not the main rank: it keeps its own
         return {f"rank {run.world.rank} {device}": n for device, n in peaks.items()}
     return {f"rank {rank} {device}": n for rank, per_rank in enumerate(every) for device, n in per_rank.items()}
-
-
-def rank_sum(world: World) -> Callable[[torch.Tensor], None] | None:
-    """Under torchrun: sum a tensor in place over every rank (a collective on the training group)."""
-    if world.world_size == 1:
-        return None
-
-    def combine(t: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        with world.collectives():
-            dist.all_reduce(t, group=world.group)
-
-    return combine
 
 
 def checkpoint_state(run: Run, run_dir: RunDir, epoch: int) -> dict:

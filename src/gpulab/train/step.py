@@ -134,9 +134,13 @@ class Trainer:
     def read(self, meter: Meter) -> dict[str, float]:
         """The meter's totals over every replica of the job, read on the host (collective)."""
         totals = torch.cat([meter.totals, meter.totals.new_tensor([meter.count])])
-        with self.strategy.collectives():
-            self.strategy.sum_over_processes(totals)
+        self.sum_over_processes(totals)
         return summarize(*totals.tolist())
+
+    def sum_over_processes(self, t: torch.Tensor) -> None:
+        """`t` summed in place over every process of the job (a collective; nothing to do alone)."""
+        with self.strategy.collectives():
+            self.strategy.sum_over_processes(t)
 
 
 def micro_batches(X: torch.Tensor, y: torch.Tensor, accumulate: int):
