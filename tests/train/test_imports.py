@@ -42,7 +42,7 @@ PINNED = {
     "gpulab.config", "gpulab.data", "gpulab.data.decoded", "gpulab.data.fashion_mnist", "gpulab.data.idx",
     "gpulab.data.loader", "gpulab.data.sampling", "gpulab.data.user", "gpulab.devices", "gpulab.errors",
     "gpulab.hardware", "gpulab.hardware.cli", "gpulab.host", "gpulab.io", "gpulab.memory",
-    "gpulab.memory.categories", "gpulab.memory.peak", "gpulab.models", "gpulab.models.lenet",
+    "gpulab.memory.categories", "gpulab.memory.peak", "gpulab.models", "gpulab.models.layers", "gpulab.models.lenet",
     "gpulab.models.resnet", "gpulab.monitor", "gpulab.monitor.cli", "gpulab.monitor.config", "gpulab.options",
     "gpulab.parallel", "gpulab.parallel.allreduce", "gpulab.parallel.data_parallel", "gpulab.parallel.distributed",
     "gpulab.parallel.failures", "gpulab.parallel.graphed", "gpulab.parallel.launch", "gpulab.parallel.ranks",
