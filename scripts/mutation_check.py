@@ -231,6 +231,13 @@ MUTATIONS = [
     Mutation("curves.png drawn in the run's own thread before its last epoch (the epoch waits for it)",
              "src/gpulab/train/curves.py", 'self._start(lambda: draw(self.folder / "curves.png", rows, title))',
              'draw(self.folder / "curves.png", rows, title)', ["tests/train/test_rundir.py"]),
+    Mutation("ReLUAvgPool2d's backward divides by k, not the window's k*k", "src/gpulab/models/layers.py",
+             "F.interpolate(grad / (k * k),", "F.interpolate(grad / k,", ["tests/models/test_layers.py"]),
+    Mutation("ReLUAvgPool2d's backward skips ReLU's mask", "src/gpulab/models/layers.py",
+             "return torch.ops.aten.threshold_backward(spread, activation, 0), None", "return spread, None",
+             ["tests/models/test_layers.py"]),
+    Mutation("auto records the step of a model gpulab cannot vouch for", "src/gpulab/train/precision.py",
+             "cfg.model in MODELS and not own_parts", "cfg.model in MODELS", ["tests/train/test_compile.py"]),
 ]
 
 

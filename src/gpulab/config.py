@@ -25,7 +25,7 @@ Shard = Literal["none", "fsdp"]
 Backend = Literal["auto", "gloo", "nccl"]
 ChannelsLast = Literal["auto", "on", "off"]
 Precision = Literal["auto", "fp32", "bf16"]
-Compile = Literal["auto", "off", "on", "graphs"]
+Compile = Literal["auto", "off", "on", "graphs", "record"]
 
 
 MAX_TIMEOUT_S = 24 * 3600.0
@@ -114,12 +114,12 @@ class TrainConfig:
     eval_batch_size: int = option(1024, "batch size of evaluation: no gradients, so it can be larger")
     channels_last: ChannelsLast = option("auto", "auto: on for CPU, where it is measured faster")
     precision: Precision = option("auto", "auto: bf16 autocast where it is measured faster - on CPUs with native "
-                                  "bf16, and on bf16 GPUs with --compile graphs; else fp32")
-    compile: Compile = option("auto", "torch.compile the step: on (forward, loss and backward as compiled graphs, a "
-                              "fused optimizer), graphs (CUDA only: on one GPU the whole step recorded once as a CUDA "
-                              "graph and replayed; over several, on + torch.compile's CUDA graphs) or off; auto: off "
-                              "(measured: on CPU 0-8%% faster for 5-20 s of compiling; on an H200 graphs trained an "
-                              "epoch 6x faster, but a 10-epoch process took longer)")
+                                  "bf16, and on bf16 GPUs where the step is a CUDA graph (record, graphs); else fp32")
+    compile: Compile = option("auto", "how the step runs: off (eager), record (one GPU: the eager step recorded once "
+                              "as a CUDA graph and replayed, nothing compiled), on (torch.compile: forward, loss and "
+                              "backward as compiled graphs, a fused optimizer), graphs (CUDA only: on + CUDA graphs; "
+                              "on one GPU the whole compiled step recorded once); auto: record on one GPU for "
+                              "gpulab's own models, else off (measured: compiling costs a short run more than it wins)")
     out: str | None = option(None, "run directory (default runs/<timestamp>-<model>)")
     profile: bool = option(False, "sample utilisation and write a timeline, report and trace to <run dir>/profile/")
 

@@ -76,14 +76,15 @@ def test_the_learning_rate_a_graph_applies_is_float32():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
-def test_replayed_step_trains_as_plain_pytorch_and_follows_the_learning_rate():
+@pytest.mark.parametrize("compile", ["record", "graphs"])  # the eager step recorded; the compiled one
+def test_replayed_step_trains_as_plain_pytorch_and_follows_the_learning_rate(compile):
     torch.manual_seed(0)
     device = torch.device("cuda")
     model = build("lenet").double()
     reference = build("lenet").double().to(device)
     reference.load_state_dict(model.state_dict())
     strategy = DataParallel(model, [device], optimizer=lambda p: sgd(p))
-    trainer = Trainer(strategy, nn.functional.cross_entropy, compile="graphs")
+    trainer = Trainer(strategy, nn.functional.cross_entropy, compile=compile)
     meter = Meter(device)
     ref_opt = sgd(reference.parameters(), fused=False)
     lrs = [0.5, 0.25, 0.125, 0.0625, 0.5]  # exact in float32: the graph's lr is the reference's
@@ -103,3 +104,28 @@ def test_replayed_step_trains_as_plain_pytorch_and_follows_the_learning_rate():
     assert trainer.graph is not None and trainer.graph.graph is not None  # replayed, not eager
     for a, b in zip(strategy.module.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_a_recorded_step_under_bf16_autocast_trains_as_plain_pytorch_does():
+    """What `gpulab train` runs by default on one bf16 GPU: the eager step recorded under autocast
+    (whose cache of cast weights is off while the graph records) - as plain PyTorch under the same
+    autocast, to bf16's precision."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = build("lenet")
+    reference = build("lenet").to(device)
+    reference.load_state_dict(model.state_dict())
+    strategy = DataParallel(model, [device], optimizer=lambda p: sgd(p))
+    trainer = Trainer(strategy, nn.functional.cross_entropy, autocast=torch.bfloat16, compile="record")
+    ref_opt = sgd(reference.parameters(), fused=False)
+    for X, y in batches(5):
+        X, y = X.to(device), y.to(device)
+        trainer.step(X, y)
+        ref_opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            nn.functional.cross_entropy(reference(X), y).backward()
+        ref_opt.step()
+    assert trainer.graph.graph is not None
+    for a, b in zip(strategy.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)

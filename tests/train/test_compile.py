@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 from gpulab.config import TrainConfig
 from gpulab.train import train
-from gpulab.train.precision import AUTO_COMPILE, compile_mode
+from gpulab.train.precision import compile_mode
 from tests.conftest import assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,15 +47,41 @@ def test_compile_time_is_reported_apart_from_the_epoch(tmp_path, capsys):
     assert "torch.compile" in out and re.search(r"epoch  1/2 .* \(\+ [\d.]+ s compiling\)", out)
 
 
-def test_auto_is_what_was_measured():
-    cpu, cuda = [torch.device("cpu")], [torch.device("cuda", 0)]
-    assert compile_mode(TrainConfig(compile="auto"), cpu) == AUTO_COMPILE == "off"
-    assert compile_mode(TrainConfig(compile="auto"), cuda) == "off"  # not measured on a GPU yet
+def test_auto_records_the_step_only_on_one_gpu_for_gpulabs_own_model():
+    cpu, cuda = [torch.device("cpu")], [torch.device("cuda", 0)]  # device objects only: nothing runs on them
+    auto = TrainConfig(compile="auto")
+    assert compile_mode(auto, cpu) == "off"
+    assert compile_mode(auto, cuda) == "record"
+    assert compile_mode(TrainConfig(compile="auto", model="resnet18"), cuda) == "record"
+    # what a recording cannot hold, or gpulab cannot vouch for: eager
+    assert compile_mode(auto, cuda * 2) == "off"
+    assert compile_mode(auto, cuda, processes=2) == "off"
+    assert compile_mode(TrainConfig(compile="auto", accumulate=2), cuda) == "off"
+    assert compile_mode(TrainConfig(compile="auto", model="mine:build"), cuda) == "off"
+    assert compile_mode(auto, cuda, own_parts=True) == "off"
     assert compile_mode(TrainConfig(compile="graphs"), cuda) == "graphs"
+
+
+def test_a_recorded_step_records_the_eager_step_and_compiles_nothing(monkeypatch):
+    """record: the Trainer's step is the whole-step recording around the eager forward (StepGraph
+    stands in here: a CPU cannot record); graphs: around the compiled forward."""
+    from gpulab.models import build
+    from gpulab.parallel.data_parallel import DataParallel
+    from gpulab.train import step
+
+    monkeypatch.setattr(step, "StepGraph", lambda *args: "recording")
+    strategy = DataParallel(build("lenet"), [torch.device("cpu")],
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, fused=True))
+    recorded = step.Trainer(strategy, nn.functional.cross_entropy, compile="record")
+    assert recorded.graph == "recording" and recorded.forward.compiled is None
+    compiled = step.Trainer(strategy, nn.functional.cross_entropy, compile="graphs")
+    assert compiled.graph == "recording" and compiled.forward.compile == "on"
+    assert step.Trainer(strategy, nn.functional.cross_entropy).graph is None
 
 
 @pytest.mark.parametrize(("args", "fragments"), [
     (["--compile", "graphs"], ("--compile graphs", "CUDA graphs", "--compile on")),
+    (["--compile", "record"], ("--compile record", "CUDA graphs", "--devices cuda")),
     (["--compile", "on", "--devices", "cpu*2", "--sync-bn"], ("--compile with --sync-bn", "threads")),
 ])
 def test_what_torch_compile_cannot_do_is_refused_in_one_line(tiny_data, capsys, args, fragments):

@@ -428,8 +428,8 @@ def test_precision_choice(tiny_data, tmp_path, capsys):
     from gpulab.devices import resolve
     from gpulab.train.precision import autocast_dtype
 
-    assert autocast_dtype(TrainConfig(precision="fp32"), resolve("cpu")) is None
-    assert autocast_dtype(TrainConfig(precision="bf16"), resolve("cpu")) is torch.bfloat16
+    assert autocast_dtype(TrainConfig(precision="fp32"), resolve("cpu"), "off") is None
+    assert autocast_dtype(TrainConfig(precision="bf16"), resolve("cpu"), "off") is torch.bfloat16
     with pytest.raises(UserError, match="--precision fp16: choose one of auto, fp32, bf16"):
         TrainConfig(precision="fp16")
     train(config(tmp_path / "run", epochs=1, precision="bf16"))
@@ -437,7 +437,8 @@ def test_precision_choice(tiny_data, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("compile, bf16_in_hardware, expected", [
-    ("graphs", True, torch.bfloat16),  # a recorded step on a bf16 GPU: measured faster in bf16
+    ("record", True, torch.bfloat16),  # a recorded step on a bf16 GPU: measured faster in bf16
+    ("graphs", True, torch.bfloat16),
     ("graphs", False, None),            # no bf16 in hardware (pre-Ampere): fp32
     ("on", True, None),                 # not recorded: fp32
     ("off", True, None),
@@ -447,8 +448,8 @@ def test_auto_precision_on_cuda_is_bf16_only_for_a_recorded_step(monkeypatch, co
 
     monkeypatch.setattr(precision, "native_bf16", lambda device: bf16_in_hardware)
     cuda = [torch.device("cuda", 0)]  # a device object only: nothing runs on it
-    assert precision.autocast_dtype(TrainConfig(precision="auto", compile=compile), cuda) is expected
-    assert precision.autocast_dtype(TrainConfig(precision="fp32", compile=compile), cuda) is None
+    assert precision.autocast_dtype(TrainConfig(precision="auto"), cuda, compile) is expected
+    assert precision.autocast_dtype(TrainConfig(precision="fp32"), cuda, compile) is None
 
 
 def test_user_images_of_the_wrong_shape_are_a_clear_error(tmp_path):

@@ -1,5 +1,6 @@
 """The whole training step of one GPU - forward, loss, backward, the optimizer's update - recorded
-once as a CUDA graph and replayed for every batch (`gpulab train --compile graphs` on one device).
+once as a CUDA graph and replayed for every batch (`gpulab train` on one GPU: --compile record, the
+eager step, is its default; --compile graphs records the compiled step).
 
 Why: a small model's step is little GPU work behind much Python and many kernel launches, so the
 card idles between kernels. A replay is one launch for all of it: the host's part of a step
@@ -7,11 +8,11 @@ becomes two copies into the graph's input buffers, the learning rate written to 
 the replay (measured: docs/benchmarks.md).
 
 How, as torch's CUDA graph notes describe whole-network capture:
-- the step runs a few times on a side stream first (torch.compile compiles, autograd and the
-  optimizer create their buffers, cuBLAS its workspace), then the model's parameters and buffers
-  and the optimizer's state are put back as they were (state the warm-up created - momentum - to
-  zero, which is what the optimizer's first step starts from), so the recorded run trains exactly
-  the model that eager training would;
+- the step runs a few times on a side stream first (torch.compile compiles, cuDNN picks its
+  kernels, autograd and the optimizer create their buffers, cuBLAS its workspace), then the
+  model's parameters and buffers and the optimizer's state are put back as they were (state the
+  warm-up created - momentum - to zero, which is what the optimizer's first step starts from), so
+  the recorded run trains exactly the model that eager training would;
 - the graph reads its batch from two buffers of its own, and the learning rate from a
   one-element tensor on the device that `set_lr` writes before each replay: the optimizer must
   take a tensor learning rate inside a graph (fused=True or capturable=True);
@@ -53,8 +54,9 @@ class StepGraph:
         if self.graph is None:
             self._record(X, y, args)
         elif X.shape != self.X.shape or y.shape != self.y.shape:
-            raise UserError(f"--compile graphs replays a step recorded for a batch of {tuple(self.X.shape)}; this "
-                            f"batch is {tuple(X.shape)}: every training batch must have the same size")
+            raise UserError(f"the step is replayed as a CUDA graph recorded for a batch of {tuple(self.X.shape)}; this "
+                            f"batch is {tuple(X.shape)}: every training batch must have the same size "
+                            "(or use --compile off)")
         self.X.copy_(X)
         self.y.copy_(y)
         self.graph.replay()
@@ -92,11 +94,13 @@ def check_capturable(optimizers: list[torch.optim.Optimizer]) -> None:
     for opt in optimizers:
         for group in opt.param_groups:
             if not (group.get("fused") or group.get("capturable")):
-                raise UserError(f"--compile graphs records the optimizer's step in a CUDA graph: {type(opt).__name__} "
-                                "must be built with fused=True (or capturable=True); or use --compile on")
+                raise UserError(f"a step recorded as a CUDA graph (--compile record, graphs) records the optimizer's "
+                                f"step too: {type(opt).__name__} must be built with fused=True (or capturable=True); "
+                                "or use --compile off")
             if group.get("momentum") and group.get("dampening"):  # its first step is not one from zero state
-                raise UserError("--compile graphs: SGD with dampening starts from its first gradient, not from zero "
-                                "momentum, which a recorded step cannot do; use dampening=0 or --compile on")
+                raise UserError("a step recorded as a CUDA graph (--compile record, graphs): SGD with dampening starts "
+                                "from its first gradient, not from zero momentum, which a recording cannot do; use "
+                                "dampening=0 or --compile off")
 
 
 def snapshot(modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[int, tuple]:
@@ -119,7 +123,8 @@ def restore(saved: dict[int, tuple], optimizers: list[torch.optim.Optimizer]) ->
         for state in opt.state.values():
             for key, v in state.items():
                 if not isinstance(v, torch.Tensor):
-                    raise UserError(f"--compile graphs: {type(opt).__name__} keeps {key!r} as a Python number, which "
-                                    "a CUDA graph cannot update; build it with capturable=True (or use --compile on)")
+                    raise UserError(f"a step recorded as a CUDA graph (--compile record, graphs): {type(opt).__name__} "
+                                    f"keeps {key!r} as a Python number, which a CUDA graph cannot update; build it "
+                                    "with capturable=True (or use --compile off)")
                 if id(v) not in saved:
                     v.zero_()

@@ -242,7 +242,7 @@ def _measure_sharded_step(spec: dict, run, source, in_step) -> tuple[float, int]
     _release(run.strategy)  # its whole state would count in the sharded step's memory
     world = _CopiesWorld(spec["copy"], spec["copies"])
     strategy = Sharded(model, world, run.strategy.devices[0], spec["batch"] * spec["copies"],
-                       make_optimizer(run.cfg.recipe_spec, run.peak_lr), param_dtype=autocast_dtype(run.cfg, run.devices))
+                       make_optimizer(run.cfg.recipe_spec, run.peak_lr), param_dtype=autocast_dtype(run.cfg, run.devices, run.compile))
     loss_fn = lambda out, y: run.loss_fn(out, y) / spec["copies"]  # noqa: E731 (each copy its share, as a rank)
     trainer = Trainer(strategy, loss_fn)  # FSDP's policy casts: no autocast
 

@@ -42,7 +42,7 @@ class Run:
     schedule_lr: bool = True
     """The recipe's schedule sets the learning rate each step; a caller's own optimizer keeps its own."""
     compile: str = "off"
-    """How the step runs: off, on (torch.compile) or graphs (and CUDA graphs): --compile, resolved."""
+    """How the step runs: off, record, on or graphs: --compile, resolved (compile_mode)."""
     first_step_s: float | None = None
     """When this process's first training step ended, in seconds since the process started."""
     position: str = "set-up"
@@ -170,13 +170,14 @@ def check_sharding(cfg: TrainConfig, world: World) -> None:
 
 def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, devices: list[torch.device],
                   batch_size: int, lr: float, optimizer=None, compile: str = "off") -> Strategy:
-    """`compile`: off, on or graphs (compile_mode's answer); a compiled step steps the recipe's
-    optimizer fused (a caller's own optimizer is left as given), except on FSDP's sharded
+    """`compile`: off, record, on or graphs (compile_mode's answer); a compiled or recorded step
+    steps the recipe's optimizer fused (a caller's own optimizer is left as given), except on FSDP's sharded
     parameters (DTensors), which torch's fused SGD does not take: its foreach step there."""
     sharded = world.world_size > 1 and cfg.shard == "fsdp"
     optimizer = optimizer or make_optimizer(cfg.recipe_spec, lr, fused=compile != "off" and not sharded)
     if sharded:
-        return Sharded(model, world, devices[0], batch_size, optimizer, param_dtype=autocast_dtype(cfg, devices))
+        return Sharded(model, world, devices[0], batch_size, optimizer,
+                       param_dtype=autocast_dtype(cfg, devices, compile))
     if world.world_size > 1 and cfg.sync == "ddp":
         return DDPSync(model, world, devices[0], batch_size, optimizer)
     if world.world_size > 1:
@@ -211,6 +212,7 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     mean loss (default: cross-entropy); `optimizer`: a factory `params -> torch.optim.Optimizer`
     (default: the recipe's, with its learning-rate schedule; yours keeps its own learning rate)."""
     world = world or World()
+    own_parts = any(part is not None for part in (model, loss_fn, optimizer))  # gpulab cannot vouch for them
     fix_malloc_thresholds()  # before the data is loaded: every step then reuses freed host memory
     if model is not None:
         check_own_model(model)
@@ -246,12 +248,12 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     if any(d.type == "cuda" for d in devices):
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
 
-    compile = world.all_or_none(lambda: compile_mode(cfg, devices))
+    compile = world.all_or_none(lambda: compile_mode(cfg, devices, world.world_size, own_parts))
     timer = PhaseTimer(devices)
     strategy = make_strategy(cfg, world, model, devices, batch_size, peak_lr, optimizer, compile)
     loss_fn = CheckedLoss(loss_fn or torch.nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing))
     # A sharded model's precision is FSDP's policy, not autocast's.
-    autocast = None if isinstance(strategy, Sharded) else autocast_dtype(cfg, devices)
+    autocast = None if isinstance(strategy, Sharded) else autocast_dtype(cfg, devices, compile)
     trainer = Trainer(strategy, loss_fn, autocast, cfg.accumulate, compile, timer)
     # Linear scaling needs a warm-up: a k-times larger lr from step 0 diverges (Goyal et al. 2017).
     warmup_steps = len(train_loader) if cfg.scale_batch and replicas > 1 else 0

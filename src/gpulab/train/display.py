@@ -34,7 +34,8 @@ def banner(run: Run, run_dir: RunDir) -> str:
     )
 
 
-COMPILED = {"off": "", "on": ", torch.compile", "graphs": ", torch.compile + CUDA graphs"}
+COMPILED = {"off": "", "record": ", recorded as a CUDA graph", "on": ", torch.compile",
+            "graphs": ", torch.compile + CUDA graphs"}
 
 
 def precision(run: Run) -> str:

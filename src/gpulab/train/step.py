@@ -3,7 +3,7 @@
     Trainer.train_step   forward and loss per micro-batch and replica, the scaled backward, the
                          gradient exchange finished, the optimizer step
     Trainer.evaluate     loss and accuracy over a test set, every sample counted once
-    Trainer.step         train_step, or on one GPU with --compile graphs its CUDA-graph replay
+    Trainer.step         train_step, or on one GPU (--compile record, graphs) its CUDA-graph replay
 
 How gradients meet is the strategy's business (gpulab.parallel: in-process replicas, gpulab's
 sync across ranks, DDP, FSDP2); the step only asks it, in the same words for all of them, to
@@ -40,15 +40,18 @@ class Trainer:
     `autocast`: forward under torch.autocast with this dtype (parameters, gradients and the
     optimizer stay fp32); None for a sharded strategy, whose FSDP policy casts instead.
     `accumulate`: each batch computed as this many micro-batches, one after another.
-    `compile`: "off"; "on": the forward and loss through torch.compile (AOTAutograd compiles
-    their backward too); "graphs": also replayed as CUDA graphs - and on one GPU with one
-    micro-batch the whole step, optimizer included, recorded once as one CUDA graph (StepGraph)."""
+    `compile`: "off"; "record": the eager step, optimizer included, recorded once as one CUDA
+    graph and replayed (StepGraph; one GPU, one micro-batch); "on": the forward and loss through
+    torch.compile (AOTAutograd compiles their backward too); "graphs": also replayed as CUDA
+    graphs - and on one GPU with one micro-batch the whole compiled step recorded as one."""
 
     def __init__(self, strategy: Strategy, loss_fn: LossFn, autocast: torch.dtype | None = None,
                  accumulate: int = 1, compile: str = "off", timer: PhaseTimer | None = None):
         self.strategy, self.loss_fn, self.autocast, self.accumulate = strategy, loss_fn, autocast, accumulate
-        whole = compile == "graphs" and len(strategy.devices) == 1 and strategy.num_replicas == 1 and accumulate == 1
-        self.forward = Forward("on" if whole else compile)
+        one_part = len(strategy.devices) == 1 and strategy.num_replicas == 1 and accumulate == 1
+        whole = compile == "record" or (compile == "graphs" and one_part)  # compile_mode: record is one part
+        # inside a whole-step recording torch.compile's own CUDA graphs would be graphs in a graph
+        self.forward = Forward({"record": "off", "graphs": "on" if whole else "graphs"}.get(compile, compile))
         self.graph = None
         self.timer = timer or PhaseTimer(strategy.devices, enabled=False)
         if whole:  # a replay is one piece of work: untimed
@@ -151,7 +154,9 @@ def micro_batches(X: torch.Tensor, y: torch.Tensor, accumulate: int):
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """Mixed precision on `device` when `dtype` is given (parameters and gradients stay fp32)."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    # torch's CUDA graph notes: autocast must not cache its casts of the weights while a graph records
+    recording = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=not recording)
 
 
 def forward_and_loss(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
