@@ -238,6 +238,19 @@ MUTATIONS = [
              ["tests/models/test_layers.py"]),
     Mutation("auto records the step of a model gpulab cannot vouch for", "src/gpulab/train/precision.py",
              "cfg.model in MODELS and not own_parts", "cfg.model in MODELS", ["tests/train/test_compile.py"]),
+    Mutation("the recorder's own frames left for torch.compile to compile", "src/gpulab/monitor/record/patches.py",
+             "        for code in _code_of(module):\n            _leave_uncompiled(code)\n",
+             "        for code in _code_of(module):\n            pass\n", ["tests/monitor/test_compile_unchanged.py"]),
+    Mutation("gpulab's wrappers left in place while torch.compile traces", "src/gpulab/monitor/record/patches.py",
+             "        for owner, name, original, _ in _patched:\n            setattr(owner, name, original)",
+             "        for owner, name, original, _ in _patched:\n            pass",
+             ["tests/monitor/test_compile_unchanged.py"]),
+    Mutation("a backward's compile counted as a compiled frame", "src/gpulab/monitor/analyze/compiled.py",
+             '"compiles": len(by_trigger.get("dynamo", [])),', '"compiles": len(compiles),',
+             ["tests/monitor/test_compile_probe.py::test_the_counts_are_torchs_a_backward_and_a_cuda_graph_recording_apart_from_the_frames"]),
+    Mutation("inductor's generated code taken for the user's", "src/gpulab/monitor/record/frames.py",
+             "    roots.update(generated_code_dirs())\n", "",
+             ["tests/monitor/test_stacks.py::test_code_torch_compile_generated_is_never_the_users_line"]),
 ]
 
 

@@ -2,7 +2,7 @@
 compile of a backward, CUDA graph recordings), and what it says of recompiles, graph breaks,
 CUDA graphs it skips and CUDA graphs it records again.
 
-torch has no public door for either, so this module is the one place that uses the two private
+torch has no public door for either, so this module is the one place that uses the private
 ones (tests/test_compiler.py pins what they give on the installed torch):
 - torch._dynamo.callback: start and end callbacks around each compile, with what triggered it
   (dynamo, a lazy backward, a CUDA graph recording) and its compile id ("1/0": frame 1, first
@@ -16,6 +16,10 @@ ones (tests/test_compiler.py pins what they give on the installed torch):
   user set it and read too). A logger made after its artifact is read is not read: each artifact
   is read when every module that writes it has been imported.
 
+- torch._dynamo's frame execution strategies: `leave_uncompiled` marks a code object's frames
+  to run uncompiled, as the frames of torch's own files run (the profiler's, which compiled code
+  must never see: gpulab/monitor/record/patches.py).
+
 `CompileClock` (gpulab train: compile time reported apart from the epochs) uses the callbacks;
 `CompileWatch` (gpulab profile's compile probe) uses both.
 """
@@ -28,8 +32,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import CodeType
 
 import torch._dynamo.callback as dynamo_callback
+from torch._dynamo.eval_frame import set_code_exec_strategy
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch._logging._internal import log_state
 
 # What each artifact carries, and the message that marks it (torch 2.13's wording).
@@ -77,6 +84,14 @@ class CompileClock:
         return seconds
 
 
+def leave_uncompiled(code: CodeType, callees: bool = True) -> None:
+    """dynamo runs every frame of `code` as plain Python, never a frame to compile - and with
+    `callees`, every frame it calls too (what torch.compiler.disable does to a function, without
+    wrapping it); without, the frames it calls are dynamo's to compile or not, as ever."""
+    then = FrameAction.SKIP if callees else FrameAction.DEFAULT
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, then))
+
+
 @dataclass
 class CompileEvent:
     """Something torch.compile did or said. kind: compile (with its seconds), recompile,
@@ -99,11 +114,14 @@ class CompileEvent:
 class CompileWatch:
     """torch.compile's compiles and messages, as they happen, to `on_event(CompileEvent)`.
     `user_line(frame)`: the script's file:line at or above a frame; `format_site(path, line)`: a
-    file:line as the report writes it (the caller's rules, both)."""
+    file:line as the report writes it (the caller's rules, both); `while_compiling`: what to call
+    as each compile starts and ends."""
 
     def __init__(self, on_event: Callable[[CompileEvent], None], user_line: Callable[[object], str | None],
-                 format_site: Callable[[str, int], str]):
+                 format_site: Callable[[str, int], str],
+                 while_compiling: tuple[Callable[[], None], Callable[[], None]] = (lambda: None, lambda: None)):
         self._on_event = on_event
+        self._compile_starts, self._compile_ends = while_compiling  # called around every compile
         self._user_line = user_line
         self._format_site = format_site
         self._open: dict[str, tuple[float, str]] = {}  # compile id -> (start, trigger)
@@ -145,6 +163,7 @@ class CompileWatch:
     # ------------------------------------------------------------------ callbacks
 
     def _start(self, args) -> None:
+        self._compile_starts()
         self._open[args.compile_id] = (time.perf_counter(), args.callback_trigger.name.lower())
         if self._recompiling is not None:  # the recompile this compile is: its id ties the two
             event, self._recompiling = self._recompiling, None
@@ -152,6 +171,7 @@ class CompileWatch:
             self._on_event(event)
 
     def _end(self, args) -> None:
+        self._compile_ends()
         opened = self._open.pop(args.compile_id, None)
         if opened is None:
             return

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpulab.monitor.analyze.compiled import compile_summary, compiles_line
+from gpulab.monitor.events import Recording
+
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
@@ -48,6 +51,9 @@ def test_a_changing_batch_size_is_a_recompile_at_its_line_and_compiling_is_apart
     assert "size mismatch at index 0" in recompile["evidence"] and "mark_dynamic(x, 0)" in recompile["fix"]
     (spent,) = by_cause(report, "compile_time")
     assert spent["share"] >= 0.1 and spent["where"].endswith(planted("compile_recompile.py"))
+    # the count is torch's: frames compiled (a backward compiled lazily is counted apart)
+    assert compiled["compiles"] == int(told["frames_compiled"])
+    assert f"{told['frames_compiled']} frames compiled" in spent["evidence"]
 
 
 def test_an_item_in_forward_is_a_graph_break_at_its_line_with_the_fix(tmp_path):
@@ -56,6 +62,10 @@ def test_an_item_in_forward_is_a_graph_break_at_its_line_with_the_fix(tmp_path):
     assert broke["where"].endswith(truth(done.stdout)["graph_break_line"]) and "Tensor.item()" in broke["evidence"]
     assert "keep the value on the device" in broke["fix"]
     assert "[__graph_breaks]" not in done.stderr and "[__recompiles]" not in done.stderr  # gpulab's reading is silent
+    # torch compiled the same frames and broke the same graphs as it does without the profiler
+    told = truth(done.stdout)
+    assert report["compile"]["compiles"] == int(told["frames_compiled"])
+    assert sum(g["count"] for g in report["compile"]["graph_breaks"]) == int(told["graph_breaks"])
 
 
 def test_gpulab_train_compiled_and_profiled_runs_and_its_compiles_are_apart(tmp_path, tiny_data):
@@ -69,5 +79,22 @@ def test_gpulab_train_compiled_and_profiled_runs_and_its_compiles_are_apart(tmp_
     report = json.loads((out / "report.json").read_text())
     told = json.loads((tmp_path / "run" / "metrics.json").read_text())[-1]["compile_seconds"]
     # gpulab train's own compile clock and the profile's read the same compiles
-    assert report["compile"]["compiles"] >= 2 and abs(report["compile"]["seconds"] - told) <= 0.1 * told + 0.05
+    assert report["compile"]["compiles"] >= 1 and report["compile"]["backward_compiles"] >= 1
+    assert abs(report["compile"]["seconds"] - told) <= 0.1 * told + 0.05
     assert report["excluded_steps"]["compiling"] >= 1
+
+
+def test_the_counts_are_torchs_a_backward_and_a_cuda_graph_recording_apart_from_the_frames():
+    """compiles = frames dynamo compiled (recompiles included), as torch.compile counts them; the
+    lazy compile of a backward and a CUDA graph recording are compiles of another kind."""
+    def compile(compile_id: str, trigger: str, t0: float) -> dict:
+        return {"type": "compile", "kind": "compile", "t0": t0, "t1": t0 + 1.0, "compile_id": compile_id,
+                "trigger": trigger, "function": None, "where": "train.py:9", "reason": None, "defined_at": None}
+
+    recompile = {**compile("0/1", "dynamo", 0.0), "kind": "recompile", "t1": 0.0, "reason": "size mismatch"}
+    records = [compile("0/0", "dynamo", 0.0), compile("0/0", "lazy_backward", 2.0), recompile,
+               compile("0/1", "dynamo", 4.0), compile("0/1", "cudagraph_recording", 6.0)]
+    summary = compile_summary(Recording(records))
+    assert (summary["compiles"], summary["backward_compiles"], summary["cudagraph_recordings"]) == (2, 1, 1)
+    assert summary["seconds"] == 4.0
+    assert compiles_line(summary) == "2 frames compiled (1 a recompile), 1 backward, 1 CUDA graph recording"

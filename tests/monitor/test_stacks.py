@@ -195,3 +195,23 @@ def test_a_script_that_sets_its_own_alarm_gets_it_once_under_the_profiler(tmp_pa
     assert code == 0
     assert "alarm_timeout: fired 1" in capfd.readouterr().out
     assert json.loads((out / "report.json").read_text())["steps"] == 40
+
+
+def test_code_torch_compile_generated_is_never_the_users_line(tmp_path, monkeypatch):
+    """inductor runs the code it writes to its cache (a skipped CUDA graph is logged from there):
+    the user's line is the call below it, in the script."""
+    from gpulab.monitor.record import frames
+
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setattr(frames, "_ROOTS", None)
+    monkeypatch.setattr(frames, "_IS_USER", {})
+    generated = cache / "3a" / "c3a7generated.py"
+    generated.parent.mkdir(parents=True)
+    generated.write_text("import sys\ndef call(f):\n    return f(sys._getframe())\n")
+    namespace = {}
+    exec(compile(generated.read_text(), str(generated), "exec"), namespace)
+    line = sys._getframe().f_lineno + 1
+    where = namespace["call"](frames.user_site)
+    assert where.endswith(f"test_stacks.py:{line}")
+    assert frames.is_user_file(__file__) and not frames.is_user_file(str(generated))

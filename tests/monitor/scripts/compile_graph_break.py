@@ -39,7 +39,9 @@ def main(steps: int) -> None:
         loss.backward()
         optimizer.step()
     planted = next(i for i, line in enumerate(open(__file__), 1) if "# planted:" in line and "item()" in line)
-    print(f"TRUTH steps {steps} graph_break_line {__file__.rsplit('/', 1)[-1]}:{planted}")
+    counters = torch._dynamo.utils.counters  # torch's own counts
+    print(f"TRUTH steps {steps} graph_break_line {__file__.rsplit('/', 1)[-1]}:{planted} "
+          f"frames_compiled {counters['frames']['ok']} graph_breaks {sum(counters['graph_break'].values())}")
 
 
 if __name__ == "__main__":

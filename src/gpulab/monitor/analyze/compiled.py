@@ -86,13 +86,17 @@ def compile_summary(rec: Recording) -> dict | None:
     compiles = [r for r in rec.compiles if r["kind"] == "compile"]
     first = [r for r in compiles if _attempt(r) == 0]
     again = [r for r in compiles if _attempt(r) > 0]
+    by_trigger = {t: [r for r in compiles if r["trigger"] == t] for t in sorted({r["trigger"] for r in compiles})}
     return {
-        "compiles": len(compiles),
+        # as torch counts them: frames compiled (dynamo's, recompiles included), and apart from them
+        # AOTAutograd's compiles of a backward and inductor's CUDA graph recordings
+        "compiles": len(by_trigger.get("dynamo", [])),
+        "backward_compiles": len(by_trigger.get("lazy_backward", [])),
+        "cudagraph_recordings": len(by_trigger.get("cudagraph_recording", [])),
         "seconds": round(_seconds(compiles), 3),
         "first_compile_seconds": round(_seconds(first), 3),
         "recompile_seconds": round(_seconds(again), 3),
-        "by_trigger": {t: round(_seconds([r for r in compiles if r["trigger"] == t]), 3)
-                       for t in sorted({r["trigger"] for r in compiles})},
+        "by_trigger": {t: round(_seconds(records), 3) for t, records in by_trigger.items()},
         "recompiles": _grouped([r for r in rec.compiles if r["kind"] == "recompile"],
                                ("where", "function", "defined_at", "reason"), "compile_id"),
         "graph_breaks": _grouped([r for r in rec.compiles if r["kind"] == "graph_break"], ("where", "reason")),
@@ -164,13 +168,27 @@ def _compiled_code(group: dict) -> str:
 
 
 def _compile_time_evidence(summary: dict) -> str:
-    parts = [f"{summary['compiles']} compiles took {summary['seconds']:.1f} s: first compiles "
+    parts = [f"compiling took {summary['seconds']:.1f} s: {compiles_line(summary)}; first compiles "
              f"{summary['first_compile_seconds']:.1f} s, recompiles {summary['recompile_seconds']:.1f} s"]
     if "lazy_backward" in summary["by_trigger"]:
-        parts.append(f"backward's own compile {summary['by_trigger']['lazy_backward']:.1f} s of it")
+        parts.append(f"backward's own compiles {summary['by_trigger']['lazy_backward']:.1f} s of it")
     if "cudagraph_recording" in summary["by_trigger"]:
-        parts.append(f"CUDA graph recording {summary['by_trigger']['cudagraph_recording']:.1f} s")
+        parts.append(f"CUDA graph recordings {summary['by_trigger']['cudagraph_recording']:.1f} s")
     return "; ".join(parts) + " (left out of the steady steps)"
+
+
+def compiles_line(summary: dict) -> str:
+    """"3 frames compiled (1 a recompile), 1 backward, 2 CUDA graph recordings": torch's counts."""
+    recompiles = sum(g["count"] for g in summary["recompiles"])
+    text = f"{summary['compiles']} frame{'s' * (summary['compiles'] != 1)} compiled"
+    if recompiles:
+        text += f" ({recompiles} {'a recompile' if recompiles == 1 else 'recompiles'})"
+    if summary["backward_compiles"]:
+        text += f", {summary['backward_compiles']} backward"
+    if summary["cudagraph_recordings"]:
+        n = summary["cudagraph_recordings"]
+        text += f", {n} CUDA graph recording{'s' * (n != 1)}"
+    return text
 
 
 def _of_the_run(f: dict) -> dict:

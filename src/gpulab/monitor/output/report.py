@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from gpulab.monitor.output import OUTPUTS, timeline, trace
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.analyze.compiled import compile_summary
+from gpulab.monitor.analyze.compiled import compile_summary, compiles_line
 from gpulab.monitor.analyze.diagnose import diagnose
 from gpulab.monitor.analyze.failure import failure_finding, job_failure
 from gpulab.monitor.analyze.hang import hang_finding
@@ -184,9 +184,9 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
         lines.append(f"  {escape(memory_line(report['memory']))}")
     if report.get("compile"):
         c = report["compile"]
-        lines.append(f"  torch.compile: {c['compiles']} compiles, {c['seconds']:.1f} s (recompiles "
-                     f"{c['recompile_seconds']:.1f} s), {sum(g['count'] for g in c['recompiles'])} recompiles, "
-                     f"{sum(g['count'] for g in c['graph_breaks'])} graph breaks - apart from the steady steps")
+        lines.append(f"  torch.compile: {compiles_line(c)}, {c['seconds']:.1f} s (recompiles "
+                     f"{c['recompile_seconds']:.1f} s), {sum(g['count'] for g in c['graph_breaks'])} graph breaks "
+                     "- apart from the steady steps")
     for missing in report.get("not_measured", []):
         lines.append(f"  [yellow]not measured:[/] {escape(missing)}")
     for n, f in enumerate(report["findings"], 1):

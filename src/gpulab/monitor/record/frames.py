@@ -2,14 +2,18 @@
 
 A host sync is raised inside a torch C++ call, a DataLoader wait inside torch's queue code; the
 line worth showing is the innermost frame that belongs to the user: not the standard library,
-not an installed package (torch, numpy, ...), and not this profiler. gpulab's own trainer counts
+not an installed package (torch, numpy, ...), not code torch.compile generated, and not this
+profiler. gpulab's own trainer counts
 as user code, so `gpulab train --profile` points at the trainer's lines.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
 import sysconfig
+import tempfile
 from pathlib import Path
 from types import FrameType
 
@@ -20,10 +24,24 @@ _MEMORY_DIR = str(Path(__file__).resolve().parent.parent.parent / "memory")
 _COMPILER_FILE = str(Path(__file__).resolve().parent.parent.parent / "compiler.py")
 
 
+def generated_code_dirs() -> set[str]:
+    """Where torch.compile writes the code it generates and runs (inductor's cache: TORCHINDUCTOR_
+    CACHE_DIR, else torch's default, `<tmp>/torchinductor_<user>`; Triton's): never a user's line."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    triton = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton")
+    return {inductor, triton}
+
+
 def _library_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
     roots.update((_MONITOR_DIR, _MEMORY_DIR))
+    roots.update(generated_code_dirs())
     try:
         import torch
 

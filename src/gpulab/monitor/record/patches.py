@@ -8,15 +8,28 @@ were checked against (2.13.0), and why each patch is one.
 Every patch keeps the signature, name and docstring of what it replaces (functools.update_wrapper:
 `inspect.signature` follows `__wrapped__`), so frameworks that introspect them work: Lightning
 re-creates a DataLoader from the parameters of `DataLoader.__init__`.
+
+Invisible to torch.compile: compiled code must trace, break and recompile as it does without
+gpulab. While torch.compile compiles, every patch is taken out (`lift`, `relink`), so that dynamo traces
+torch's own functions, never a wrapper; and while compiled code runs eagerly between its pieces
+(after a graph break), dynamo compiles every Python frame called there as a frame of its own -
+a hook's or wrapper's too, and what they call, frames the script does not have: the recorder's
+code, and what it calls, is marked for dynamo to run uncompiled (`mark_recorder_frames`): a
+wrapper calls torch's function, whose frames dynamo leaves to run (torch's files) as it would.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from functools import update_wrapper
+from collections.abc import Callable
+from types import CodeType, FunctionType, ModuleType
 
 _MARK = "__gpulab_patch__"
 _in_place = 0  # patches in place in this process, every Patches together
+_patched: list[tuple[object, str, object, object]] = []  # (owner, name, original, wrapper), all of them
+_lifted = 0  # compiles under way (they nest): the originals are in place meanwhile
 
 
 def installed() -> bool:
@@ -38,11 +51,15 @@ class Patches:
         original = getattr(owner, name)
         wrapper = update_wrapper(make_wrapper(original), original)
         setattr(wrapper, _MARK, True)
-        setattr(owner, name, wrapper)
+        entry = (owner, name, original, wrapper)
+        _patched.append(entry)
+        if not _lifted:
+            setattr(owner, name, wrapper)
         _in_place += 1
 
         def undo():
             global _in_place
+            _patched.remove(entry)
             if had_own:
                 setattr(owner, name, original)
             else:
@@ -69,3 +86,71 @@ class Patches:
     def undo(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+
+RECORDER_CODE = ("gpulab.monitor", "gpulab.memory", "gpulab.compiler")
+"""The modules whose code runs while the recorder records: theirs are never frames to compile."""
+_marked: set[str] = set()  # recorder modules whose code dynamo has been told to leave alone
+_leave_uncompiled: Callable[..., None] | None = None
+
+
+def mark_recorder_frames(leave_uncompiled: Callable[..., None] | None = None) -> None:
+    """Have dynamo run every frame of the recorder's own code, and what it calls, uncompiled -
+    but for a patch's wrapper, whose call of torch's original is dynamo's as without it.
+    `leave_uncompiled(code)`: gpulab.compiler's, given once torch._dynamo is imported (the compile
+    probe); until then nothing can compile. Modules imported since are marked on the next call."""
+    global _leave_uncompiled
+    _leave_uncompiled = leave_uncompiled or _leave_uncompiled
+    if _leave_uncompiled is None:
+        return
+    for name, module in list(sys.modules.items()):
+        if name in _marked or module is None or not name.startswith(RECORDER_CODE):
+            continue
+        _marked.add(name)
+        for code in _code_of(module):
+            _leave_uncompiled(code)
+    for _, _, _, wrapper in _patched:  # what a wrapper calls of torch's is compiled as without it
+        _leave_uncompiled(wrapper.__code__, callees=False)
+
+
+def _code_of(module: ModuleType) -> list[CodeType]:
+    """Every code object of a module's functions and classes, the functions they define inside
+    them (wrappers, closures, lambdas) included."""
+    functions = []
+    for obj in vars(module).values():
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if isinstance(obj, type):
+            for member in vars(obj).values():
+                member = getattr(member, "__func__", member)  # staticmethod, classmethod
+                if isinstance(member, property):
+                    functions += [f for f in (member.fget, member.fset, member.fdel) if f is not None]
+                elif isinstance(member, FunctionType):
+                    functions.append(member)
+        elif isinstance(obj, FunctionType):
+            functions.append(obj)
+    codes, stack = [], [f.__code__ for f in functions]
+    while stack:
+        code = stack.pop()
+        codes.append(code)
+        stack += [c for c in code.co_consts if isinstance(c, CodeType)]
+    return codes
+
+
+def lift() -> None:
+    """A compile starts: torch's originals back in place (nested compiles: the outermost)."""
+    global _lifted
+    mark_recorder_frames()  # a recorder module imported since (a measurement window's)
+    _lifted += 1
+    if _lifted == 1:
+        for owner, name, original, _ in _patched:
+            setattr(owner, name, original)
+
+
+def relink() -> None:
+    """A compile ended: the wrappers back, once the outermost compile has ended."""
+    global _lifted
+    _lifted = max(0, _lifted - 1)
+    if _lifted == 0:
+        for owner, name, _, wrapper in _patched:
+            setattr(owner, name, wrapper)

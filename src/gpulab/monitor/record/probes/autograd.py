@@ -74,13 +74,16 @@ class AutogradProbe(Probe):
 
         return make_wrapper
 
+    # is_compiling() first in both: torch.compile traces the global optimizer hooks into a compiled
+    # optimizer step (torch's step wrapper calls them), where they fold away as torch's own would.
+
     def _optimizer_step_begins(self, optimizer, args, kwargs) -> None:
-        if self.sink.here():
+        if not torch.compiler.is_compiling() and self.sink.here():
             self._optimizer_tokens[id(optimizer)] = self.sink.enter(f"{type(optimizer).__name__}.step", "compute")
 
     def _optimizer_step_ended(self, optimizer, args, kwargs) -> None:
         sink = self.sink
-        if not sink.here():
+        if torch.compiler.is_compiling() or not sink.here():
             return
         token = self._optimizer_tokens.pop(id(optimizer), None)
         if token is not None:

@@ -22,6 +22,7 @@ from gpulab.monitor.events import CompileRecord
 from gpulab.monitor.record.frames import format_site, user_site
 from gpulab.monitor.record.interpreter import after_import
 from gpulab.monitor.record.notices import COMPILED
+from gpulab.monitor.record.patches import lift, mark_recorder_frames, relink
 from gpulab.monitor.record.probe import Probe
 
 
@@ -42,7 +43,10 @@ class CompileProbe(Probe):
         importlib.import_module("gpulab.compiler")  # half-executed already: returned as it is
 
     def _watch_compiles(self, compiler) -> None:
-        self._watch = compiler.CompileWatch(self._on_event, user_site, format_site)
+        mark_recorder_frames(compiler.leave_uncompiled)
+        # while it compiles, torch's own functions in place of gpulab's wrappers: dynamo traces what it
+        # traces without gpulab
+        self._watch = compiler.CompileWatch(self._on_event, user_site, format_site, while_compiling=(lift, relink))
         self._watch.install()
         self.patches.on_undo(self._stop_watching)
         self.patches.on_undo(after_import(compiler.CUDAGRAPH_MODULE, self._read_cudagraph_skips))
