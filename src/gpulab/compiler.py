@@ -114,8 +114,9 @@ class CompileEvent:
 class CompileWatch:
     """torch.compile's compiles and messages, as they happen, to `on_event(CompileEvent)`.
     `user_line(frame)`: the script's file:line at or above a frame; `format_site(path, line)`: a
-    file:line as the report writes it (the caller's rules, both); `while_compiling`: what to call
-    as each compile starts and ends."""
+    file:line as the report writes it, None where it is not the script's (torch's own, generated
+    code) (the caller's rules, both); `while_compiling`: what to call as each compile starts and
+    ends."""
 
     def __init__(self, on_event: Callable[[CompileEvent], None], user_line: Callable[[object], str | None],
                  format_site: Callable[[str, int], str],
@@ -183,9 +184,10 @@ class CompileWatch:
         now = time.perf_counter()
         where = self._user_line(sys._getframe(1))
         if m := _RECOMPILE.search(message):
-            self._recompiling = CompileEvent("recompile", now, now, function=m["function"], where=where,
-                                             reason=_guard_failures(m["reasons"]),
-                                             defined_at=self._site(m["where"], None))
+            # a function of torch's own (dynamo's wrapper of a compiled module's call) is no name to give
+            defined_at = self._site(m["where"], None)
+            self._recompiling = CompileEvent("recompile", now, now, function=m["function"] if defined_at else None,
+                                             where=where, reason=_guard_failures(m["reasons"]), defined_at=defined_at)
         elif m := _GRAPH_BREAK.search(message):
             self._on_event(CompileEvent("graph_break", now, now, where=self._site(m["where"], where),
                                         reason=_graph_break_reason(m["reason"])))
@@ -196,9 +198,11 @@ class CompileWatch:
                                         reason=_rerecord_reason(m["reason"])))
 
     def _site(self, text: str, otherwise: str | None) -> str | None:
-        """torch's "path:line" as the report writes a line, or `otherwise` when it is not one."""
+        """torch's "path:line" as the report writes a line, or `otherwise` when it is not one of the
+        script's (torch.compile(module) recompiles dynamo's own wrapper of the call, in torch)."""
         path, _, line = text.rpartition(":")
-        return self._format_site(path, int(line)) if line.isdigit() else otherwise
+        site = self._format_site(path, int(line)) if line.isdigit() else None
+        return site or otherwise
 
 
 class _Handler(logging.Handler):

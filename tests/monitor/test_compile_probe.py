@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpulab.monitor.analyze.compiled import compile_summary, compiles_line
 from gpulab.monitor.events import Recording
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -21,7 +22,7 @@ def profile(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.Complet
     done = subprocess.run([sys.executable, "-m", "gpulab", "profile", "--out", str(out), "--", sys.executable,
                            str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done, json.loads((out / "report.json").read_text())
+    return done, read_report(out)
 
 
 def planted(script: str) -> str:
@@ -76,7 +77,7 @@ def test_gpulab_train_compiled_and_profiled_runs_and_its_compiles_are_apart(tmp_
                            "gpulab", "train", "--devices", "cpu", "--epochs", "1", "--compile", "on",
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     told = json.loads((tmp_path / "run" / "metrics.json").read_text())[-1]["compile_seconds"]
     # gpulab train's own compile clock and the profile's read the same compiles
     assert report["compile"]["compiles"] >= 1 and report["compile"]["backward_compiles"] >= 1

@@ -45,6 +45,7 @@ def torchs_counters(fn, args: tuple, recording: bool, calls: int = 3, cuda_wrapp
             recorder.stop(exit_code=0)
     seen = {name: dict(counters[name]) for name in COUNTED}
     torch._dynamo.reset()
+    counters.clear()  # the process as it was found: other tests read these counters
     return seen
 
 

@@ -23,6 +23,7 @@ from gpulab.host import CONTENDED_WAIT_SHARE, CoreWatch
 from gpulab.monitor.analyze.contention import core_use
 from gpulab.monitor.analyze.diagnose import diagnose
 from gpulab.monitor.events import CATEGORIES, Recording
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc schedstat")
@@ -172,7 +173,7 @@ def busy_processes():
 def profile(tmp_path: Path, name: str, script: str, *args: str) -> dict:
     out = tmp_path / name
     assert main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script), *args]) == 0
-    return json.loads((out / "report.json").read_text())
+    return read_report(out)
 
 
 def own_truth(output: str) -> tuple[float, float]:

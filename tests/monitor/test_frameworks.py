@@ -28,6 +28,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 import gpulab.monitor
 from gpulab.cli import main
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 FRAMEWORKS = SCRIPTS / "frameworks"
@@ -138,7 +139,7 @@ def input_evidence(tmp_path, capfd, script: Path, *args: str, steps: int) -> tup
     code, out = profile(tmp_path, script, *args)
     assert code == 0
     (truth,) = printed(capfd.readouterr().out, script.stem)
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     assert report["steps"] == int(truth["steps"]) == steps
     return truth, finding(report, "input_pipeline")["evidence"]
 
@@ -176,7 +177,7 @@ def test_hf_trainer_s_torch_compile_recompile_on_a_last_short_batch_has_trainer_
     assert code == 0
     (truth,) = printed(capfd.readouterr().out, "hf_trainer")
     assert truth["batch"] == "[4, 16]"
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     (short,) = [f for f in report["findings"] if f["cause"] == "recompile" and "expected 16, actual 4" in f["evidence"]]
     assert "dataloader_drop_last=True" in short["fix"] and short["share"] > 0.05
     assert finding(report, "compile_time")["share"] >= 0.1
@@ -188,7 +189,7 @@ def test_ranks_started_by_mp_spawn_are_ranks_and_a_straggler_is_found(tmp_path, 
     assert code == 0
     truth = printed(capfd.readouterr().out, "ddp_spawned")
     assert [t["RANK"] for t in truth] == ["None", "None"]  # mp.spawn sets no RANK
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     ranks = {p["pid"]: (p["rank"], p["steps"]) for p in report["processes"] if p["rank"] is not None}
     assert ranks == {int(t["pid"]): (int(t["rank"]), int(t["steps"])) for t in truth}
     assert sorted(ranks.values()) == [(0, 40), (1, 40)]
@@ -209,7 +210,7 @@ def test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the
     assert code == 0
     (truth,) = printed(capfd.readouterr().out, "lightning_compiled")
     assert truth["batch_sizes"] == "[8, 64]"
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     found = finding(report, "recompile")
     assert "size mismatch at index 0. expected 64, actual 8" in found["evidence"]
     assert f"{script.parent.name}/{script.name}:{truth['training_step_line']}) called here" in found["evidence"]
@@ -227,7 +228,7 @@ def test_lightning_ddp_ranks_and_its_training_loader(tmp_path, capfd):
     code, out = profile(tmp_path, script, "ddp")
     assert code == 0
     truth = printed(capfd.readouterr().out, "lightning_loaders")
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     ranks = {p["pid"]: (p["rank"], p["steps"]) for p in report["processes"] if p["rank"] is not None}
     assert ranks == {int(t["pid"]): (int(t["rank"]), int(t["steps"])) for t in truth}
     assert sorted(rank for rank, _ in ranks.values()) == [0, 1]

@@ -6,7 +6,6 @@ in scripts/ plant one cause each at a line marked `# planted:`.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from torch import nn
 import gpulab.monitor
 from gpulab.cli import main
 from gpulab.monitor.parent.sampler import GPM_METRICS, Sampler
+from tests.monitor.reports import read_report
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -34,7 +34,7 @@ def planted_site(script: str) -> str:
 def profile(tmp_path: Path, script: str) -> dict:
     out = tmp_path / "prof"
     assert main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script)]) == 0
-    return json.loads((out / "report.json").read_text())
+    return read_report(out)
 
 
 def finding(report: dict, cause: str) -> dict:
@@ -181,7 +181,7 @@ def test_a_profiled_cuda_job_ends_as_it_would_and_reads_as_the_gpu_job_it_is(tmp
     assert done.returncode == 0, done.stderr[-3000:]
     told = next(line for line in done.stdout.splitlines() if line.startswith("TRUTH "))
     assert "most_weakrefs_on_tensors 0 most_finalizers_on_tensors 0" in told
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     assert report["cuda"]["devices"] and "cpu_only_torch" not in [f["cause"] for f in report["findings"]]
     assert report["steps_found"] == "found from optimizer.step()"
     assert "error" not in report["memory"] and report["memory"]["device"].startswith("cuda")

@@ -15,6 +15,7 @@ from gpulab.cli import main
 from gpulab.monitor.events import MAX_BLOCKS, Recording
 from gpulab.monitor.record.blocks import BLOCK_STEPS, StepBlocks
 from gpulab.monitor.analyze.step_costs import aggregate_summary
+from tests.monitor.reports import read_report
 
 
 def synthetic_steps(n: int, seed: int = 0) -> list[dict]:
@@ -94,7 +95,7 @@ def test_a_long_run_counts_every_step_and_finds_a_stall_among_the_summed_ones(tm
     script = tmp_path / "long.py"
     script.write_text(STALL_AFTER_THE_WINDOW)
     assert main(["profile", "--out", str(tmp_path / "prof"), "--", sys.executable, str(script)]) == 0
-    report = json.loads((tmp_path / "prof" / "report.json").read_text())
+    report = read_report(tmp_path / "prof")
     assert report["steps"] == 25_000
     assert report["later_steps"]["steps"] == 15_000 and report["later_steps"]["from_step"] == 10_000
     stall = next(f for f in report["findings"] if f["cause"] == "stall")

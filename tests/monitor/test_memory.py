@@ -15,6 +15,7 @@ from gpulab.cli import main
 from gpulab.memory.oom import requested_bytes
 from gpulab.memory.categories import CATEGORIES, size
 from gpulab.monitor.analyze.memory import oom_fixes
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -22,7 +23,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 def profile(tmp_path: Path, script: str, *args: str) -> tuple[int, dict]:
     out = tmp_path / "prof"
     code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script), *args])
-    return code, json.loads((out / "report.json").read_text())
+    return code, read_report(out)
 
 
 def planted_line(script: str) -> int:

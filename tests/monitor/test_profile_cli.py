@@ -18,6 +18,7 @@ import pytest
 from gpulab.cli import main
 from gpulab.io import OUTPUTS_RECORD
 from tests.conftest import disk_full_for
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPORT_KEYS = {"steps", "step_time_s", "phases", "devices", "findings"}
@@ -33,7 +34,7 @@ def planted_line(script: str) -> int:
 def profile(tmp_path: Path, script: str, *args: str) -> tuple[int, dict, Path]:
     out = tmp_path / "prof"
     code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script), *args])
-    return code, json.loads((out / "report.json").read_text()), out
+    return code, read_report(out), out
 
 
 def check_report_shape(report: dict) -> None:
@@ -126,7 +127,7 @@ def test_runs_as_python_dash_m_gpulab_from_pythonpath(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "inline done" in result.stdout
-    assert json.loads((out / "report.json").read_text())["steps"] == 5
+    assert read_report(out)["steps"] == 5
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -176,7 +177,7 @@ def test_a_full_disk_is_one_line_and_the_script_keeps_its_sys_exit_code(tmp_path
                                     f"free space or use --out DIR")
     assert "Traceback" not in err and "wrote" not in err
     assert sorted(p.name for p in out.iterdir()) == [OUTPUTS_RECORD, "report.json"]
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     assert report["exit_code"] == 3 and report["steps"] == 6
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpulab.cli import main
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -27,7 +28,7 @@ def profile_tutorial(out: Path, capfd) -> tuple[dict, dict[int, dict]]:
     truth = {int(r): {"steps": int(n), "median_step_s": float(s) / 1e3, "wait_s": float(w) / 1e3}
              for r, n, s, w in TRUTH.findall(capfd.readouterr().out)}
     assert sorted(truth) == [0, 1]
-    return json.loads((out / "report.json").read_text()), truth
+    return read_report(out), truth
 
 
 def ddp_waits_in_the_trace(out: Path) -> dict[int, list[float]]:

@@ -11,7 +11,6 @@ handler runs (tests/monitor/scripts/ddp_faults.py).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ import psutil
 import pytest
 
 from tests.conftest import scaled
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -81,7 +81,7 @@ def test_a_hung_ddp_job_is_stopped_cleanly_with_nothing_left_behind(tmp_path, si
         assert left == [], [p.info["cmdline"] for p in left]
         assert took < 15, (took, output)
         assert gpulab.returncode != 0
-        report = json.loads((tmp_path / "prof" / "report.json").read_text())
+        report = read_report(tmp_path / "prof")
         assert {p["rank"] for p in report["processes"] if p["rank"] is not None} == {0, 1}
     finally:
         stop_everything(gpulab, str(faults))
@@ -105,7 +105,7 @@ def test_a_hang_is_found_named_rank_by_rank_and_stopped(tmp_path, monkeypatch, c
     err = capfd.readouterr().err
     assert code != 0
     assert job_processes(str(faults)) == []
-    report = json.loads((tmp_path / "prof" / "report.json").read_text())
+    report = read_report(tmp_path / "prof")
     hang = report["findings"][0]
     assert hang["cause"] == "hang", report["findings"]
     all_reduce, barrier = planted_line("dist.all_reduce(total)"), planted_line("dist.barrier()")
@@ -143,7 +143,7 @@ def test_long_work_outside_collectives_is_no_hang(tmp_path, monkeypatch, capfd):
     assert code == 0, capfd.readouterr().err[-3000:]
     assert one.returncode == 0, one_err[-3000:]
     for out in ("ddp", "one"):
-        report = json.loads((tmp_path / out / "report.json").read_text())
+        report = read_report(tmp_path / out)
         assert "hang" not in report and all(f["cause"] != "hang" for f in report["findings"])
     assert "the job hangs" not in capfd.readouterr().err and "the job hangs" not in one_err
 
@@ -154,7 +154,7 @@ def profile_fault(tmp_path: Path, monkeypatch, mode: str, *options: str) -> tupl
     code = main(["profile", *options, "--out", str(tmp_path / "prof"), "--",
                  *TORCHRUN, str(SCRIPTS / "ddp_faults.py"), mode])
     assert job_processes(str(tmp_path)) == []
-    return code, json.loads((tmp_path / "prof" / "report.json").read_text())
+    return code, read_report(tmp_path / "prof")
 
 
 def steps_per_rank(report: dict) -> dict[int, int]:

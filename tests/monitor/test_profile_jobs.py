@@ -23,6 +23,7 @@ from gpulab.cli import main
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
 from gpulab.monitor.output.report import build_job_report
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -31,7 +32,7 @@ def profile(tmp_path: Path, script: str, *args: str) -> tuple[int, dict]:
     out = tmp_path / "prof"
     code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / script), *args])
     assert not list(out.glob(".events-*")), "the raw recordings are removed"
-    return code, json.loads((out / "report.json").read_text())
+    return code, read_report(out)
 
 
 def planted_line(script: str) -> int:
@@ -186,7 +187,7 @@ def test_signals_end_the_job_and_keep_the_report(tmp_path, how, args, exit_code)
     assert gpulab.returncode == exit_code, err[-2000:]
     if how == "SIGINT to gpulab":
         assert "signals: cleanup ran" in out
-    report = json.loads((tmp_path / "prof" / "report.json").read_text())
+    report = read_report(tmp_path / "prof")
     assert report["exit_code"] == exit_code and report["steps"] > 10, err[-3000:]
     assert not still_running(pids)
     assert not list((tmp_path / "prof").glob(".events-*"))
@@ -224,7 +225,7 @@ def test_a_python_that_cannot_load_gpulab_is_named():
 def test_a_script_without_torch_is_said_to_be_one(tmp_path):
     out = tmp_path / "prof"
     assert main(["profile", "--out", str(out), "--", sys.executable, "-c", "print('no torch here')"]) == 0
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     assert "never imported torch" in report["findings"][0]["evidence"]
 
 
@@ -240,5 +241,5 @@ def test_try_calls_a_difference_inside_the_spread_no_change():
 def test_importing_torch_and_nothing_else_is_not_called_inference(tmp_path):
     out = tmp_path / "prof"
     assert main(["profile", "--out", str(out), "--", sys.executable, "-c", "import torch"]) == 0
-    evidence = json.loads((out / "report.json").read_text())["findings"][0]["evidence"]
+    evidence = read_report(out)["findings"][0]["evidence"]
     assert "nothing ran" in evidence and "inference" not in evidence

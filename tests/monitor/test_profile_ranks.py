@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from gpulab.cli import main
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -26,7 +27,7 @@ def profile_job(tmp_path: Path, mode: str, launcher: list[str] = TORCHRUN) -> di
     out = tmp_path / "prof"
     code = main(["profile", "--out", str(out), "--", *launcher, str(SCRIPTS / "ddp_ranks.py"), mode])
     assert code == 0
-    return json.loads((out / "report.json").read_text())
+    return read_report(out)
 
 
 def ranks(report: dict) -> dict[int, dict]:

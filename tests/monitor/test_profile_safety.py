@@ -6,11 +6,11 @@ script on a GPU is in tests/monitor/test_gpu.py."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -19,7 +19,7 @@ def profile(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.Complet
     out = tmp_path / "prof"
     done = subprocess.run([sys.executable, "-m", "gpulab", "profile", "--out", str(out), "--", sys.executable,
                            str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=300)
-    return done, json.loads((out / "report.json").read_text())
+    return done, read_report(out)
 
 
 def truth(stdout: str) -> dict[str, str]:

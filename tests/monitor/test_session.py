@@ -21,6 +21,7 @@ from gpulab.monitor.record import patches
 from gpulab.train import step as phases
 from gpulab.train.step import PhaseTimer
 from tests.conftest import disk_full_for
+from tests.monitor.reports import read_report
 
 
 def train_steps(model, optimizer, batches, on_step=None):
@@ -105,7 +106,7 @@ def test_an_exception_still_writes_a_partial_report_and_propagates(tmp_path):
         with gpulab.monitor.profile(out=tmp_path, quiet=True):
             train_steps(model, optimizer, batches)
             raise RuntimeError("boom")
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = read_report(tmp_path)
     assert report["steps"] == 4
     assert report["error"] == "RuntimeError: boom" and report["complete"] is False
     assert nn.Module.__call__.__name__ == "_wrapped_call_impl"  # unpatched despite the exception
@@ -198,6 +199,7 @@ def test_torch_compile_traces_through_the_patched_calls_without_graph_breaks(tmp
     import torch._dynamo
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # this test's compiles only
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     compiled = torch.compile(model, backend="aot_eager")  # no C++ toolchain needed
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -5,7 +5,6 @@ script's own use of SIGALRM is never disturbed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -20,6 +19,7 @@ from gpulab.cli import main
 from gpulab.monitor.record.frames import format_site
 from gpulab.monitor.record.patches import Patches
 from gpulab.monitor.record.probes.stacks import StackSampler, hand_signal_back_on_request
+from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 INTERVAL_S = 0.01
@@ -176,7 +176,7 @@ def test_where_names_the_costly_line_not_the_thin_wrapper_the_gil_is_let_go_in(t
     out = tmp_path / "prof"
     code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / "augment_behind_collate.py")])
     assert code == 0
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     waited, augment, collate = map(float, re.search(r"waited (\S+) ms: augment (\S+) ms, collate (\S+) ms",
                                                     capfd.readouterr().out).groups())
     assert augment > 20 * collate  # the plant, by the script's own clock
@@ -194,7 +194,7 @@ def test_a_script_that_sets_its_own_alarm_gets_it_once_under_the_profiler(tmp_pa
     code = main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPTS / "alarm_timeout.py"), *args])
     assert code == 0
     assert "alarm_timeout: fired 1" in capfd.readouterr().out
-    assert json.loads((out / "report.json").read_text())["steps"] == 40
+    assert read_report(out)["steps"] == 40
 
 
 def test_code_torch_compile_generated_is_never_the_users_line(tmp_path, monkeypatch):
@@ -215,3 +215,17 @@ def test_code_torch_compile_generated_is_never_the_users_line(tmp_path, monkeypa
     where = namespace["call"](frames.user_site)
     assert where.endswith(f"test_stacks.py:{line}")
     assert frames.is_user_file(__file__) and not frames.is_user_file(str(generated))
+
+
+def test_the_rule_every_report_keeps_rejects_lines_of_the_profiler_torch_and_generated_code():
+    """tests/monitor/reports.py's rule, which every profiled script's report is read through."""
+    import torch
+
+    from gpulab.monitor.record import frames
+    from tests.monitor.reports import where_is_the_users
+
+    assert where_is_the_users(f"{__file__}:3") and where_is_the_users("<string>:1")
+    assert not where_is_the_users(f"{frames.__file__}:10")  # the profiler's own
+    assert not where_is_the_users(f"{torch.__file__}:10")
+    generated = sorted(frames.generated_code_dirs())[0]
+    assert not where_is_the_users(f"{generated}/3a/c3a7generated.py:335")

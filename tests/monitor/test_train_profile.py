@@ -8,6 +8,7 @@ from rich.console import Console
 
 from gpulab.cli import main
 from gpulab.train import TrainConfig, train
+from tests.monitor.reports import read_report
 
 
 def test_train_profile_writes_the_profile_into_the_run_directory(tiny_data, tmp_path):
@@ -15,7 +16,7 @@ def test_train_profile_writes_the_profile_into_the_run_directory(tiny_data, tmp_
     console = Console(file=open(tmp_path / "console.txt", "w"), width=200)
     train(TrainConfig(epochs=1, batch_size=64, devices="cpu", out=str(run), profile=True), console=console)
     console.file.close()
-    report = json.loads((run / "profile" / "report.json").read_text())
+    report = read_report(run / "profile")
     assert report["steps"] == 8  # 512 training samples / batch 64
     assert report["findings"] and report["phases"]["compute"] > 0
     trace = json.loads((run / "profile" / "trace.json").read_text())

@@ -6,7 +6,6 @@ device.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import subprocess
@@ -23,6 +22,7 @@ from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.record.probes.cuda import CudaSyncProbe
 from gpulab.monitor.record.probes.transforms import WINDOW_STEPS, TransformProbe, TransformSpans
 from gpulab.monitor.record.recorder import Recorder
+from tests.monitor.reports import read_report
 
 SCRIPT = Path(__file__).parent / "scripts" / "many_cheap_transforms.py"
 
@@ -46,7 +46,7 @@ def test_per_sample_transforms_do_not_move_the_data_share(tmp_path, capfd):
         out = tmp_path / f"prof{i}"
         assert main(["profile", "--out", str(out), "--", sys.executable, str(SCRIPT)]) == 0
         clocks.append(own_share(capfd.readouterr().out))
-        reports.append(json.loads((out / "report.json").read_text()))
+        reports.append(read_report(out))
         shares.append(reports[-1]["phases"]["data_wait"])
         plain.append(plain_run())
     truth, gpulab, profiled_clock = statistics.median(plain), statistics.mean(shares), statistics.mean(clocks)

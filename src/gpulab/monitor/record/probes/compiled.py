@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 from gpulab.monitor.events import CompileRecord
-from gpulab.monitor.record.frames import format_site, user_site
+from gpulab.monitor.record.frames import format_site, is_user_file, user_site
 from gpulab.monitor.record.interpreter import after_import
 from gpulab.monitor.record.notices import COMPILED
 from gpulab.monitor.record.patches import lift, mark_recorder_frames, relink
@@ -46,7 +46,7 @@ class CompileProbe(Probe):
         mark_recorder_frames(compiler.leave_uncompiled)
         # while it compiles, torch's own functions in place of gpulab's wrappers: dynamo traces what it
         # traces without gpulab
-        self._watch = compiler.CompileWatch(self._on_event, user_site, format_site, while_compiling=(lift, relink))
+        self._watch = compiler.CompileWatch(self._on_event, user_site, users_site, while_compiling=(lift, relink))
         self._watch.install()
         self.patches.on_undo(self._stop_watching)
         self.patches.on_undo(after_import(compiler.CUDAGRAPH_MODULE, self._read_cudagraph_skips))
@@ -72,3 +72,9 @@ class CompileProbe(Probe):
                                  "function": event.function, "where": event.where, "reason": event.reason,
                                  "defined_at": event.defined_at}
         self.sink.emit(record)
+
+
+def users_site(path: str, line: int) -> str | None:
+    """`path:line` as the report writes it, when the file is the script's (not torch's, nor code
+    torch.compile generated); else None."""
+    return format_site(path, line) if is_user_file(path) else None
