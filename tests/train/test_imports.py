@@ -48,7 +48,7 @@ PINNED = {
     "gpulab.parallel.failures", "gpulab.parallel.graphed", "gpulab.parallel.launch", "gpulab.parallel.ranks",
     "gpulab.parallel.shard_files", "gpulab.parallel.sharded", "gpulab.parallel.strategy", "gpulab.parallel.sync_bn",
     "gpulab.parallel.world", "gpulab.plan", "gpulab.plan.cli", "gpulab.train", "gpulab.train.build",
-    "gpulab.train.curves", "gpulab.train.display", "gpulab.train.loop", "gpulab.train.precision",
+    "gpulab.train.background", "gpulab.train.curves", "gpulab.train.display", "gpulab.train.loop", "gpulab.train.precision",
     "gpulab.train.recipe", "gpulab.train.resume", "gpulab.train.rundir", "gpulab.train.step",
 }
 

@@ -126,7 +126,7 @@ def test_an_epoch_never_waits_for_a_picture_under_way(tmp_path, monkeypatch):
     monkeypatch.setattr(curves, "draw", slow_draw)
     monkeypatch.setattr(curves, "PLOT_EVERY_S", 0.0)
     run_dir.write_metrics([row(1, 0.9, 0.7)], last=False)
-    assert run_dir.curves.busy() and drawn == []  # returned with the picture under way
+    assert run_dir.curves.drawing.busy() and drawn == []  # returned with the picture under way
     run_dir.write_metrics([row(1, 0.9, 0.7), row(2, 0.8, 0.75)], last=False)  # one at a time: skipped
     release.set()
     run_dir.write_metrics([row(1, 0.9, 0.7), row(2, 0.8, 0.75), row(3, 0.7, 0.8)], last=True)

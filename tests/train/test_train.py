@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,38 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny_data, tmp_path, d
     assert "first_step_s" in metrics(crashed)[1]  # the resumed process's first step
     assert_same_weights(whole, crashed)
     assert deterministic(metrics(crashed)) == deterministic(metrics(whole))
+
+
+def test_the_next_epoch_trains_while_the_checkpoint_is_written_from_a_copy(tiny_data, tmp_path, monkeypatch):
+    """Epoch 1's checkpoint is written while epoch 2 trains - it is still being written when epoch
+    2's steps are done - and holds epoch 1's weights, not what epoch 2 made of them: the same as a
+    run of one epoch. The last epoch's is waited for."""
+    from gpulab.train import loop
+
+    train(config(tmp_path / "one", epochs=1, recipe="textbook"))  # a constant learning rate: epoch 1 of 2 is this
+    second_epoch_trained = threading.Event()
+    real_run_epoch, real_save = loop.run_epoch, RunDir.save_checkpoint
+    saved, overlapped = {}, []
+
+    def run_epoch(run, epoch, progress=None):
+        row = real_run_epoch(run, epoch, progress)
+        if epoch == 1:
+            second_epoch_trained.set()
+        return row
+
+    def save_checkpoint(self, state):
+        if state["epoch"] == 1:
+            overlapped.append(second_epoch_trained.wait(timeout=30))
+            saved.update(state["strategy"]["model"])
+        real_save(self, state)
+
+    monkeypatch.setattr(loop, "run_epoch", run_epoch)
+    monkeypatch.setattr(RunDir, "save_checkpoint", save_checkpoint)
+    train(config(tmp_path / "two", epochs=2, recipe="textbook"))
+    assert overlapped == [True]
+    one = weights(tmp_path / "one")
+    assert all(torch.equal(saved[name], one[name]) for name in one)
+    assert torch.load(tmp_path / "two" / CHECKPOINT, weights_only=False)["epoch"] == 2
 
 
 def test_resume_of_a_finished_run_trains_nothing_and_says_so(tiny_data, tmp_path):

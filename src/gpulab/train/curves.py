@@ -15,12 +15,12 @@ draw while the main thread trains.
 from __future__ import annotations
 
 import io
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from gpulab.io import atomic_write_bytes
+from gpulab.train.background import Background
 
 PLOT_EVERY_S = 30.0  # curves.png at most this often during a run, and always after its last epoch
 
@@ -37,13 +37,13 @@ class Curves:
     def __init__(self, folder: Path, title: Callable[[], str]):
         self.folder, self.title = folder, title
         self.drawn_at = time.monotonic()  # the run's first picture after PLOT_EVERY_S
-        self.thread: threading.Thread | None = None
-        self.failure: BaseException | None = None
+        self.drawing = Background("gpulab-curves")
 
     def prepare(self) -> None:
         """Import matplotlib on a thread of its own now (the host's cores are free)."""
-        if self.thread is None:
-            self._start(import_matplotlib)
+        if not self.drawing.busy():
+            self.wait()
+            self.drawing.start(import_matplotlib)
 
     def update(self, history: list[dict], last: bool) -> None:
         """Draw `history` now and wait for it when `last`; else on the thread, if the picture is
@@ -52,34 +52,18 @@ class Curves:
             self.wait()
             draw(self.folder / "curves.png", history, self.title())
             self.drawn_at = time.monotonic()
-        elif time.monotonic() - self.drawn_at >= PLOT_EVERY_S and not self.busy():
+        elif time.monotonic() - self.drawn_at >= PLOT_EVERY_S and not self.drawing.busy():
+            self.wait()
             rows, title = [dict(r) for r in history], self.title()
-            self._start(lambda: draw(self.folder / "curves.png", rows, title))
+            self.drawing.start(lambda: draw(self.folder / "curves.png", rows, title))
             self.drawn_at = time.monotonic()
-
-    def busy(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
 
     def wait(self) -> None:
         """The thread's work finished; a bug in it raised here. A picture it could not write (a
-        full disk) is left to the last one, drawn in the run's own thread, to report."""
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        failure, self.failure = self.failure, None
+        full disk) is left to the last one, drawn in the caller's thread, to report."""
+        failure = self.drawing.wait()
         if failure is not None and not isinstance(failure, OSError):
             raise failure
-
-    def _start(self, work: Callable[[], None]) -> None:
-        def run() -> None:
-            try:
-                work()
-            except BaseException as e:  # raised in the run's thread by wait()
-                self.failure = e
-
-        # Not a daemon: an exit waits for the picture rather than leave a half-written temporary.
-        self.thread = threading.Thread(target=run, name="gpulab-curves")
-        self.thread.start()
 
 
 def draw(path: Path, history: list[dict], title: str) -> None:

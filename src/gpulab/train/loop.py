@@ -18,7 +18,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -139,13 +139,14 @@ def fit(run: Run, run_dir: RunDir, history: list[dict], start_epoch: int, consol
         run_dir.curves.prepare()  # while a GPU trains the host's cores are free: matplotlib's import now
     # --profile: the same machinery as `gpulab profile`; report, timeline and trace go to <run>/profile.
     profiling = profile(out=run_dir.path / "profile", console=console, real_folder=True) if cfg.profile and world.is_main else nullcontext()
-    with profiling, progress_bar(console, show=world.is_main) as progress:
+    with profiling, progress_bar(console, show=world.is_main) as progress, writes_finished(run_dir):
         try:
             for epoch in range(start_epoch, cfg.epochs):
                 try:
                     row = {"epoch": epoch + 1, **run_epoch(run, epoch, progress)}
                     end_epoch(run, epoch, row, run_dir, history)
                 except NonFiniteLoss as e:
+                    run_dir.writes.wait()  # the last good epoch's files, complete
                     raise diverged(e, run_dir, history) from None
                 console.print(escape(epoch_line(row, cfg.epochs, run.strategy)))
                 warning = contention_line(row, torch.get_num_threads())
@@ -154,6 +155,7 @@ def fit(run: Run, run_dir: RunDir, history: list[dict], start_epoch: int, consol
                 if on_epoch_end:
                     on_epoch_end(row)
         except KeyboardInterrupt:
+            run_dir.writes.wait()  # an epoch being written is saved (its failure: not what stopped the run)
             console.print(escape(interrupted_line(run_dir, run.saved_epoch)))
             raise
         except (PeerLost, Terminated) as e:  # another rank failed: say which, where, and how to go on
@@ -229,16 +231,64 @@ def end_epoch(run: Run, epoch: int, row: dict, run_dir: RunDir, history: list[di
     history.append(row)
     state = checkpoint_state(run, run_dir, epoch + 1)  # collective: every rank takes part
     if run.world.is_main:
-        save_epoch(run_dir, state, history, run.world, last=epoch + 1 == run.cfg.epochs)
-        if "shards" in state:  # committed: the folders checkpoint.pt no longer names go
-            run_dir.remove_shards_but(state["shards"])
-        run.saved_epoch = epoch + 1
+        write_epoch(run, run_dir, state, history)
     else:
         run.unconfirmed_epoch = epoch + 1
     # The others wait here for rank 0's writes (within --timeout), so a failure meanwhile is
     # reported at the epoch's end, not as step 1 of the next.
     run.world.barrier()
-    run.saved_epoch, run.unconfirmed_epoch = epoch + 1, None
+    if not run.world.is_main:
+        run.saved_epoch, run.unconfirmed_epoch = epoch + 1, None
+
+
+def write_epoch(run: Run, run_dir: RunDir, state: dict, history: list[dict]) -> None:
+    """The epoch's checkpoint, then its metrics (rank 0). One process writes them while its next
+    epoch trains, from a copy of the state (that epoch changes the tensors); torchrun's rank 0
+    waits for them, so that every rank learns at the epoch's end whether they held; the last
+    epoch's are waited for, as the run's result. The epoch before's writes finish first: their
+    failure is raised here, naming that epoch."""
+    raise_if(run_dir.writes.wait())
+    epoch, last = history[-1]["epoch"], history[-1]["epoch"] == run.cfg.epochs
+    if "shards" in state:  # every rank has written its shard already (collective)
+        save_epoch(run_dir, state, history, run.world, last)
+        run_dir.remove_shards_but(state["shards"])  # committed: the folders checkpoint.pt no longer names go
+        run.saved_epoch = epoch
+        return
+    saved, rows = detached(state), [dict(r) for r in history]
+
+    def write() -> None:
+        save_epoch(run_dir, saved, rows, run.world, last)
+        run.saved_epoch = epoch
+
+    run_dir.writes.start(write)
+    if last or run.world.world_size > 1:
+        raise_if(run_dir.writes.wait())
+
+
+def detached(state):
+    """A copy of a state dict, its tensors copied to the CPU: what later steps cannot change."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: detached(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(detached(value) for value in state)
+    return state
+
+
+def raise_if(failure: BaseException | None) -> None:
+    if failure is not None:
+        raise failure
+
+
+@contextmanager
+def writes_finished(run_dir: RunDir):
+    """However the epochs end, no write of the run is left under way (its failure, if the run
+    failed otherwise, is not the one to report)."""
+    try:
+        yield
+    finally:
+        run_dir.writes.wait()
 
 
 # ----------------------------------------------------------------------------- the parts

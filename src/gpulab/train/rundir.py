@@ -50,6 +50,7 @@ from gpulab.errors import UserError
 from gpulab.io import (atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable,
                        open_regular_file, read_regular_file)
 from gpulab.parallel.shard_files import read_shards
+from gpulab.train.background import Background
 from gpulab.train.curves import Curves
 
 CHECKPOINT = "checkpoint.pt"
@@ -221,6 +222,8 @@ class RunDir:
         reading it start with; None where the folder was named on its own (gpulab export DIR)."""
         self._lock: int | None = None
         self._curves: Curves | None = None
+        self.writes = Background("gpulab-checkpoint")
+        """An epoch's checkpoint and metrics being written while the next epoch trains (loop.py)."""
 
     @property
     def label(self) -> str:
