@@ -9,13 +9,13 @@ Every patch keeps the signature, name and docstring of what it replaces (functoo
 `inspect.signature` follows `__wrapped__`), so frameworks that introspect them work: Lightning
 re-creates a DataLoader from the parameters of `DataLoader.__init__`.
 
-Invisible to torch.compile: compiled code must trace, break and recompile as it does without
-gpulab. While torch.compile compiles, every patch is taken out (`lift`, `relink`), so that dynamo traces
-torch's own functions, never a wrapper; and while compiled code runs eagerly between its pieces
-(after a graph break), dynamo compiles every Python frame called there as a frame of its own -
-a hook's or wrapper's too, and what they call, frames the script does not have: the recorder's
-code, and what it calls, is marked for dynamo to run uncompiled (`mark_recorder_frames`): a
-wrapper calls torch's function, whose frames dynamo leaves to run (torch's files) as it would.
+Invisible to torch.compile: compiled code traces, breaks and recompiles as it does without
+gpulab. While torch.compile compiles, the patches are out (`lift`, `relink`): dynamo traces
+torch's own functions, never a wrapper. Between a compiled function's pieces (after a graph
+break) code runs eagerly, and dynamo compiles each Python frame called there as a frame of its
+own - a hook's or a wrapper's too, frames the script does not have; so the recorder's code, and
+all it calls, is marked for dynamo to run uncompiled (`mark_recorder_frames`), but for a
+wrapper's call of torch's original, which dynamo treats as it would without gpulab.
 """
 
 from __future__ import annotations
