@@ -229,3 +229,22 @@ def test_the_rule_every_report_keeps_rejects_lines_of_the_profiler_torch_and_gen
     assert not where_is_the_users(f"{torch.__file__}:10")
     generated = sorted(frames.generated_code_dirs())[0]
     assert not where_is_the_users(f"{generated}/3a/c3a7generated.py:335")
+
+
+def test_gpulab_s_own_work_between_steps_is_never_the_script_s_line(monkeypatch):
+    """A measurement window's work between two steps runs below the script's line that ended the
+    step: the samples taken in it are dropped, and the next sample weighs its time since the last
+    one less that work (else a window's seconds were charged to the script's line)."""
+    clock = iter([10.0, 10.3, 10.5])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    own = {"done": 0.0, "under_way": False}
+    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other", lambda: (own["done"], own["under_way"]))
+    s.method, s._last_sample, s._own_at_last_sample = "signal", 9.9, 0.0
+    frame = (lambda: sys._getframe())()  # a finished frame: its line stays put
+    own["done"], own["under_way"] = 0.05, True  # the window's work began 0.05 s ago
+    s._on_signal(signal.SIGALRM, frame)  # at 10.0: inside it - not the script's
+    own["done"], own["under_way"] = 0.3, False  # it ended after 0.3 s in all
+    s._on_signal(signal.SIGALRM, frame)  # at 10.3: 0.3 s since the last sample, 0.25 s of it gpulab's
+    s._on_signal(signal.SIGALRM, frame)  # at 10.5: the script's own 0.2 s
+    (seconds,) = s.snapshot()["lines"]["other"].values()
+    assert seconds == pytest.approx(0.05 + 0.2)

@@ -12,8 +12,8 @@
     optimizer_stepped(opt)     explicit step mark (the Python API's p.step())
     mark_step()
     listen(notice, listener) / send(notice, ...) / sender(notice)   notices (notices.py)
-    own_work()                 gpulab's own calls into torch (a window's profiler, its
-                               synchronize): no probe takes them for the script's
+    own_work()                 gpulab's own work (a window's profiler, its synchronize): no
+                               probe takes it for the script's, no stack sample either
     steps_done, loading_data(), charged_category()   where the step accounting stands
 
 A forked child keeps its sink: the step accounting starts again in place (steps.new_lane), so
@@ -23,8 +23,9 @@ what the sink hands out stays valid.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 from gpulab.monitor.record.notices import Notices
 from gpulab.monitor.record.steps import StepAccounting
@@ -35,6 +36,8 @@ class Sink:
         self.ident: int | None = None  # the recorded thread (the recorder sets it; None: none)
         self._steps = steps
         self._guards: list[Callable] = []
+        self.own_work_since: float | None = None  # perf_counter when gpulab's own work began; None: none under way
+        self.own_work_done = 0.0  # seconds of it that have ended, in all
         # The step accounting's own methods, not wrappers around them: a probe calls these a few
         # times per step (the spans of forward, backward, the optimizer, each fetch), and each
         # wrapper would be one more Python call on the script's time.
@@ -78,17 +81,24 @@ class Sink:
         self._guards.append(guard)
         return lambda: self._guards.remove(guard) if guard in self._guards else None
 
-    def own_work(self):
-        """A context manager around gpulab's own calls into torch (between every two steps: one
-        made once, where no probe guards its own work)."""
-        return self._guarded() if self._guards else _NOTHING_TO_GUARD
-
     @contextmanager
-    def _guarded(self):
-        with ExitStack() as stack:
-            for guard in list(self._guards):
-                stack.enter_context(guard())
-            yield
+    def own_work(self):
+        """Around gpulab's own work in the recorded thread (between every two steps: a window's
+        measurement, its profilers and synchronize): no probe takes it for the script's, and the
+        stack sampler leaves its time out of the script's lines."""
+        self.own_work_since = time.perf_counter()
+        try:
+            with ExitStack() as stack:
+                for guard in list(self._guards):
+                    stack.enter_context(guard())
+                yield
+        finally:
+            self.own_work_done += time.perf_counter() - self.own_work_since
+            self.own_work_since = None
 
-
-_NOTHING_TO_GUARD = nullcontext()
+    def own_work_seconds(self) -> tuple[float, bool]:
+        """(seconds of gpulab's own work so far, the part under way included; is it under way?)"""
+        since = self.own_work_since
+        if since is None:
+            return self.own_work_done, False
+        return self.own_work_done + time.perf_counter() - since, True

@@ -67,7 +67,8 @@ class StackProbe(Probe):
             self._start_sampler()
 
     def _start_sampler(self) -> None:
-        self._sampler = StackSampler(self._interval_s, lambda: self.sink.ident, self.sink.charged_category)
+        self._sampler = StackSampler(self._interval_s, lambda: self.sink.ident, self.sink.charged_category,
+                                     self.sink.own_work_seconds)
         self._sampler.start()
 
     def after_fork(self) -> None:
@@ -93,10 +94,14 @@ class StackSampler:
     nothing charged yet, or the span stack changed while it was read). `method`: "signal" or
     "thread" once started."""
 
-    def __init__(self, interval_s: float, ident: Callable[[], int | None], category: Callable[[], str | None]):
+    def __init__(self, interval_s: float, ident: Callable[[], int | None], category: Callable[[], str | None],
+                 own_work: Callable[[], tuple[float, bool]] = lambda: (0.0, False)):
         self.interval_s = interval_s
         self._ident = ident
         self._category = category
+        # gpulab's own work in the recorded thread (the sink's own_work_seconds): never the script's time
+        self._own_work = own_work
+        self._own_at_last_sample = 0.0
         self._seconds: dict[str, dict[str, float]] = {}  # category -> user line -> seconds
         self.method: str | None = None
         self._last_sample = 0.0
@@ -165,7 +170,7 @@ class StackSampler:
         _set_handler(_SIGALRM, self._on_signal)  # in place of SIG_DFL (_signal_is_free_for)
         signal.siginterrupt(_SIGALRM, False)  # restart interrupted system calls (SA_RESTART)
         self.method = "signal"
-        self._last_sample = time.perf_counter()
+        self._last_sample, self._own_at_last_sample = time.perf_counter(), self._own_work()[0]
         _set_timer(_ITIMER_REAL, self.interval_s, self.interval_s)
 
     def _give_handler_back(self) -> None:
@@ -180,8 +185,13 @@ class StackSampler:
             self._pass_on(signum, frame)
             return
         now = time.perf_counter()
-        seconds, self._last_sample = now - self._last_sample, now
-        self._note(frame, seconds)
+        own, under_way = self._own_work()
+        # the time since the last sample, less gpulab's own work in it (a window's measurement between
+        # two steps, whose frames sit below the script's line that ended the step): not the script's
+        seconds = (now - self._last_sample) - (own - self._own_at_last_sample)
+        self._last_sample, self._own_at_last_sample = now, own
+        if not under_way:
+            self._note(frame, seconds)
 
     @staticmethod
     def _pass_on(signum, frame) -> None:
@@ -210,9 +220,10 @@ class StackSampler:
         while not self._stop_thread.wait(self.interval_s):
             ident = self._ident()
             frame = sys._current_frames().get(ident) if ident is not None else None
-            if frame is not None:
+            if frame is not None and not self._own_work()[1]:
                 # one period each: weighing by the time since the last sample would add to the
-                # bias (a long wait for the GIL ends where the training thread lets it go)
+                # bias (a long wait for the GIL ends where the training thread lets it go); none
+                # while gpulab's own work runs
                 self._note(frame, self.interval_s)
             del frame
 
