@@ -32,6 +32,7 @@ from gpulab.monitor.events import crash_file, events_file
 from gpulab.monitor.record.interpreter import after_import, block_signals_in_this_thread
 
 _PARENT_POLL_S = 0.5
+_recorders = []  # this process's recorder, once torch is imported (the parent watch silences it)
 
 
 def install(directory: str) -> None:
@@ -48,6 +49,7 @@ def _start_recording(cfg: ProfileConfig, directory: str) -> None:
 
     recorder = Recorder(cfg, events_path=events_file(directory, os.getpid()))
     recorder.start(command=list(getattr(sys, "orig_argv", sys.argv)))
+    _recorders.append(recorder)
     atexit.register(let_gloo_workers_finish)  # atexit runs the last registered first: this after the stop
     atexit.register(recorder.stop_in_any_process)
     _write_crashes_to(crash_file(directory, os.getpid()))
@@ -135,6 +137,8 @@ def _stop_the_job_if_gpulab_dies(directory: str) -> None:
         _, alive = psutil.wait_procs(children, timeout=5)
         for child in alive:
             child.kill()
+        for recorder in _recorders:  # its writer would put a file back while the folder goes
+            recorder.writer.silence()
         shutil.rmtree(directory, ignore_errors=True)
         os._exit(128 + signal.SIGTERM)
 

@@ -93,6 +93,11 @@ class EventWriter:
             return
         self._write(with_snapshots=True, final=final)
 
+    def silence(self) -> None:
+        """Write nothing from now on; a write under way finishes first."""
+        with self._lock:
+            self.silenced = True
+
     def _closed_block(self) -> list[dict]:
         block = self._blocks.close()
         return [block] if block else []
