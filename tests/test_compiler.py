@@ -5,7 +5,6 @@ dynamo traces, nothing is generated), and that reading them changes nothing the 
 from __future__ import annotations
 
 import logging
-import sys
 
 import pytest
 import torch

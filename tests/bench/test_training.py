@@ -4,10 +4,6 @@ accuracy, computed from hand-made rows."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 

@@ -9,7 +9,6 @@ import json
 import random
 import statistics
 import sys
-from pathlib import Path
 
 from gpulab.cli import main
 from gpulab.monitor.events import MAX_BLOCKS, Recording

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import sys
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 

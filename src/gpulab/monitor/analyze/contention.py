@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from gpulab.host import CORE_SLACK, CoreWait
+from gpulab.host import CoreWait
 from gpulab.monitor.analyze.findings import FIXES, finding
 
 # The samples inside the steady steps must span this long (5 intervals at the default 0.1 s).
