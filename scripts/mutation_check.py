@@ -129,7 +129,7 @@ MUTATIONS = [
              "    return torch.bfloat16 if all(native_bf16(d) for d in devices) else None",
              ["tests/train/test_train.py::test_auto_precision_on_cuda_is_bf16_only_for_a_recorded_step"]),
     Mutation("the training benchmark's headline crowns the textbook against itself", "src/gpulab/bench/training.py",
-             "        ours, theirs = (rows[kind][name][key] for name in (EAGER, TEXTBOOK))",
+             "        ours, theirs = (rows[kind][name][key] for name in (DEFAULT, TEXTBOOK))",
              "        ours, theirs = (rows[kind][name][key] for name in (TEXTBOOK, TEXTBOOK))",
              ["tests/bench/test_training.py::test_the_headline_is_the_demo_s_whole_process_first_and_second_run_against_the_textbook"]),
     Mutation("the textbook's training clock stopped after its evaluation", "src/gpulab/bench/textbook.py",

@@ -163,14 +163,14 @@ def test_training_ratios_are_round_by_round_against_the_textbook():
     result = Result(name="training", lesson="", config={}, env={}, preset="tiny")
     table = result.table("training", "", [])
     runs = {training.TEXTBOOK: [training.figures(20, [9, 9], [1, 1], 0, 0.8), training.figures(20, [6, 6], [1, 1], 0, 0.8)],
-            training.EAGER: [training.figures(5, [2, 2], [0.5, 0.5], 0, 0.9), training.figures(10, [3, 3], [0.5, 0.5], 0, 0.9)]}
+            training.DEFAULT: [training.figures(5, [2, 2], [0.5, 0.5], 0, 0.9), training.figures(10, [3, 3], [0.5, 0.5], 0, 0.9)]}
     rows = training._rows(table, "cpu", training.FIRST, runs, epochs=2)
-    assert rows[training.EAGER]["ratio_min"] == 2.0 and rows[training.EAGER]["ratio_max"] == 4.0
-    assert rows[training.EAGER]["ratio"] == 3.0  # 20/5 and 20/10: the whole processes' seconds, round by round
-    assert (rows[training.EAGER]["wall_s"], rows[training.EAGER]["wall_s_min"], rows[training.EAGER]["wall_s_max"]) == (7.5, 5, 10)
-    assert rows[training.EAGER]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch
-    assert rows[training.EAGER]["train_ratio"] == 3.25  # 9/2 and 6/3, round by round: not 7.5/2.5
-    assert (rows[training.EAGER]["train_ratio_min"], rows[training.EAGER]["train_ratio_max"]) == (2.0, 4.5)
+    assert rows[training.DEFAULT]["ratio_min"] == 2.0 and rows[training.DEFAULT]["ratio_max"] == 4.0
+    assert rows[training.DEFAULT]["ratio"] == 3.0  # 20/5 and 20/10: the whole processes' seconds, round by round
+    assert (rows[training.DEFAULT]["wall_s"], rows[training.DEFAULT]["wall_s_min"], rows[training.DEFAULT]["wall_s_max"]) == (7.5, 5, 10)
+    assert rows[training.DEFAULT]["epoch_s"] == 3.75  # the median of 2.5 and 5 s per epoch
+    assert rows[training.DEFAULT]["train_ratio"] == 3.25  # 9/2 and 6/3, round by round: not 7.5/2.5
+    assert (rows[training.DEFAULT]["train_ratio_min"], rows[training.DEFAULT]["train_ratio_max"]) == (2.0, 4.5)
 
 
 def test_a_run_s_rest_is_its_process_outside_the_epochs_and_compiling():

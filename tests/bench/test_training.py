@@ -77,9 +77,9 @@ def run_figures(wall, first_step, to_acc, train=(4.0, 3.0), acc=0.9):
 
 def test_compare_gives_each_new_figure_its_median_and_range_over_the_rounds():
     runs = {training.TEXTBOOK: [run_figures(60.0, 2.0, None), run_figures(50.0, 3.0, None), run_figures(55.0, 2.5, 54.0)],
-            training.EAGER: [run_figures(20.0, 5.0, 15.0), run_figures(25.0, 4.0, 18.0), run_figures(22.0, 6.0, 16.0)]}
+            training.DEFAULT: [run_figures(20.0, 5.0, 15.0), run_figures(25.0, 4.0, 18.0), run_figures(22.0, 6.0, 16.0)]}
     rows = training.compare(runs, epochs=2)
-    ours, theirs = rows[training.EAGER], rows[training.TEXTBOOK]
+    ours, theirs = rows[training.DEFAULT], rows[training.TEXTBOOK]
     assert (ours["wall_s"], ours["wall_s_min"], ours["wall_s_max"]) == (22.0, 20.0, 25.0)
     assert (ours["ratio"], ours["ratio_min"], ours["ratio_max"]) == (2.5, 2.0, 3.0)  # 60/20, 50/25, 55/22
     assert (ours["first_step_s"], ours["first_step_s_min"], ours["first_step_s_max"]) == (5.0, 4.0, 6.0)
@@ -99,7 +99,7 @@ def summary_rows(first, second):
         return {"contender": name, "wall_s": wall, "ratio": ratio, "ratio_min": low, "ratio_max": high,
                 "first_step_s": first_step, "to_acc_s": to_acc}
 
-    return {kind: {training.TEXTBOOK: row(training.TEXTBOOK, *textbook), training.EAGER: row(training.EAGER, *gpulab),
+    return {kind: {training.TEXTBOOK: row(training.TEXTBOOK, *textbook), training.DEFAULT: row(training.DEFAULT, *gpulab),
                    training.COMPILED: row(training.COMPILED, 1.0, (99.0, 99.0, 99.0), 0.1, 0.2)}
             for kind, (textbook, gpulab) in ((training.FIRST, first), (training.SECOND, second))} | {"floor": {}}
 
@@ -141,7 +141,7 @@ def test_each_round_runs_every_contender_first_on_an_empty_cache_then_again_on_w
     cfg = training.Config(epochs=2, rounds=2, compiled=False)
     training.run(cfg, Context(devices=[torch.device("cpu")]), result)
 
-    contenders = [training.TEXTBOOK, training.EAGER]
+    contenders = [training.TEXTBOOK, training.DEFAULT]
     assert [c["contender"] for c in fake.calls] == ["gpulab.bench.textbook"] * 2 + ["cpu"] * 2 + ["gpulab.bench.textbook"] * 2 + ["cpu"] * 2
     for first, second in zip(fake.calls[::2], fake.calls[1::2]):
         assert first["found"] == [] and second["found"] == ["compiled-0"]  # empty, then what the first left
@@ -158,7 +158,7 @@ def test_each_round_runs_every_contender_first_on_an_empty_cache_then_again_on_w
     assert "first run (empty caches) 100 s vs 100 s, 1.00x" in result.summary["headline"]
     assert "second run 50 s vs 50 s, 1.00x" in result.summary["headline"]
     assert result.summary["target_acc"] == 0.90
-    assert [r["wall_s"] for r in device["runs"][training.SECOND][training.EAGER]] == [50.0, 50.0]  # round by round
+    assert [r["wall_s"] for r in device["runs"][training.SECOND][training.DEFAULT]] == [50.0, 50.0]  # round by round
     for key in ("training", "training-parts"):
         assert [(r["run"], r["contender"]) for r in result.tables[key].rows] == [
             (kind, name) for kind in (training.FIRST, training.SECOND) for name in contenders]

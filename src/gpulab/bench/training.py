@@ -71,8 +71,8 @@ LESSON = (
     "beat the textbook's per-sample pipeline several times over, whole process against whole process."
 )
 
-EAGER, COMPILED, GRAPHS, TEXTBOOK = "gpulab train", "gpulab train --compile on", "gpulab train --compile graphs", "textbook"
-"""EAGER is the default (what `make demo` runs): eager on a CPU; on one GPU, its step recorded."""
+DEFAULT, COMPILED, GRAPHS, TEXTBOOK = "gpulab train", "gpulab train --compile on", "gpulab train --compile graphs", "textbook"
+"""What `make demo` runs: the step eager on a CPU, recorded as a CUDA graph on one GPU."""
 UNRECORDED = "gpulab train --compile off"
 """On a GPU, the eager step as it runs, unrecorded: what the default's recording wins."""
 FIRST, SECOND = "first", "second"
@@ -109,7 +109,7 @@ def contenders(device: torch.device, compiled: bool = True) -> dict[str, list[st
     """Name -> the command after `python -m`."""
     spec = format_devices([device]).strip("[]")
     gpulab = ["gpulab", "train", "--devices", spec]
-    found = {TEXTBOOK: ["gpulab.bench.textbook"], EAGER: gpulab}
+    found = {TEXTBOOK: ["gpulab.bench.textbook"], DEFAULT: gpulab}
     if device.type == "cuda":
         found[UNRECORDED] = [*gpulab, "--compile", "off"]
     if compiled and device.type == "cuda":
@@ -284,8 +284,8 @@ def run(cfg: Config, ctx, result: Result) -> None:
             # the same training recorded, compiled or not: the same accuracy, within reordering noise
             for kind in (FIRST, SECOND):
                 for other in (UNRECORDED, COMPILED):
-                    for r_default, r_other in zip(runs[kind][EAGER], runs[kind].get(other, [])):
-                        result.check(f"{spec}: test accuracy {other} == {EAGER}, {RUNS[kind]}", r_other["test_acc"],
+                    for r_default, r_other in zip(runs[kind][DEFAULT], runs[kind].get(other, [])):
+                        result.check(f"{spec}: test accuracy {other} == {DEFAULT}, {RUNS[kind]}", r_other["test_acc"],
                                      r_default["test_acc"], rtol=0, atol=0.02)
             summary[spec] = {kind: _rows(table, spec, kind, runs[kind], cfg.epochs, parts) for kind in (FIRST, SECOND)}
             summary[spec]["runs"] = runs  # each run's own figures, round by round (`figures`)
@@ -300,11 +300,11 @@ def headline(spec: str, rows: dict) -> str:
     each had finished its first training step and reached TARGET_ACC. `rows`: summary[spec], each
     kind of run's rows by contender (`compare`)."""
     def versus(kind: str, key: str, never: str = "-") -> str:
-        ours, theirs = (rows[kind][name][key] for name in (EAGER, TEXTBOOK))
+        ours, theirs = (rows[kind][name][key] for name in (DEFAULT, TEXTBOOK))
         return f"{_seconds(ours, never)} vs {_seconds(theirs, never)}"
 
     def ratio(kind: str) -> str:
-        ours = rows[kind][EAGER]
+        ours = rows[kind][DEFAULT]
         return f"{ours['ratio']:.2f}x [{ours['ratio_min']:.2f} .. {ours['ratio_max']:.2f}]"
 
     return (f"{spec}: gpulab train vs the textbook, whole process: first run (empty caches) "

@@ -41,8 +41,8 @@ def compile_mode(cfg: TrainConfig, devices: list[torch.device], processes: int =
     """off, on, graphs or record (the Trainer's step): --compile, with auto's choice resolved.
     `processes`: the job's; `own_parts`: the caller gave its own model, loss or optimizer.
 
-    auto: on one GPU, record - the eager step recorded once as a CUDA graph and replayed, which
-    costs milliseconds to record and nothing to compile - for gpulab's own models, loss and
+    auto: on one GPU, record - the eager step recorded once as a CUDA graph and replayed: three
+    eager warm-up steps and one recording, nothing to compile - for gpulab's own models, loss and
     optimizer, whose steps never read the host (a user's model may, in its forward, which no
     recording can hold); off everywhere else. Measured: on a GPU a LeNet epoch replayed as one
     graph took 0.11 s where the eager step's took 0.87 s; torch.compile (on, graphs) made the

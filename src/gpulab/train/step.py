@@ -50,8 +50,13 @@ class Trainer:
         self.strategy, self.loss_fn, self.autocast, self.accumulate = strategy, loss_fn, autocast, accumulate
         one_part = len(strategy.devices) == 1 and strategy.num_replicas == 1 and accumulate == 1
         whole = compile == "record" or (compile == "graphs" and one_part)  # compile_mode: record is one part
-        # inside a whole-step recording torch.compile's own CUDA graphs would be graphs in a graph
-        self.forward = Forward({"record": "off", "graphs": "on" if whole else "graphs"}.get(compile, compile))
+        if compile == "record":
+            forward = "off"  # the eager step is what is recorded
+        elif compile == "graphs" and whole:
+            forward = "on"  # inside the step's recording, torch.compile's own CUDA graphs would be graphs in a graph
+        else:
+            forward = compile
+        self.forward = Forward(forward)
         self.graph = None
         self.timer = timer or PhaseTimer(strategy.devices, enabled=False)
         if whole:  # a replay is one piece of work: untimed
@@ -154,7 +159,8 @@ def micro_batches(X: torch.Tensor, y: torch.Tensor, accumulate: int):
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """Mixed precision on `device` when `dtype` is given (parameters and gradients stay fp32)."""
-    # torch's CUDA graph notes: autocast must not cache its casts of the weights while a graph records
+    # autocast keeps its casts of the weights for the region; made while a graph records, they are
+    # the graph's memory (torch asks for cache_enabled=False around make_graphed_callables): no cache then
     recording = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=not recording)
 

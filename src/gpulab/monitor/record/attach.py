@@ -32,7 +32,7 @@ from gpulab.monitor.events import crash_file, events_file
 from gpulab.monitor.record.interpreter import after_import, block_signals_in_this_thread
 
 _PARENT_POLL_S = 0.5
-_recorders = []  # this process's recorder, once torch is imported (the parent watch silences it)
+_recorders: list = []  # this process's recorder, once torch is imported (the parent watch silences it)
 
 
 def install(directory: str) -> None:

@@ -3,8 +3,8 @@
 A host sync is raised inside a torch C++ call, a DataLoader wait inside torch's queue code; the
 line worth showing is the innermost frame that belongs to the user: not the standard library,
 not an installed package (torch, numpy, ...), not code torch.compile generated, and not this
-profiler. gpulab's own trainer counts
-as user code, so `gpulab train --profile` points at the trainer's lines.
+profiler. gpulab's own trainer counts as user code, so `gpulab train --profile` points at the
+trainer's lines.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from functools import update_wrapper
 from collections.abc import Callable
+from functools import update_wrapper
 from types import CodeType, FunctionType, ModuleType
 
 _MARK = "__gpulab_patch__"
