@@ -267,6 +267,15 @@ MUTATIONS = [
     Mutation("inductor's generated code taken for the user's", "src/gpulab/monitor/record/frames.py",
              "    roots.update(generated_code_dirs())\n", "",
              ["tests/monitor/test_stacks.py::test_code_torch_compile_generated_is_never_the_users_line"]),
+    Mutation("a cost of every step placed at a line sampled in one step", "src/gpulab/monitor/analyze/findings.py",
+             "if steps.get(where, 0) >= _steps_needed(rec)}", "if True}",
+             ["tests/monitor/test_profile_cli.py::test_python_loop_between_steps_is_found_at_its_line"]),
+    Mutation("a line's steps counted per sample, not per step", "src/gpulab/monitor/record/probes/stacks.py",
+             "        if seen[1] != step:\n", "        if True:\n",
+             ["tests/monitor/test_stacks.py::test_each_line_counts_the_steps_its_samples_fell_in"]),
+    Mutation("a skipped CUDA graph's reason without the script's line that caused it", "src/gpulab/compiler.py",
+             "        if not scripts:\n            return reason\n", "        if True:\n            return reason\n",
+             ["tests/test_compiler.py::test_a_skipped_cuda_graph_names_the_scripts_line_that_wrote_into_an_input"]),
 ]
 
 

@@ -115,3 +115,39 @@ def test_a_cuda_graph_recorded_again_is_read_with_what_moved_and_for_which_input
     (skipped,) = [e for e in events if e.kind == "cudagraph_skip"]
     assert skipped.reason.startswith("function 0 exceeding max re-recording limit")
     assert trees.log.level == logging.NOTSET  # left as found
+
+
+def mutating(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x.add_(1)  # planted: writes into its input
+    return (x * w).sum()
+
+
+def test_a_skipped_cuda_graph_names_the_scripts_line_that_wrote_into_an_input():
+    """torch's own message for a mutated input, made by its own functions from a graph dynamo and
+    AOTAutograd traced on the CPU (what inductor hands cudagraph trees on a GPU), read through the
+    real logger: the reason without its stack trace, the script's mutating line in its place, and
+    `where` the script's call - never torch's frames."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.cudagraph_utils import (get_mutation_stack_trace, get_placeholder_info,
+                                                 log_cudagraph_skip_and_bump_counter)
+
+    traced = []
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda gm, inputs: traced.append(gm) or gm.forward)
+    torch.compile(mutating, backend=backend, dynamic=False)(torch.randn(3), torch.randn(3))
+    torch._dynamo.reset()
+    message = get_mutation_stack_trace(get_placeholder_info(traced[0].graph), [0])  # input 0, x, is written
+    assert "Found from" in message
+    events = []
+    watch = CompileWatch(events.append, user_line,
+                         lambda path, line: f"test_compiler.py:{line}" if path == __file__ else None)
+    watch.install()
+    watch.read_cudagraph_skips()
+    try:
+        log_cudagraph_skip_and_bump_counter(message)
+    finally:
+        watch.remove()
+    (skipped,) = [e for e in events if e.kind == "cudagraph_skip"]
+    planted = mutating.__code__.co_firstlineno + 1
+    assert skipped.reason == f"mutated inputs (1 instances): x.add_(1) at test_compiler.py:{planted}"
+    assert skipped.where.startswith("test_compiler.py:") and skipped.where != f"test_compiler.py:{planted}"

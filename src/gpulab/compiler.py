@@ -49,6 +49,10 @@ _GRAPH_BREAK = re.compile(r"Graph break.*? in user code at (?P<where>\S+)\s*\nGr
 # "skipping cudagraphs due to mutated inputs", but "skipping cudagraph due to function 0 exceeding
 # max re-recording limit": both wordings are torch's
 _CUDAGRAPH_SKIP = re.compile(r"skipping cudagraphs? due to (?P<reason>.*)", re.S)
+# after a skip's reason, the stack trace of the traced code that caused it (for a mutated input:
+# the line that writes into it), as traceback.format_list writes frames
+_FOUND_FROM = re.compile(r"\.?\s*Found from\s*:", re.S)
+_TRACE_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+), in [^\n]*\n[ \t]*(?P<code>[^\n]*)')
 # cudagraph trees' DEBUG line when a recorded graph cannot be replayed and is recorded again
 _CUDAGRAPH_RERECORD = re.compile(r"Re-recording function=(?P<function>.*?), mode=\S+, reason=(?P<reason>.*)", re.S)
 
@@ -192,10 +196,24 @@ class CompileWatch:
             self._on_event(CompileEvent("graph_break", now, now, where=self._site(m["where"], where),
                                         reason=_graph_break_reason(m["reason"])))
         elif m := _CUDAGRAPH_SKIP.search(message):
-            self._on_event(CompileEvent("cudagraph_skip", now, now, where=where, reason=" ".join(m["reason"].split())))
+            self._on_event(CompileEvent("cudagraph_skip", now, now, where=where, reason=self._skip_reason(m["reason"])))
         elif m := _CUDAGRAPH_RERECORD.search(message):
             self._on_event(CompileEvent("cudagraph_rerecord", now, now, function=m["function"], where=where,
                                         reason=_rerecord_reason(m["reason"])))
+
+    def _skip_reason(self, text: str) -> str:
+        """torch's reason, and in place of its stack trace the script's line it points at, as code
+        and place: "mutated inputs (1 instances): x.add_(1) at train.py:9" (a trace that points
+        only into torch or generated code adds nothing)."""
+        head, *trace = _FOUND_FROM.split(text, maxsplit=1)
+        reason = " ".join(head.split())
+        frames = [(self._format_site(f["path"], int(f["line"])), f["code"].split("  #")[0].strip())  # not its comment
+                  for f in _TRACE_FRAME.finditer(trace[0] if trace else "")]
+        scripts = [(site, code) for site, code in frames if site]
+        if not scripts:
+            return reason
+        site, code = scripts[-1]  # the innermost of the script's frames: the line itself
+        return f"{reason}: {code} at {site}" if code else f"{reason} at {site}"
 
     def _site(self, text: str, otherwise: str | None) -> str | None:
         """torch's "path:line" as the report writes a line, or `otherwise` when it is not one of the

@@ -29,11 +29,15 @@ def steps(n: int, **ms) -> list[dict]:
     return out
 
 
-def recording(step_records, cuda: bool = False, extra: list[dict] | None = None, hot: dict | None = None) -> Recording:
+def recording(step_records, cuda: bool = False, extra: list[dict] | None = None, hot: dict | None = None,
+              hot_steps: dict | None = None) -> Recording:
+    """`hot`'s lines sampled in every step, unless `hot_steps` says in how many."""
     records = [{"type": "start", "t": 99.0, "torch": "2.x", "torch_cuda_build": "12.6" if cuda else None, "cpu_count": 8}]
     records += step_records
     records += extra or []
-    records.append({"type": "hot", "interval_s": 0.02, "lines": hot or {}})
+    hot = hot or {}
+    in_steps = hot_steps or {c: {where: len(step_records) for where in lines} for c, lines in hot.items()}
+    records.append({"type": "hot", "interval_s": 0.02, "lines": hot, "steps": in_steps})
     devices = [{"index": 0, "name": "Test GPU", "uuid": "1234"}] if cuda else []
     records.append({"type": "end", "t": 1e9, "exit_code": 0, "error": None,
                     "cuda": {"available": cuda, "initialized": cuda, "devices": devices}})
@@ -97,6 +101,19 @@ def test_python_between_steps_on_cpu_is_low_device_utilization_at_the_hot_line()
     assert causes(report) == ["low_device_utilization"]
     assert report["findings"][0]["where"] == "train.py:77"
     assert report["findings"][0]["share"] == pytest.approx(0.75, abs=1e-3)
+
+
+def test_a_cost_of_every_step_is_placed_at_a_line_that_runs_every_step():
+    """A job that ran once between two steps outweighs the loop's line in samples, but was sampled
+    in one step: the per-step cost is the loop's; with only such lines, it is placed nowhere, and
+    the support says so."""
+    hot = {"other": {"train.py:30": 40, "train.py:77": 12}}
+    rec = recording(steps(20, compute=5, other=15), hot=hot, hot_steps={"other": {"train.py:30": 1, "train.py:77": 18}})
+    assert diagnose(rec, [], [], warmup_steps=2)["findings"][0]["where"] == "train.py:77"
+    rec = recording(steps(20, compute=5, other=15), hot={"other": {"train.py:30": 40}}, hot_steps={"other": {"train.py:30": 2}})
+    top = diagnose(rec, [], [], warmup_steps=2)["findings"][0]
+    assert top["cause"] == "low_device_utilization" and top["where"] is None
+    assert "not placed at a line" in top["support"]
 
 
 def renumbered(step_records: list[dict]) -> list[dict]:

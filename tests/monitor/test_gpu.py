@@ -6,6 +6,7 @@ in scripts/ plant one cause each at a line marked `# planted:`.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -209,6 +210,12 @@ def test_a_cuda_graph_skipped_for_a_mutated_input_is_named_with_its_fix(tmp_path
     report = profile(tmp_path, "compile_cudagraph_skip.py")
     skips = [f for f in report["findings"] if f["cause"] == "cudagraph_skip"]
     assert skips and "mutated input" in skips[0]["evidence"] and "in place" in skips[0]["fix"]
+    # the line that writes into the input, and the compiled function's call in the script
+    lines = (SCRIPTS / "compile_cudagraph_skip.py").read_text().splitlines()
+    planted = next(i for i, line in enumerate(lines, 1) if "# planted:" in line)
+    call = next(i for i, line in enumerate(lines, 1) if "loss = loss_of(x, y)" in line)
+    assert re.search(rf"x\.mul_\(0\.5\) at \S*compile_cudagraph_skip\.py:{planted}\b", skips[0]["evidence"]), skips
+    assert skips[0]["where"].endswith(f"compile_cudagraph_skip.py:{call}"), skips
 
 
 def test_a_cuda_graph_recorded_again_for_a_weight_in_new_memory_is_named_with_its_fix(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,9 +90,13 @@ def test_fast_in_memory_pipeline_is_not_input_bound(tmp_path, capfd):
     assert report["phases"]["compute"] > report["phases"]["data_wait"]
 
 
-def test_python_loop_between_steps_is_found_at_its_line(tmp_path):
+def test_python_loop_between_steps_is_found_at_its_line(tmp_path, capfd):
+    """The cost of every step at the loop that runs every step, not at the job between two steps
+    that ran once and took longer (the script's own clock says so)."""
     code, report, _ = profile(tmp_path, "python_overhead.py")
     assert code == 0
+    once_s, loops_s = map(float, re.search(r"a job of ([\d.]+) s once, the loop ([\d.]+) s", capfd.readouterr().out).groups())
+    assert once_s > loops_s
     top = report["findings"][0]
     assert top["cause"] == "low_device_utilization"
     loop = planted_line("python_overhead.py")  # the `for` line; its body is the next line

@@ -36,7 +36,7 @@ def sigalrm_as_found():
 
 
 def sampler() -> StackSampler:
-    return StackSampler(INTERVAL_S, threading.get_ident, lambda: "compute")
+    return StackSampler(INTERVAL_S, threading.get_ident, lambda: "compute", lambda: 0)
 
 
 def line_of(function, marker: str) -> str:
@@ -116,7 +116,7 @@ def test_a_thread_other_than_the_main_one_is_sampled_by_thread():
     methods = []
 
     def record():
-        s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "compute")
+        s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "compute", lambda: 0)
         s.start()
         methods.append(s.method)
         s.stop()
@@ -238,7 +238,7 @@ def test_gpulab_s_own_work_between_steps_is_never_the_script_s_line(monkeypatch)
     clock = iter([10.0, 10.3, 10.5])
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     own = {"done": 0.0, "under_way": False}
-    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other", lambda: (own["done"], own["under_way"]))
+    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other", lambda: 0, lambda: (own["done"], own["under_way"]))
     s.method, s._last_sample, s._own_at_last_sample = "signal", 9.9, 0.0
     frame = (lambda: sys._getframe())()  # a finished frame: its line stays put
     own["done"], own["under_way"] = 0.05, True  # the window's work began 0.05 s ago
@@ -248,3 +248,21 @@ def test_gpulab_s_own_work_between_steps_is_never_the_script_s_line(monkeypatch)
     s._on_signal(signal.SIGALRM, frame)  # at 10.5: the script's own 0.2 s
     (seconds,) = s.snapshot()["lines"]["other"].values()
     assert seconds == pytest.approx(0.05 + 0.2)
+
+
+def test_each_line_counts_the_steps_its_samples_fell_in():
+    """A line sampled through 4 steps counts 4; one sampled within a single step counts 1."""
+    step = {"i": 0}
+    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other", lambda: step["i"])
+    s.start()
+    try:
+        for i in range(4):
+            step["i"] = i
+            time.sleep(0.05)  # planted: every step
+        step["i"] = 4
+        time.sleep(0.1)  # planted: once
+    finally:
+        s.stop()
+    steps = s.snapshot()["steps"]["other"]
+    every, once = (line_of(test_each_line_counts_the_steps_its_samples_fell_in, m) for m in ("every step", "planted: once"))
+    assert steps[every] == 4 and steps[once] == 1

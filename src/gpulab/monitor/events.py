@@ -320,6 +320,7 @@ class Recording:
         self.loaders: list[dict] = []
         self.sites: list[dict] = []
         self.hot: dict[str, dict[str, float]] = {}  # category -> user line -> seconds of stack samples
+        self.hot_steps: dict[str, dict[str, int]] = {}  # category -> user line -> steps its samples fell in
         self.hot_interval_s = 0.0
         self.span_seconds: dict[str, float] = {}
         self.facts: dict = {}
@@ -367,7 +368,7 @@ class Recording:
             elif kind == "sites":  # snapshots: the last one is the whole run
                 self.sites = r["sites"]
             elif kind == "hot":
-                self.hot, self.hot_interval_s = r["lines"], r["interval_s"]
+                self.hot, self.hot_steps, self.hot_interval_s = r["lines"], r["steps"], r["interval_s"]
             elif kind == "spans":
                 self.span_seconds = r["seconds"]
             elif kind == "facts":

@@ -79,14 +79,23 @@ def finding(cause: str, share: float, evidence: str, where: str | None, fix_key:
     }
 
 
-def hottest(rec: Recording, category: str) -> str | None:
-    """The user's line where `category` spent the most time: stack samples weigh the wall time
-    each stands for (record/probes/stacks.py)."""
-    lines = rec.hot.get(category) or {}
-    return max(lines, key=lines.get) if lines else None
-
-
 MIN_LINE_PERIODS = 5  # a line whose samples weigh less than 5 sampling periods is not named
+MIN_LINE_STEPS = 3  # a cost of every step is placed only at a line sampled in this many steps
+
+
+def hottest(rec: Recording, category: str) -> str | None:
+    """The user's line where `category` spent the most time, of the lines that run step after
+    step: stack samples weigh the wall time each stands for (record/probes/stacks.py), and a
+    line whose samples fell in fewer than MIN_LINE_STEPS steps (a job run once between two steps,
+    a set-up) is no place for a cost paid every step, however long it ran. None: no such line."""
+    lines = rec.hot.get(category) or {}
+    steps = rec.hot_steps.get(category) or {}
+    every_step = {where: s for where, s in lines.items() if steps.get(where, 0) >= _steps_needed(rec)}
+    return max(every_step, key=every_step.get) if every_step else None
+
+
+def _steps_needed(rec: Recording) -> int:
+    return min(MIN_LINE_STEPS, max(1, rec.steps_done))
 
 
 def add_support(rec: Recording, step: StepCosts, f: dict) -> None:
@@ -103,4 +112,6 @@ def add_support(rec: Recording, step: StepCosts, f: dict) -> None:
             if seen < MIN_LINE_PERIODS * rec.hot_interval_s:
                 parts[-1] += " - too few to name it"
                 f["where"] = None
+    elif any(rec.hot.values()):
+        parts.append(f"not placed at a line: no line of the script was sampled in {_steps_needed(rec)} or more steps")
     f["support"] = "; ".join(parts)

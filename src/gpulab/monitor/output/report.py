@@ -45,6 +45,7 @@ def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler:
         "data_loaders": [_fields(r) for r in rec.loaders],
         "kernel_window": _fields(rec.kernels) if rec.kernels else None,
         "hot_lines": rec.hot,
+        "hot_steps": rec.hot_steps,
         "hot_line_interval_s": rec.hot_interval_s,
         "cuda": rec.cuda,
         "environment": {k: rec.start.get(k) for k in ENVIRONMENT_KEYS},

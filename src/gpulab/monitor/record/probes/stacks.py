@@ -1,6 +1,8 @@
 """The stack probe: where the time goes, by line - samples of the training thread's Python stack,
 each weighing the wall time it stands for, tallied under the category charged at that moment
-(the sink's charged_category()): the hottest user line of each category.
+(the sink's charged_category()): the hottest user line of each category. Each line also counts
+the steps its samples fell in: a cost paid every step belongs at a line that runs in many of
+them, not at one that ran once and long (analyze/findings.hottest).
 
 A sample is taken one of two ways:
 
@@ -68,7 +70,7 @@ class StackProbe(Probe):
 
     def _start_sampler(self) -> None:
         self._sampler = StackSampler(self._interval_s, lambda: self.sink.ident, self.sink.charged_category,
-                                     self.sink.own_work_seconds)
+                                     lambda: self.sink.steps_done, self.sink.own_work_seconds)
         self._sampler.start()
 
     def after_fork(self) -> None:
@@ -85,24 +87,26 @@ class StackProbe(Probe):
 
     def snapshots(self) -> list[dict]:
         if self._sampler is None:
-            return [{"type": "hot", "interval_s": self._interval_s, "lines": {}}]
+            return [{"type": "hot", "interval_s": self._interval_s, "lines": {}, "steps": {}}]
         return [self._sampler.snapshot()]
 
 
 class StackSampler:
     """`ident()`: the recorded thread (None: none); `category()`: the category charged now (None:
-    nothing charged yet, or the span stack changed while it was read). `method`: "signal" or
-    "thread" once started."""
+    nothing charged yet, or the span stack changed while it was read); `step()`: the step under
+    way. `method`: "signal" or "thread" once started."""
 
     def __init__(self, interval_s: float, ident: Callable[[], int | None], category: Callable[[], str | None],
-                 own_work: Callable[[], tuple[float, bool]] = lambda: (0.0, False)):
+                 step: Callable[[], int], own_work: Callable[[], tuple[float, bool]] = lambda: (0.0, False)):
         self.interval_s = interval_s
         self._ident = ident
         self._category = category
+        self._step = step
         # gpulab's own work in the recorded thread (the sink's own_work_seconds): never the script's time
         self._own_work = own_work
         self._own_at_last_sample = 0.0
         self._seconds: dict[str, dict[str, float]] = {}  # category -> user line -> seconds
+        self._steps: dict[str, dict[str, list[int]]] = {}  # category -> user line -> [steps sampled in, last step]
         self.method: str | None = None
         self._last_sample = 0.0
         self._thread: threading.Thread | None = None
@@ -149,7 +153,8 @@ class StackSampler:
         copied = {c: dict(lines) for c, lines in list(self._seconds.items())}  # atomic copies (module doc)
         hot = {c: {where: round(s, 4) for where, s in sorted(lines.items(), key=lambda x: -x[1])[:_TOP_LINES]}
                for c, lines in copied.items()}
-        return {"type": "hot", "interval_s": self.interval_s, "method": self.method, "lines": hot}
+        steps = {c: {where: self._steps[c][where][0] for where in lines} for c, lines in hot.items()}
+        return {"type": "hot", "interval_s": self.interval_s, "method": self.method, "lines": hot, "steps": steps}
 
     def _note(self, frame, seconds: float) -> None:
         """One sample: `frame` stood for `seconds` of the category charged now."""
@@ -162,6 +167,11 @@ class StackSampler:
         lines = self._seconds.get(category)
         if lines is None:
             lines = self._seconds[category] = {}
+            self._steps[category] = {}
+        # the step count first: a snapshot that sees the line finds its count
+        seen, step = self._steps[category].setdefault(where, [0, -1]), self._step()
+        if seen[1] != step:
+            seen[0], seen[1] = seen[0] + 1, step
         lines[where] = lines.get(where, 0.0) + seconds
 
     # ------------------------------------------------------------------ by signal
