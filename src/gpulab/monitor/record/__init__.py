@@ -1,7 +1,8 @@
 """The recording side of the profiler: everything here runs inside the user's processes.
 
     autostart/sitecustomize.py   every Python process of a profiled job: note it, wait for torch
-    attach.py                    at the process's own `import torch`: start a Recorder, end it at exit
+    attach.py                    hook the process's own `import torch`; watch gpulab itself
+    lifetime.py                  at that import: start a Recorder, end it at exit
     recorder.py                  the Recorder: the list of probes plus the sink; start, stop, forked lanes
     probes/                      one probe per recorded concern (probes/__init__.py lists them)
     probe.py                     what a probe is: install, remove, its lane, its snapshots
