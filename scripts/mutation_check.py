@@ -276,6 +276,12 @@ MUTATIONS = [
     Mutation("a skipped CUDA graph's reason without the script's line that caused it", "src/gpulab/compiler.py",
              "        if not scripts:\n            return reason\n", "        if True:\n            return reason\n",
              ["tests/test_compiler.py::test_a_skipped_cuda_graph_names_the_scripts_line_that_wrote_into_an_input"]),
+    Mutation("the command leaves without running the exit handlers", "src/gpulab/cli.py",
+             "    atexit._run_exitfuncs()\n", "",
+             ["tests/test_cli.py::test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_teardown"]),
+    Mutation("the command leaves while a thread Python would wait for runs", "src/gpulab/cli.py",
+             "    if any(t.is_alive() for t in others):\n", "    if False:\n",
+             ["tests/test_cli.py::test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_teardown"]),
 ]
 
 

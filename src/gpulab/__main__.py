@@ -7,7 +7,7 @@ DEPENDENCIES = {"torch": "torch", "numpy": "numpy", "rich": "rich", "matplotlib"
                 "pynvml": "nvidia-ml-py"}
 
 try:
-    from gpulab.cli import main
+    from gpulab.cli import leave, main
 
     code = main()
 except ModuleNotFoundError as e:
@@ -16,4 +16,4 @@ except ModuleNotFoundError as e:
         raise
     sys.exit(f"gpulab: error: this Python lacks {DEPENDENCIES[top]}, which gpulab needs: pip install {DEPENDENCIES[top]} "
              f"(or install gpulab itself: pip install -e .)")
-raise SystemExit(code)
+leave(code)
