@@ -50,7 +50,7 @@ def samples() -> list[dict]:
 
 def test_gpu_run_outputs_render(tmp_path):
     rec = recording()
-    report = build_report(rec, samples(), [GPU], {"interval_s": 0.05}, ProfileConfig(), exit_code=0)
+    report, _ = build_report([rec], rec.pid, samples(), [GPU], {"interval_s": 0.05}, ProfileConfig(), exit_code=0)
     write_outputs(OutputFolder.out(tmp_path), report, [rec], samples(), [GPU], title="train.py")
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
@@ -89,7 +89,7 @@ def cpu_samples(until: float) -> list[dict]:
 
 def test_a_cpu_timeline_a_person_can_read():
     rec = cpu_recording()
-    report = build_report(rec, cpu_samples(15.0), [], {"interval_s": 0.25}, ProfileConfig(), exit_code=0)
+    report, _ = build_report([rec], rec.pid, cpu_samples(15.0), [], {"interval_s": 0.25}, ProfileConfig(), exit_code=0)
     fig = timeline.figure([rec], cpu_samples(15.0), [], report, "train.py")
     fig.canvas.draw()
     steps_ax = fig.axes[0]
@@ -111,7 +111,7 @@ def test_a_cpu_timeline_a_person_can_read():
 def test_a_gpu_timeline_names_host_to_device_copies():
     rec = cpu_recording(steps=50, start_up_s=0.01)
     gpu_samples = [{**s, "gpus": [{"kernel_active_pct": 40.0, "memory_used_mib": 1024.0}]} for s in cpu_samples(1.0)]
-    report = build_report(rec, gpu_samples, [GPU], {"interval_s": 0.25}, ProfileConfig(), exit_code=0)
+    report, _ = build_report([rec], rec.pid, gpu_samples, [GPU], {"interval_s": 0.25}, ProfileConfig(), exit_code=0)
     fig = timeline.figure([rec], gpu_samples, [GPU], report, "train.py")
     assert "host-to-device copy" in fig.axes[0].get_legend_handles_labels()[1]
     assert fig.axes[0].get_xlim()[0] == 0  # a short start-up is drawn

@@ -22,7 +22,7 @@ import pytest
 from gpulab.cli import main
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
-from gpulab.monitor.output.report import build_job_report
+from gpulab.monitor.output.report import build_report
 from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -216,7 +216,7 @@ def test_killing_gpulab_outright_stops_the_whole_job(tmp_path):
 def test_a_python_that_cannot_load_gpulab_is_named():
     lanes = [Recording([{"type": "process", "pid": 7, "executable": "/opt/py/bin/python",
                          "error": "ModuleNotFoundError: No module named 'psutil'"}])]
-    report, _ = build_job_report(lanes, 7, [], [], {}, ProfileConfig(), exit_code=1)
+    report, _ = build_report(lanes, 7, [], [], {}, ProfileConfig(), exit_code=1)
     finding = report["findings"][0]
     assert "/opt/py/bin/python" in finding["evidence"] and "psutil" in finding["evidence"]
     assert "first optimizer.step()" not in finding["evidence"]

@@ -127,7 +127,7 @@ def test_the_trace_has_one_process_per_rank(balanced):
 def test_ranks_with_unequal_step_counts_are_called_unbalanced():
     from gpulab.monitor.config import ProfileConfig
     from gpulab.monitor.events import Recording
-    from gpulab.monitor.output.report import build_job_report
+    from gpulab.monitor.output.report import build_report
 
     def rank(r: int, n: int) -> Recording:
         steps = [{"type": "step", "i": i, "t0": float(i), "t1": i + 1.0, "counts": {}, "data": [],
@@ -136,7 +136,7 @@ def test_ranks_with_unequal_step_counts_are_called_unbalanced():
                           *steps, {"type": "facts", "step_rule": "optimizer"},
                           {"type": "end", "t": n + 1.0, "exit_code": None, "error": None}])
 
-    report, lanes = build_job_report([rank(0, 8), rank(1, 6)], 99, [], [], {}, ProfileConfig(), exit_code=1)
+    report, lanes = build_report([rank(0, 8), rank(1, 6)], 99, [], [], {}, ProfileConfig(), exit_code=1)
     assert report["findings"][0]["cause"] == "unbalanced_data" and report["findings"][0]["share"] == 0.25
     assert "rank 0: 8, rank 1: 6" in report["findings"][0]["evidence"]
     assert [r.start["rank"] for r in lanes] == [0, 1]

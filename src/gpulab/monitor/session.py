@@ -68,9 +68,10 @@ class Profile:
         self._sampler.stop()
         rec = Recording(self._recorder.records)
         gpus = self._sampler.gpu.gpus
-        self.report = build_report(rec, self._sampler.samples, gpus, self._sampler.summary(), self.cfg, exit_code)
+        self.report, lanes = build_report([rec], rec.pid, self._sampler.samples, gpus, self._sampler.summary(), self.cfg,
+                                          exit_code)
         try:
-            write_outputs(self.outputs, self.report, [rec], self._sampler.samples, gpus, title=_program_name())
+            write_outputs(self.outputs, self.report, lanes, self._sampler.samples, gpus, title=_program_name())
         except (OSError, OutputRefused) as e:  # a full disk, a user's file put there meanwhile: one line
             problem = CannotWrite(e) if isinstance(e, OSError) else e
             if exc_type is None:

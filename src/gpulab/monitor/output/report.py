@@ -25,10 +25,11 @@ from gpulab.io import OutputFolder, json_bytes
 ENVIRONMENT_KEYS = ("python", "torch", "torch_cuda_build", "cpu_count", "torch_threads")
 
 
-def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler: dict, cfg: ProfileConfig,
-                 exit_code: int | None, process: str | None = None) -> dict:
-    """diagnose()'s keys first (steps, step_time_s, phases, devices, findings), then the evidence
-    behind them. `process`: how findings name the process, when it is not the script's own."""
+def _process_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler: dict, cfg: ProfileConfig,
+                    exit_code: int | None, process: str | None = None) -> dict:
+    """One process's part: diagnose()'s keys first (steps, step_time_s, phases, devices, findings),
+    then the evidence behind them. `process`: how findings name the process, when it is not the
+    script's own."""
     report = diagnose(rec, samples, gpus, cfg.warmup_steps)
     oom = oom_finding(rec, who=process)
     if oom is not None:  # what ended the run comes first
@@ -55,12 +56,13 @@ def build_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler:
     return report
 
 
-def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict], gpus: list[dict], sampler: dict,
-                     cfg: ProfileConfig, exit_code: int | None, hang: dict | None = None,
-                     stalls: list[dict] | None = None, stopped: bool = False) -> tuple[dict, list[Recording]]:
-    """The report of a job of one or more processes, and the processes to draw (the diagnosed
-    one first, then the other processes that trained). `hang`, `stalls`: what the parent's hang
-    watch saw; `stopped`: gpulab stopped the job (a hang, or the user's signal to gpulab).
+def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dict], gpus: list[dict], sampler: dict,
+                 cfg: ProfileConfig, exit_code: int | None, hang: dict | None = None,
+                 stalls: list[dict] | None = None, stopped: bool = False) -> tuple[dict, list[Recording]]:
+    """The report of a job of one or more processes (an in-process session is a job of one), and
+    the processes to draw (the diagnosed one first, then the other processes that trained).
+    `hang`, `stalls`: what the parent's hang watch saw; `stopped`: gpulab stopped the job (a hang,
+    or the user's signal to gpulab).
 
     That is the script's own process when it trained, else the child that trained most (a
     trainer started with multiprocessing): the parent's evaluation loop is not the verdict.
@@ -69,7 +71,7 @@ def build_job_report(lanes: list[Recording], main_pid: int, samples: list[dict],
     trained = trainers(lanes)
     shown = diagnosed_lane(lanes, main_pid) or Recording([])
     process = _who(shown, main_pid) if shown is not main and shown.pid is not None else None
-    report = build_report(shown, samples, gpus, sampler, cfg, exit_code, process)
+    report = _process_report(shown, samples, gpus, sampler, cfg, exit_code, process)
     report["diagnosed_pid"] = shown.pid
     report["processes"] = [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
                            for r in by_rank(lanes) if r.recorded and not r.is_dataloader_worker]

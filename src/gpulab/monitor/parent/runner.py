@@ -57,9 +57,9 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig, fo
         out.mkdir(parents=True, exist_ok=True)
     _import_in_background("gpulab.monitor.output.report")  # matplotlib: ~0.7 s, hidden behind the job
     job = run_job([interpreter, *options, *target], cfg, out)
-    from gpulab.monitor.output.report import build_job_report, print_report, write_outputs
+    from gpulab.monitor.output.report import build_report, print_report, write_outputs
 
-    report, lanes = build_job_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code,
+    report, lanes = build_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code,
                                      hang=job.hang, stalls=job.stalls, stopped=job.stopped)
     try:
         write_outputs(outputs, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
