@@ -180,10 +180,9 @@ def run() -> None:
 
 
 def leave(code: int) -> None:
-    """Exit with `code` as sys.exit would, less the interpreter's teardown: torch's modules and
-    objects freed one by one take 0.4-0.8 s that a user waits for and nothing needs (0.44 s after
-    a bare `import torch`, 0.75 s after a `gpulab train` epoch, on a 2-core Zen 4). The exit
-    handlers run first, as at any exit (a profile's recorder, torch's, multiprocessing's,
+    """Exit with `code` as sys.exit would, less the interpreter's teardown: freeing torch's modules
+    and objects one by one takes longer than many a command's own work, and nothing needs it
+    (measured in docs/benchmarks.md). The exit handlers run first, as at any exit (a profile's recorder, torch's, multiprocessing's,
     logging's); every file gpulab writes is closed by then. While a thread Python would wait for
     is alive, the ordinary exit, which waits for it."""
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]

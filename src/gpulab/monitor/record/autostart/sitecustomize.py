@@ -26,9 +26,9 @@ def _note_process(directory: str, error: str | None = None) -> None:
 
 def to_json(value) -> str:
     """What json.dumps writes for the process record's values (None, numbers, strings, lists,
-    dicts of them). Not json itself: it brings `re` and `enum`, 3-4 ms at the start of every
-    Python process of the job, most of which never import torch (an inductor compile starts six,
-    and waits for each)."""
+    dicts of them). Not json itself: it brings `re` and `enum` into every Python process of the
+    job, most of which never import torch (an inductor compile starts six, and waits for each:
+    docs/profiling.md, Overhead)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -75,7 +75,7 @@ def _run_next_sitecustomize() -> None:
     path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is not None and spec.loader is not None:
-        import importlib.util  # only then: it costs 2-3 ms
+        import importlib.util  # only then: it brings contextlib, functools and more
 
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
