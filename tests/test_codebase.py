@@ -97,7 +97,7 @@ def test_the_graph_sees_imports_however_they_are_written():
     assert "gpulab.devices" in graph["gpulab.parallel.data_parallel"]
     assert "gpulab.models" in graph["gpulab.train.loop"]  # from gpulab import models (a package)
     assert "gpulab.parallel" in graph["gpulab.train.build"]  # from gpulab.parallel import DataParallel
-    assert "gpulab.monitor.record.recorder" in graph["gpulab.monitor.record.attach"]  # inside a function
+    assert "gpulab.monitor.record.lifetime" in graph["gpulab.monitor.record.attach"]  # inside a function
 
 
 def test_gpulab_s_modules_import_one_way():
