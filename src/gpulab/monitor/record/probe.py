@@ -40,7 +40,7 @@ class Probe:
 
     def listen(self, notice: str, listener: Callable) -> None:
         """Listen to `notice` until the probe is removed."""
-        self.patches.on_undo(self.sink.listen(notice, listener))
+        self.patches.on_undo(self.sink.notices.listen(notice, listener))
 
     def after_fork(self) -> None:
         pass
@@ -93,11 +93,11 @@ def timed(sink: Sink, category: str, name, before=None, after=None):
                 return original(*args, **kwargs)
             if before is not None:
                 before(args[0])
-            token = sink.enter(name if isinstance(name, str) else name(args[0]), category)
+            token = sink.steps.enter(name if isinstance(name, str) else name(args[0]), category)
             try:
                 result = original(*args, **kwargs)
             finally:
-                sink.exit(token)
+                sink.steps.exit(token)
             if after is not None:
                 after(result)
             return result

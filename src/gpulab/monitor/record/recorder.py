@@ -88,10 +88,10 @@ class Recorder:
         self.error_where: str | None = None  # the innermost user line of its traceback
         self._recording = False
         self._stopping = False
-        self.sink.listen(EXCEPTION, self._note_error)
-        self.sink.listen(FORKED, self._after_fork_in_child)
-        self.sink.listen(PROCESS_ENDING, self.stop_in_any_process)
-        self.sink.listen(RANK_KNOWN, self._rank_known)
+        self.sink.notices.listen(EXCEPTION, self._note_error)
+        self.sink.notices.listen(FORKED, self._after_fork_in_child)
+        self.sink.notices.listen(PROCESS_ENDING, self.stop_in_any_process)
+        self.sink.notices.listen(RANK_KNOWN, self._rank_known)
         self._stop_listening_to_progress = None
         self._new_lane_state()
 
@@ -102,7 +102,7 @@ class Recorder:
         self._progress = Progress(folder, self._pid)
         if self._stop_listening_to_progress is not None:
             self._stop_listening_to_progress()
-        self._stop_listening_to_progress = self.sink.listen(PROGRESS, self._progress.made)
+        self._stop_listening_to_progress = self.sink.notices.listen(PROGRESS, self._progress.made)
         self._heartbeat: Heartbeat | None = None
         if folder is not None:
             self._heartbeat = Heartbeat(folder, self._pid, _env_int("RANK"), lambda: self.sink.ident, self._progress)
@@ -165,7 +165,7 @@ class Recorder:
         """The exception that ends the script (attach.py's excepthook, or the session's block): the
         recorder keeps it for the end record; the probes hear of it (out of memory: the memory
         probe says what was in use, and where, while the failing frames still hold it)."""
-        self.sink.send(EXCEPTION, error, tb)
+        self.sink.notices.send(EXCEPTION, error, tb)
 
     def _note_error(self, error: BaseException, tb) -> None:
         self.error = f"{type(error).__name__}: {error}"
@@ -186,7 +186,7 @@ class Recorder:
         """The recorder's own work after each step; whether the next one is inside a measurement
         window (kernels, memory, transforms), whose steps are left out of the statistics."""
         self._progress.step_done(steps_done)
-        self.sink.send(STEP_ENDED, steps_done)
+        self.sink.notices.send(STEP_ENDED, steps_done)
         with self.sink.own_work():  # the windows' synchronize and profilers are gpulab's, not the user's
             profiled = self._windows.on_step_end(steps_done)
         if self.cfg.stop_after_steps and steps_done >= self.cfg.stop_after_steps:

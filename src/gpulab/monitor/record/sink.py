@@ -1,20 +1,16 @@
-"""The one narrow way a probe writes into the recording.
+"""The one narrow way a probe writes into the recording: the sink hands each probe what it writes
+to, and says whose thread is calling and when gpulab itself is at work.
 
-    here()                     is the caller the recorded (training) thread? Only its calls count
-    enter(name, category)      a span opens: time from now is charged to `category` ...
-    exit(token)                ... until it closes (any span left open above it closes too)
-    closed_span(name, category, t0, t1)   a span classified only after it returned (a sync)
-    span(name, category)       the same as a context manager
-    count(key, n)              add to this step's count `key` (syncs, copies, their bytes)
+    steps                      the step accounting (steps.py): spans (enter/exit, closed ones),
+                               counts, the step rules (a loop back for data after a backward, an
+                               optimizer step, an explicit mark), the category charged now
+    notices                    what probes tell one another (notices.py: listen, send, sender)
     emit(record)               a record for the events file (monitor/events.py is the format)
-    loop_is_back()             the step rules (steps.py): the loop came back for data or a
-    backward_finished()        forward; a top-level backward finished; an optimizer stepped; an
-    optimizer_stepped(opt)     explicit step mark (the Python API's p.step())
-    mark_step()
-    listen(notice, listener) / send(notice, ...) / sender(notice)   notices (notices.py)
+    here()                     is the caller the recorded (training) thread? Only its calls count
+    span(name, category)       a span as a context manager, in the recorded thread only
     own_work()                 gpulab's own work (a window's profiler, its synchronize): no
                                probe takes it for the script's, no stack sample either
-    steps_done, loading_data(), charged_category()   where the step accounting stands
+    steps_done                 where the step accounting stands
 
 A forked child keeps its sink: the step accounting starts again in place (steps.new_lane), so
 what the sink hands out stays valid.
@@ -34,27 +30,12 @@ from gpulab.monitor.record.steps import StepAccounting
 class Sink:
     def __init__(self, steps: StepAccounting, emit: Callable[[dict], None], notices: Notices):
         self.ident: int | None = None  # the recorded thread (the recorder sets it; None: none)
-        self._steps = steps
+        self.steps = steps
+        self.emit = emit
+        self.notices = notices
         self._guards: list[Callable] = []
         self.own_work_since: float | None = None  # perf_counter when gpulab's own work began; None: none under way
         self.own_work_done = 0.0  # seconds of it that have ended, in all
-        # The step accounting's own methods, not wrappers around them: a probe calls these a few
-        # times per step (the spans of forward, backward, the optimizer, each fetch), and each
-        # wrapper would be one more Python call on the script's time.
-        self.enter = steps.enter
-        self.exit = steps.exit
-        self.closed_span = steps.add_closed_span
-        self.count = steps.count
-        self.loading_data = steps.loading_data
-        self.charged_category = steps.charged_category
-        self.loop_is_back = steps.end_step_after_backward
-        self.backward_finished = steps.backward_done
-        self.optimizer_stepped = steps.optimizer_stepped
-        self.mark_step = steps.mark_step
-        self.emit = emit
-        self.listen = notices.listen
-        self.send = notices.send
-        self.sender = notices.sender
 
     def here(self) -> bool:
         """Is the caller the recorded (training) thread?"""
@@ -62,18 +43,18 @@ class Sink:
 
     @property
     def steps_done(self) -> int:
-        return self._steps.index
+        return self.steps.index
 
     @contextmanager
     def span(self, name: str, category: str):
         if not self.here():
             yield
             return
-        token = self.enter(name, category)
+        token = self.steps.enter(name, category)
         try:
             yield
         finally:
-            self.exit(token)
+            self.steps.exit(token)
 
     def guard_own_work(self, guard: Callable) -> Callable[[], None]:
         """`guard()`: a context manager inside which a probe records nothing (the CUDA probe's

@@ -32,7 +32,7 @@ class AutogradProbe(Probe):
         self._graph_steps: dict[int, object] = {}  # id(CUDA graph) -> the optimizer it recorded a step of
 
     def hook(self) -> None:
-        self._optimizer_stepped = self.sink.sender(OPTIMIZER_STEPPED)
+        self._optimizer_stepped = self.sink.notices.sender(OPTIMIZER_STEPPED)
         self.patches.patch(torch.autograd, "backward", self._timed_backward("backward"))
         self.patches.patch(torch.autograd, "grad", self._timed_backward("autograd.grad"))
         self.patches.patch(torch.optim.Optimizer, "zero_grad",
@@ -53,22 +53,22 @@ class AutogradProbe(Probe):
     def _timed_backward(self, name: str):
         sink = self.sink
         is_compiling = torch.compiler.is_compiling
-        backward_ending = sink.sender(BACKWARD_ENDING)
+        backward_ending = sink.notices.sender(BACKWARD_ENDING)
 
         def make_wrapper(original):
             def wrapper(*args, **kwargs):
                 if self._in_backward or is_compiling() or not sink.here():
                     return original(*args, **kwargs)
-                sink.loop_is_back()  # a loop with neither a DataLoader nor a module call
+                sink.steps.end_step_after_backward()  # a loop with neither a DataLoader nor a module call
                 self._in_backward = True
-                token = sink.enter(name, "compute")
+                token = sink.steps.enter(name, "compute")
                 try:
                     return original(*args, **kwargs)
                 finally:
                     self._in_backward = False
                     backward_ending()  # DDP's wait for its allreduce, at the end of backward
-                    sink.exit(token)
-                    sink.backward_finished()
+                    sink.steps.exit(token)
+                    sink.steps.backward_done()
 
             return wrapper
 
@@ -79,7 +79,7 @@ class AutogradProbe(Probe):
 
     def _optimizer_step_begins(self, optimizer, args, kwargs) -> None:
         if not torch.compiler.is_compiling() and self.sink.here():
-            self._optimizer_tokens[id(optimizer)] = self.sink.enter(f"{type(optimizer).__name__}.step", "compute")
+            self._optimizer_tokens[id(optimizer)] = self.sink.steps.enter(f"{type(optimizer).__name__}.step", "compute")
 
     def _optimizer_step_ended(self, optimizer, args, kwargs) -> None:
         sink = self.sink
@@ -87,12 +87,12 @@ class AutogradProbe(Probe):
             return
         token = self._optimizer_tokens.pop(id(optimizer), None)
         if token is not None:
-            sink.exit(token)
+            sink.steps.exit(token)
         if self._capturing is not None:  # recorded, not run: the graph's replays are the steps
             self._graph_steps.setdefault(id(self._capturing), optimizer)
             return
         self._optimizer_stepped(optimizer)  # the notice first: a step that ends here may open the memory window
-        sink.optimizer_stepped(optimizer)
+        sink.steps.optimizer_stepped(optimizer)
 
     def _capture_begins(self, original):
         def wrapper(graph, *args, **kwargs):
@@ -120,7 +120,7 @@ class AutogradProbe(Probe):
             optimizer = self._graph_steps.get(id(graph))
             if optimizer is not None and sink.here():
                 self._optimizer_stepped(optimizer)
-                sink.optimizer_stepped(optimizer)
+                sink.steps.optimizer_stepped(optimizer)
             return result
 
         return wrapper

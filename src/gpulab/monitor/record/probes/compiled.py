@@ -64,9 +64,9 @@ class CompileProbe(Probe):
     def _on_event(self, event) -> None:
         sink = self.sink
         if event.kind == "compile":
-            sink.send(COMPILED)
+            sink.notices.send(COMPILED)
             if sink.here():
-                sink.closed_span(f"compile {event.compile_id} ({event.trigger})", "compile", event.t0, event.t1)
+                sink.steps.add_closed_span(f"compile {event.compile_id} ({event.trigger})", "compile", event.t0, event.t1)
         record: CompileRecord = {"type": "compile", "kind": event.kind, "t0": event.t0, "t1": event.t1,
                                  "compile_id": event.compile_id, "trigger": event.trigger,
                                  "function": event.function, "where": event.where, "reason": event.reason,

@@ -122,8 +122,8 @@ class CudaSyncProbe(Probe):
 
     def _note_sync(self, op: str, t0: float, t1: float, where: str | None) -> None:
         sink = self.sink
-        sink.closed_span(f"sync: {op}", "sync", t0, t1)
-        sink.count("sync")
+        sink.steps.add_closed_span(f"sync: {op}", "sync", t0, t1)
+        sink.steps.count("sync")
         self.sites.note("sync", op, where, sink.steps_done, seconds=t1 - t0)
 
     def _on_sync_reported(self) -> None:
@@ -132,7 +132,7 @@ class CudaSyncProbe(Probe):
         if self._state.depth:
             self._state.synced = True
         elif self.sink.here():
-            self.sink.count("sync_untimed")
+            self.sink.steps.count("sync_untimed")
             self.sites.note("sync", "untimed", user_site(sys._getframe(2)), self.sink.steps_done, untimed=1)
 
     def _note_h2d(self, op: str, t0: float, t1: float, nbytes: int, pinned: bool, blocking: bool,
@@ -142,9 +142,9 @@ class CudaSyncProbe(Probe):
         sink = self.sink
         kind = "h2d_pageable" if not pinned else "h2d_pinned_blocking" if blocking else "h2d_pinned"
         label = "pageable" if not pinned else "pinned, blocking" if blocking else "pinned"
-        sink.closed_span(f"copy: {op} ({label})", "h2d", t0, t1)
-        sink.count(kind)
-        sink.count(kind + "_bytes", nbytes)
+        sink.steps.add_closed_span(f"copy: {op} ({label})", "h2d", t0, t1)
+        sink.steps.count(kind)
+        sink.steps.count(kind + "_bytes", nbytes)
         self.sites.note(kind, op, where, sink.steps_done, seconds=t1 - t0, nbytes=nbytes)
 
     # ------------------------------------------------------------------ wrappers

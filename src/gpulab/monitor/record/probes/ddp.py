@@ -57,8 +57,8 @@ class DdpWait:
         if t0 is None or not self._syncing:
             return
         t1 = time.perf_counter()
-        self._sink.closed_span(WAIT_SPAN, "collective", t0, t1)
-        self._sink.count(DDP_WAIT_COUNT, t1 - t0)  # DDP's part of the collectives, in the report
+        self._sink.steps.add_closed_span(WAIT_SPAN, "collective", t0, t1)
+        self._sink.steps.count(DDP_WAIT_COUNT, t1 - t0)  # DDP's part of the collectives, in the report
 
     def remove_hooks(self) -> None:
         while self._handles:

@@ -46,7 +46,7 @@ class DistributedProbe(Probe):
             self._note_the_rank(c10d)
 
     def _time_collectives(self, c10d) -> None:
-        collective_done = self.sink.sender(PROGRESS)
+        collective_done = self.sink.notices.sender(PROGRESS)
         for name in DISTRIBUTED_CALLS:
             if not hasattr(c10d, name):
                 continue
@@ -82,4 +82,4 @@ class DistributedProbe(Probe):
         record: RankRecord = {"type": "rank", "t": time.perf_counter(), "rank": dist.get_rank(),
                               "world_size": dist.get_world_size()}
         self.sink.emit(record)
-        self.sink.send(RANK_KNOWN, record["rank"])
+        self.sink.notices.send(RANK_KNOWN, record["rank"])

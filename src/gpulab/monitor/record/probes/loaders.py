@@ -45,10 +45,10 @@ class LoaderProbe(Probe):
     def hook(self) -> None:
         sink = self.sink
         loaders = self.loaders = Loaders(sink.emit)
-        batch_fetched = sink.sender(BATCH_FETCHED)
+        batch_fetched = sink.notices.sender(BATCH_FETCHED)
 
         def next_batch(iterator):  # the loop is back for data: a backward-rule step ended; then this fetch
-            sink.loop_is_back()
+            sink.steps.end_step_after_backward()
             loaders.fetching(iterator)
 
         self.patches.patch(DataLoader, "__init__", self._building)
@@ -93,7 +93,7 @@ class LoaderProbe(Probe):
         def __iter__(loader):
             if not sink.here():
                 return original(loader)
-            sink.loop_is_back()
+            sink.steps.end_step_after_backward()
             iterator = timed_iter(loader)
             loaders.iterated(loader, iterator, sys._getframe(1))
             return iterator

@@ -56,29 +56,29 @@ class ModuleProbe(Probe):
     def _make_before(self):
         sink, open_calls = self.sink, self._open_calls
         is_compiling = torch.compiler.is_compiling
-        module_called = sink.sender(MODULE_CALLED)
-        fetch_module_entered = sink.sender(FETCH_MODULE_ENTERED)
+        module_called = sink.notices.sender(MODULE_CALLED)
+        fetch_module_entered = sink.notices.sender(FETCH_MODULE_ENTERED)
 
         def before(module, args):
             if is_compiling() or self._in_forward or not sink.here():
                 return
-            if sink.loading_data():
+            if sink.steps.loading_data():
                 if self._fetch_modules_wanted:
                     open_calls.append((module, None))
                     fetch_module_entered(module)
                 return
-            sink.loop_is_back()
+            sink.steps.end_step_after_backward()
             module_called(module, args)
             self._in_forward = True
-            open_calls.append((module, sink.enter(type(module).__name__, "compute")))
+            open_calls.append((module, sink.steps.enter(type(module).__name__, "compute")))
 
         return before
 
     def _make_after(self):
         sink, open_calls = self.sink, self._open_calls
         is_compiling = torch.compiler.is_compiling
-        fetch_module_exited = sink.sender(FETCH_MODULE_EXITED)
-        progress = sink.sender(PROGRESS)
+        fetch_module_exited = sink.notices.sender(FETCH_MODULE_EXITED)
+        progress = sink.notices.sender(PROGRESS)
 
         def after(module, args, output):
             # is_compiling() first: torch.compile traces global hooks, and folds this one away here.
@@ -89,7 +89,7 @@ class ModuleProbe(Probe):
                 fetch_module_exited()
             else:
                 self._in_forward = False
-                sink.exit(token)
+                sink.steps.exit(token)
                 progress()
 
         return after

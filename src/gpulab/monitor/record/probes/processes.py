@@ -49,7 +49,7 @@ class ProcessProbe(Probe):
         """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here.
         Its target's exception never reaches sys.excepthook either (_bootstrap prints it itself):
         it is noted on its way out of run()."""
-        send = self.sink.send
+        send = self.sink.notices.send
 
         def _bootstrap(process, *args, **kwargs):
             run = process.run
@@ -93,6 +93,6 @@ class ProcessProbe(Probe):
         def in_child() -> None:
             probe = ref()
             if probe is not None and probe._installed:
-                probe.sink.send(FORKED)
+                probe.sink.notices.send(FORKED)
 
         os.register_at_fork(after_in_child=in_child)

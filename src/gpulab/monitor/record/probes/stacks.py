@@ -69,7 +69,7 @@ class StackProbe(Probe):
             self._start_sampler()
 
     def _start_sampler(self) -> None:
-        self._sampler = StackSampler(self._interval_s, lambda: self.sink.ident, self.sink.charged_category,
+        self._sampler = StackSampler(self._interval_s, lambda: self.sink.ident, self.sink.steps.charged_category,
                                      lambda: self.sink.steps_done, self.sink.own_work_seconds)
         self._sampler.start()
 

@@ -50,7 +50,7 @@ class TransformProbe(WindowProbe):
             self.patches.on_undo(after_import(module, lambda m, c=members_call: self._patch_compose(m.Compose, c)))
         self.listen(FETCH_MODULE_ENTERED, self._module_entered)
         self.listen(FETCH_MODULE_EXITED, self._module_exited)
-        self.sink.send(FETCH_MODULES_WANTED, self.spans.timing)
+        self.sink.notices.send(FETCH_MODULES_WANTED, self.spans.timing)
 
     @property
     def active(self) -> bool:
@@ -60,12 +60,12 @@ class TransformProbe(WindowProbe):
         timing = self.spans.timing
         self.spans.on_step_end(steps_done, may_open)
         if self.spans.timing != timing:
-            self.sink.send(FETCH_MODULES_WANTED, self.spans.timing)
+            self.sink.notices.send(FETCH_MODULES_WANTED, self.spans.timing)
 
     def new_lane(self) -> None:
         self.spans.new_lane()
         self._open.clear()
-        self.sink.send(FETCH_MODULES_WANTED, self.spans.timing)
+        self.sink.notices.send(FETCH_MODULES_WANTED, self.spans.timing)
 
     def facts(self) -> dict:
         return {"transforms": self.spans.calls if self.spans is not None else {}}
@@ -91,7 +91,7 @@ class TransformProbe(WindowProbe):
 
         def wrap_call(original):
             def __call__(composed, img):
-                if not (spans.timing and sink.here() and sink.loading_data()):
+                if not (spans.timing and sink.here() and sink.steps.loading_data()):
                     return original(composed, img)
                 for t in composed.transforms:  # what Compose.__call__ does, one span per member
                     img = t(img) if isinstance(t, torch.nn.Module) else spans.call(t, t, img)
@@ -154,10 +154,10 @@ class TransformSpans:
             entry = self.calls[name] = {"calls": 0, "where": where}
         entry["calls"] += 1
         self._depth += 1
-        return self.sink.enter(TRANSFORM_PREFIX + name, "data_wait")
+        return self.sink.steps.enter(TRANSFORM_PREFIX + name, "data_wait")
 
     def end(self, token: int) -> None:
-        self.sink.exit(token)
+        self.sink.steps.exit(token)
         self._depth -= 1
 
     def call(self, transform, call, *args, **kwargs):
