@@ -77,7 +77,7 @@ MUTATIONS = [
              "    if len(ratios) < MIN_PAIRS:\n        return False\n", "    if len(ratios) < 1:\n        return False\n",
              ["tests/monitor/test_trial.py"]),
     Mutation("DDP's allreduce wait charged to compute", "src/gpulab/monitor/record/probes/ddp.py",
-             'self._sink.closed_span(WAIT_SPAN, "collective", t0, t1)', 'self._sink.closed_span(WAIT_SPAN, "compute", t0, t1)',
+             'self._sink.steps.add_closed_span(WAIT_SPAN, "collective", t0, t1)', 'self._sink.steps.add_closed_span(WAIT_SPAN, "compute", t0, t1)',
              ["tests/monitor/test_profile_ddp_steps.py"]),
     Mutation("the exit's wait for gloo's workers does not see a runnable one", "src/gpulab/host.py",
              'quiet = 0 if "R" in states else quiet + 1', "quiet = quiet + 1", ["tests/test_host.py"]),
