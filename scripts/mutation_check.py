@@ -280,7 +280,8 @@ MUTATIONS = [
              "    atexit._run_exitfuncs()\n", "",
              ["tests/test_cli.py::test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_teardown"]),
     Mutation("the command leaves while a thread Python would wait for runs", "src/gpulab/cli.py",
-             "    if any(t.is_alive() for t in others):\n", "    if False:\n",
+             "    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):\n",
+             "    if False:\n",
              ["tests/test_cli.py::test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_teardown"]),
 ]
 

@@ -182,11 +182,10 @@ def run() -> None:
 def leave(code: int) -> None:
     """Exit with `code` as sys.exit would, less the interpreter's teardown: freeing torch's modules
     and objects one by one takes longer than many a command's own work, and nothing needs it
-    (measured in docs/benchmarks.md). The exit handlers run first, as at any exit (a profile's recorder, torch's, multiprocessing's,
-    logging's); every file gpulab writes is closed by then. While a thread Python would wait for
-    is alive, the ordinary exit, which waits for it."""
-    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if any(t.is_alive() for t in others):
+    (measured in docs/benchmarks.md). The exit handlers run first, as at any exit (a profile's
+    recorder, torch's, multiprocessing's, logging's); every file gpulab writes is closed by then.
+    While a thread Python would wait for is alive, the ordinary exit, which waits for it."""
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

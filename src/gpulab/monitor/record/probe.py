@@ -86,6 +86,7 @@ def timed(sink: Sink, category: str, name, before=None, after=None):
     recorded thread. `name`: the span's name, or a function of the call's first argument that
     gives it; `before(first argument)`: what the probe notes first (a step that ended, a
     DataLoader it has not seen); `after(result)`: what it notes of the result (a batch)."""
+    steps = sink.steps
 
     def make_wrapper(original):
         def wrapper(*args, **kwargs):
@@ -93,11 +94,11 @@ def timed(sink: Sink, category: str, name, before=None, after=None):
                 return original(*args, **kwargs)
             if before is not None:
                 before(args[0])
-            token = sink.steps.enter(name if isinstance(name, str) else name(args[0]), category)
+            token = steps.enter(name if isinstance(name, str) else name(args[0]), category)
             try:
                 result = original(*args, **kwargs)
             finally:
-                sink.steps.exit(token)
+                steps.exit(token)
             if after is not None:
                 after(result)
             return result

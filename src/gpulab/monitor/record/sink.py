@@ -13,7 +13,8 @@ to, and says whose thread is calling and when gpulab itself is at work.
     steps_done                 where the step accounting stands
 
 A forked child keeps its sink: the step accounting starts again in place (steps.new_lane), so
-what the sink hands out stays valid.
+what the sink hands out stays valid - and a wrapper on the hot path (a module call, backward, a
+timed call) may take `sink.steps` once, when it is made, rather than at every call.
 """
 
 from __future__ import annotations

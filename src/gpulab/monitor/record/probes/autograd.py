@@ -51,7 +51,7 @@ class AutogradProbe(Probe):
         self._capturing = None
 
     def _timed_backward(self, name: str):
-        sink = self.sink
+        sink, steps = self.sink, self.sink.steps
         is_compiling = torch.compiler.is_compiling
         backward_ending = sink.notices.sender(BACKWARD_ENDING)
 
@@ -59,16 +59,16 @@ class AutogradProbe(Probe):
             def wrapper(*args, **kwargs):
                 if self._in_backward or is_compiling() or not sink.here():
                     return original(*args, **kwargs)
-                sink.steps.end_step_after_backward()  # a loop with neither a DataLoader nor a module call
+                steps.end_step_after_backward()  # a loop with neither a DataLoader nor a module call
                 self._in_backward = True
-                token = sink.steps.enter(name, "compute")
+                token = steps.enter(name, "compute")
                 try:
                     return original(*args, **kwargs)
                 finally:
                     self._in_backward = False
                     backward_ending()  # DDP's wait for its allreduce, at the end of backward
-                    sink.steps.exit(token)
-                    sink.steps.backward_done()
+                    steps.exit(token)
+                    steps.backward_done()
 
             return wrapper
 

@@ -54,7 +54,7 @@ class ModuleProbe(Probe):
         self._fetch_modules_wanted = wanted
 
     def _make_before(self):
-        sink, open_calls = self.sink, self._open_calls
+        sink, steps, open_calls = self.sink, self.sink.steps, self._open_calls
         is_compiling = torch.compiler.is_compiling
         module_called = sink.notices.sender(MODULE_CALLED)
         fetch_module_entered = sink.notices.sender(FETCH_MODULE_ENTERED)
@@ -62,20 +62,20 @@ class ModuleProbe(Probe):
         def before(module, args):
             if is_compiling() or self._in_forward or not sink.here():
                 return
-            if sink.steps.loading_data():
+            if steps.loading_data():
                 if self._fetch_modules_wanted:
                     open_calls.append((module, None))
                     fetch_module_entered(module)
                 return
-            sink.steps.end_step_after_backward()
+            steps.end_step_after_backward()
             module_called(module, args)
             self._in_forward = True
-            open_calls.append((module, sink.steps.enter(type(module).__name__, "compute")))
+            open_calls.append((module, steps.enter(type(module).__name__, "compute")))
 
         return before
 
     def _make_after(self):
-        sink, open_calls = self.sink, self._open_calls
+        sink, steps, open_calls = self.sink, self.sink.steps, self._open_calls
         is_compiling = torch.compiler.is_compiling
         fetch_module_exited = sink.notices.sender(FETCH_MODULE_EXITED)
         progress = sink.notices.sender(PROGRESS)
@@ -89,7 +89,7 @@ class ModuleProbe(Probe):
                 fetch_module_exited()
             else:
                 self._in_forward = False
-                sink.steps.exit(token)
+                steps.exit(token)
                 progress()
 
         return after
