@@ -280,8 +280,11 @@ MUTATIONS = [
              "    atexit._run_exitfuncs()\n", "",
              ["tests/test_cli.py::test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_teardown"]),
     Mutation("the command leaves while a thread Python would wait for runs", "src/gpulab/cli.py",
-             "    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):\n",
-             "    if False:\n",
+             "    if waited_for or (code != 0", "    if (code != 0",
+             ["tests/test_cli.py::test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_teardown"]),
+    Mutation("a failing rank under torchrun leaves at once", "src/gpulab/cli.py",
+             "    if waited_for or (code != 0 and os.environ.get(\"TORCHELASTIC_ERROR_FILE\")):\n",
+             "    if waited_for:\n",
              ["tests/test_cli.py::test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_teardown"]),
 ]
 

@@ -184,8 +184,12 @@ def leave(code: int) -> None:
     and objects one by one takes longer than many a command's own work, and nothing needs it
     (measured in docs/benchmarks.md). The exit handlers run first, as at any exit (a profile's
     recorder, torch's, multiprocessing's, logging's); every file gpulab writes is closed by then.
-    While a thread Python would wait for is alive, the ordinary exit, which waits for it."""
-    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+    While a thread Python would wait for is alive, the ordinary exit, which waits for it; and a
+    failing rank under torchrun exits the ordinary way too: torchrun stops the other ranks as soon
+    as one fails, and a rank that left at once could cut short the one whose turn it is to say why
+    (an error every rank raises is printed by one; tests/parallel/test_torchrun.py lost that line)."""
+    waited_for = any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread())
+    if waited_for or (code != 0 and os.environ.get("TORCHELASTIC_ERROR_FILE")):
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
