@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gpulab.monitor.record.notices import Notice
 from gpulab.monitor.record.patches import Patches
 from gpulab.monitor.record.sink import Sink
 
@@ -38,9 +39,9 @@ class Probe:
     def hook(self) -> None:
         """Put this probe's hooks and patches in (through self.patches and self.listen)."""
 
-    def listen(self, notice: str, listener: Callable) -> None:
-        """Listen to `notice` until the probe is removed."""
-        self.patches.on_undo(self.sink.notices.listen(notice, listener))
+    def listen(self, notice: Notice, listener: Callable) -> None:
+        """Listen to `notice` (one of the sink's notices) until the probe is removed."""
+        self.patches.on_undo(notice.listen(listener))
 
     def after_fork(self) -> None:
         pass
@@ -70,6 +71,11 @@ class WindowProbe(Probe):
     @property
     def active(self) -> bool:
         """Is the next step inside this window?"""
+        return False
+
+    @property
+    def finished(self) -> bool:
+        """Done for good in this lane: nothing left to open, measure or close."""
         return False
 
     @property

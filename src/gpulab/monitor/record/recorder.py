@@ -8,10 +8,10 @@ from notices (notices.py), and takes its hooks out again. Around them the Record
     sink.Sink               what the probes write through (the step accounting, the writer, notices)
     windows.MeasurementWindows   the probes that measure in a window of steps, taking turns
     writer.EventWriter      records out (format: monitor/events.py)
-    heartbeat.Heartbeat     progress for the parent's hang watch (PROGRESS, RANK_KNOWN notices)
+    heartbeat.Heartbeat     progress for the parent's hang watch (progress, rank_known notices)
 
-It starts and stops the probes, gives a forked child its own lane (FORKED), ends a
-multiprocessing child's recording (PROCESS_ENDING), and says what happens between two steps.
+It starts and stops the probes, gives a forked child its own lane (forked), ends a
+multiprocessing child's recording (process_ending), and says what happens between two steps.
 
 Only the thread that started the recorder is recorded (other threads' calls pass straight
 through). A process forked from a recorded one is its own lane (its own events file) - unless it
@@ -35,7 +35,7 @@ from gpulab.monitor.events import EndRecord, ProcessRecord, StartRecord, events_
 from gpulab.monitor.record import patches
 from gpulab.monitor.record.frames import format_site, is_user_file
 from gpulab.monitor.record.heartbeat import Heartbeat, Progress
-from gpulab.monitor.record.notices import EXCEPTION, FORKED, PROCESS_ENDING, PROGRESS, RANK_KNOWN, STEP_ENDED, Notices
+from gpulab.monitor.record.notices import Notices
 from gpulab.monitor.record.probe import Probe, WindowProbe
 from gpulab.monitor.record.probes.autograd import AutogradProbe
 from gpulab.monitor.record.probes.compiled import CompileProbe
@@ -88,10 +88,10 @@ class Recorder:
         self.error_where: str | None = None  # the innermost user line of its traceback
         self._recording = False
         self._stopping = False
-        self.sink.notices.listen(EXCEPTION, self._note_error)
-        self.sink.notices.listen(FORKED, self._after_fork_in_child)
-        self.sink.notices.listen(PROCESS_ENDING, self.stop_in_any_process)
-        self.sink.notices.listen(RANK_KNOWN, self._rank_known)
+        self.sink.notices.exception.listen(self._note_error)
+        self.sink.notices.forked.listen(self._after_fork_in_child)
+        self.sink.notices.process_ending.listen(self.stop_in_any_process)
+        self.sink.notices.rank_known.listen(self._rank_known)
         self._stop_listening_to_progress = None
         self._new_lane_state()
 
@@ -102,7 +102,7 @@ class Recorder:
         self._progress = Progress(folder, self._pid)
         if self._stop_listening_to_progress is not None:
             self._stop_listening_to_progress()
-        self._stop_listening_to_progress = self.sink.notices.listen(PROGRESS, self._progress.made)
+        self._stop_listening_to_progress = self.sink.notices.progress.listen(self._progress.made)
         self._heartbeat: Heartbeat | None = None
         if folder is not None:
             self._heartbeat = Heartbeat(folder, self._pid, _env_int("RANK"), lambda: self.sink.ident, self._progress)
@@ -165,7 +165,7 @@ class Recorder:
         """The exception that ends the script (attach.py's excepthook, or the session's block): the
         recorder keeps it for the end record; the probes hear of it (out of memory: the memory
         probe says what was in use, and where, while the failing frames still hold it)."""
-        self.sink.notices.send(EXCEPTION, error, tb)
+        self.sink.notices.exception.send(error, tb)
 
     def _note_error(self, error: BaseException, tb) -> None:
         self.error = f"{type(error).__name__}: {error}"
@@ -186,9 +186,11 @@ class Recorder:
         """The recorder's own work after each step; whether the next one is inside a measurement
         window (kernels, memory, transforms), whose steps are left out of the statistics."""
         self._progress.step_done(steps_done)
-        self.sink.notices.send(STEP_ENDED, steps_done)
-        with self.sink.own_work():  # the windows' synchronize and profilers are gpulab's, not the user's
-            profiled = self._windows.on_step_end(steps_done)
+        self.sink.notices.step_ended.send(steps_done)
+        profiled = False
+        if self._windows.pending():
+            with self.sink.own_work():  # the windows' synchronize and profilers are gpulab's, not the user's
+                profiled = self._windows.on_step_end(steps_done)
         if self.cfg.stop_after_steps and steps_done >= self.cfg.stop_after_steps:
             self._end_process_early()
         return profiled

@@ -16,6 +16,11 @@ class MeasurementWindows:
     def __init__(self, windows: list[WindowProbe]):
         self._windows = windows  # in the order they take their turns
 
+    def pending(self) -> bool:
+        """Has any window still something to do in this lane? Most of a run has none: then the
+        recorder skips them between steps."""
+        return not all(window.finished for window in self._windows)
+
     def on_step_end(self, steps_done: int) -> bool:
         """Let each window open, measure or close; whether the next step is inside one."""
         may_open = True

@@ -5,8 +5,8 @@ each a compute span, and the two step rules they carry (steps.py).
                                      (register_hook, register_multi_grad_hook); nothing fires when
                                      a backward call starts and ends. The top-level call is the
                                      span; a step ends after it when the loop comes back (backward
-                                     rule); BACKWARD_ENDING just before it returns (DDP's wait)
-    Optimizer.step                   global step pre/post hooks (public): the span; OPTIMIZER_STEPPED
+                                     rule); backward_ending just before it returns (DDP's wait)
+    Optimizer.step                   global step pre/post hooks (public): the span; optimizer_stepped
                                      (the memory window's optimizers), then the optimizer rule
     Optimizer.zero_grad              patched: the global optimizer hooks cover step() only
     CUDAGraph capture and replay     patched: an optimizer step recorded into a CUDA graph (a whole
@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from gpulab.monitor.record.notices import BACKWARD_ENDING, OPTIMIZER_STEPPED
 from gpulab.monitor.record.probe import Probe, timed
 
 
@@ -32,7 +31,7 @@ class AutogradProbe(Probe):
         self._graph_steps: dict[int, object] = {}  # id(CUDA graph) -> the optimizer it recorded a step of
 
     def hook(self) -> None:
-        self._optimizer_stepped = self.sink.notices.sender(OPTIMIZER_STEPPED)
+        self._optimizer_stepped = self.sink.notices.optimizer_stepped.send
         self.patches.patch(torch.autograd, "backward", self._timed_backward("backward"))
         self.patches.patch(torch.autograd, "grad", self._timed_backward("autograd.grad"))
         self.patches.patch(torch.optim.Optimizer, "zero_grad",
@@ -53,7 +52,7 @@ class AutogradProbe(Probe):
     def _timed_backward(self, name: str):
         sink, steps = self.sink, self.sink.steps
         is_compiling = torch.compiler.is_compiling
-        backward_ending = sink.notices.sender(BACKWARD_ENDING)
+        backward_ending = sink.notices.backward_ending.send
 
         def make_wrapper(original):
             def wrapper(*args, **kwargs):

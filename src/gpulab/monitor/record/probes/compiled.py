@@ -1,6 +1,6 @@
 """The compile probe: torch.compile in the recorded process - its compiles as time of their own
 ("compile"), and what it says of recompiles, graph breaks and CUDA graphs it skips, each with the
-script's line. Each compile is also a COMPILED notice (the memory window then adds no global
+script's line. Each compile is also a compiled notice (the memory window then adds no global
 module hooks, on which compiled code guards).
 
 gpulab.compiler reads torch's two private doors (compile callbacks, log artifacts); this probe
@@ -21,7 +21,6 @@ import importlib
 from gpulab.monitor.events import CompileRecord
 from gpulab.monitor.record.frames import format_site, is_user_file, user_site
 from gpulab.monitor.record.interpreter import after_import
-from gpulab.monitor.record.notices import COMPILED
 from gpulab.monitor.record.patches import lift, mark_recorder_frames, relink
 from gpulab.monitor.record.probe import Probe
 
@@ -64,7 +63,7 @@ class CompileProbe(Probe):
     def _on_event(self, event) -> None:
         sink = self.sink
         if event.kind == "compile":
-            sink.notices.send(COMPILED)
+            sink.notices.compiled.send()
             if sink.here():
                 sink.steps.add_closed_span(f"compile {event.compile_id} ({event.trigger})", "compile", event.t0, event.t1)
         record: CompileRecord = {"type": "compile", "kind": event.kind, "t0": event.t0, "t1": event.t1,

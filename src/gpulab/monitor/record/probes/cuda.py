@@ -37,7 +37,6 @@ import torch
 
 from gpulab.monitor.events import CudaRecord, CudaUsage
 from gpulab.monitor.record.frames import user_site
-from gpulab.monitor.record.notices import STEP_ENDED
 from gpulab.monitor.record.probe import Probe
 from gpulab.monitor.record.probes.sites import SyncSites
 from gpulab.monitor.record.probes.sync_debug import SyncDebugMode
@@ -89,7 +88,7 @@ class CudaSyncProbe(Probe):
         self._debug_mode.install()
         self.wrap_sync_points(self.patches.patch)
         self.patches.on_undo(self.sink.guard_own_work(self.suppressed))
-        self.listen(STEP_ENDED, self._step_ended)
+        self.listen(self.sink.notices.step_ended, self._step_ended)
         self.patches.on_undo(self._uninstall)  # first out: sync debug mode and the warning filter
 
     def wrap_sync_points(self, patch) -> None:

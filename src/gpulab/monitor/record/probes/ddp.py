@@ -1,5 +1,5 @@
 """DistributedDataParallel's wait for its gradients' allreduce, inside backward (part of the
-distributed probe, which hands it MODULE_CALLED and BACKWARD_ENDING).
+distributed probe, which hands it module_called and backward_ending).
 
 DDP starts each bucket's allreduce while backward still computes, and waits for the last ones at
 the end of backward, in C++ (an autograd callback) where no Python hook reaches: the recorder
@@ -39,7 +39,7 @@ class DdpWait:
         self._last_grad_t: float | None = None
 
     def module_called(self, module: torch.nn.Module, args) -> None:
-        """A top-level module call (MODULE_CALLED): a DDP module's parameters get the hook once."""
+        """A top-level module call (module_called): a DDP module's parameters get the hook once."""
         if not isinstance(module, DistributedDataParallel):
             return
         self._syncing = getattr(module, "require_backward_grad_sync", True)

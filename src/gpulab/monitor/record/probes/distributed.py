@@ -3,11 +3,11 @@ this process's rank, however the job was launched.
 
     torch.distributed's collectives (DISTRIBUTED_CALLS), Work.wait   patched: c10d has no
         Python-level hook per call (DDP's comm hooks see DDP's buckets only); each call a
-        collective span, then PROGRESS (for the hang watch: a collective finished)
+        collective span, then progress (for the hang watch: a collective finished)
     torch.distributed.init_process_group   patched: c10d has no hook for a process group coming
-        up; once it is up, a "rank" record and RANK_KNOWN (the heartbeat's rank)
+        up; once it is up, a "rank" record and rank_known (the heartbeat's rank)
     DDP's wait for its allreduce at the end of backward, in C++ out of reach of these patches:
-        ddp.DdpWait finds it from gradient hooks (MODULE_CALLED, BACKWARD_ENDING)
+        ddp.DdpWait finds it from gradient hooks (module_called, backward_ending)
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import time
 import torch
 
 from gpulab.monitor.events import RankRecord
-from gpulab.monitor.record.notices import BACKWARD_ENDING, MODULE_CALLED, PROGRESS, RANK_KNOWN
 from gpulab.monitor.record.probe import Probe, timed
 from gpulab.monitor.record.probes.ddp import DdpWait
 
@@ -36,8 +35,8 @@ class DistributedProbe(Probe):
     def hook(self) -> None:
         ddp = DdpWait(self.sink)
         self.patches.on_undo(ddp.remove_hooks)  # the gradient hooks it puts on DDP modules' parameters
-        self.listen(MODULE_CALLED, ddp.module_called)
-        self.listen(BACKWARD_ENDING, ddp.backward_ended)
+        self.listen(self.sink.notices.module_called, ddp.module_called)
+        self.listen(self.sink.notices.backward_ending, ddp.backward_ended)
         if torch.distributed.is_available():
             # Here, not at the top: torch builds without distributed support have no c10d to import.
             import torch.distributed.distributed_c10d as c10d
@@ -46,7 +45,7 @@ class DistributedProbe(Probe):
             self._note_the_rank(c10d)
 
     def _time_collectives(self, c10d) -> None:
-        collective_done = self.sink.notices.sender(PROGRESS)
+        collective_done = self.sink.notices.progress.send
         for name in DISTRIBUTED_CALLS:
             if not hasattr(c10d, name):
                 continue
@@ -82,4 +81,4 @@ class DistributedProbe(Probe):
         record: RankRecord = {"type": "rank", "t": time.perf_counter(), "rank": dist.get_rank(),
                               "world_size": dist.get_world_size()}
         self.sink.emit(record)
-        self.sink.notices.send(RANK_KNOWN, record["rank"])
+        self.sink.notices.rank_known.send(record["rank"])

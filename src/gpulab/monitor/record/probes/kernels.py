@@ -44,6 +44,10 @@ class KernelProbe(WindowProbe):
         return self.window.active
 
     @property
+    def finished(self) -> bool:
+        return not self.enabled or self.window.done
+
+    @property
     def holds_back_later_windows(self) -> bool:
         """Running, or about to: it goes first whenever the script uses CUDA."""
         window = self.window

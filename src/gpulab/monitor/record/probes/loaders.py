@@ -6,7 +6,7 @@ Patches (torch.utils.data has no hooks):
                                  settings tried, forced on every loader the script builds
     DataLoader.__iter__          a new pass: a data wait (its workers start here); the loop is back
     _BaseDataLoaderIter.__next__ a fetch: a data wait; the loop is back; which loader fed the step
-Notices sent: BATCH_FETCHED (the memory window's inputs).
+Notices sent: batch_fetched (the memory window's inputs).
 
 Frameworks make this harder than it looks. Lightning iterates the validation loader first (its
 sanity check) and calls every loader from inside `trainer.fit(...)`; under DDP it re-creates the
@@ -31,7 +31,6 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from gpulab.monitor.events import LoaderRecord
 from gpulab.monitor.record.frames import format_site, is_user_file, user_site
-from gpulab.monitor.record.notices import BATCH_FETCHED, STEP_ENDED
 from gpulab.monitor.record.probe import Probe, timed
 
 
@@ -45,7 +44,7 @@ class LoaderProbe(Probe):
     def hook(self) -> None:
         sink = self.sink
         loaders = self.loaders = Loaders(sink.emit)
-        batch_fetched = sink.notices.sender(BATCH_FETCHED)
+        batch_fetched = sink.notices.batch_fetched.send
 
         def next_batch(iterator):  # the loop is back for data: a backward-rule step ended; then this fetch
             sink.steps.end_step_after_backward()
@@ -55,7 +54,7 @@ class LoaderProbe(Probe):
         self.patches.patch(DataLoader, "__iter__", self._iterating)
         self.patches.patch(_BaseDataLoaderIter, "__next__",
                            timed(sink, "data_wait", "next(DataLoader)", next_batch, after=batch_fetched))
-        self.listen(STEP_ENDED, lambda steps_done: loaders.step_ended())
+        self.listen(self.sink.notices.step_ended, lambda steps_done: loaders.step_ended())
 
     def new_lane(self) -> None:
         self.loaders.new_lane()

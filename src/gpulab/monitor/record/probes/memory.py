@@ -5,9 +5,9 @@ and, when the script runs out of memory, what was in use and where ("oom", gpula
 Two steps: the one before is where torch's autograd profiler starts (it reports a free only for a block it
 saw allocated), the second is measured. Both are marked profiled, so their time is left out of
 the statistics, as the kernel window's are. What the step holds is found from what the other
-probes already see, from their notices: the outermost modules the loop calls (MODULE_CALLED), the
-optimizers it steps (OPTIMIZER_STEPPED), and the batch (the DataLoader's, BATCH_FETCHED, else the
-tensors passed to the outermost module). A process that has compiled code (COMPILED) gets no
+probes already see, from their notices: the outermost modules the loop calls (module_called), the
+optimizers it steps (optimizer_stepped), and the batch (the DataLoader's, batch_fetched, else the
+tensors passed to the outermost module). A process that has compiled code (compiled) gets no
 global module hooks from the window, on which compiled code guards.
 """
 
@@ -21,7 +21,6 @@ from gpulab.memory.oom import is_out_of_memory, read_out_of_memory
 from gpulab.memory.step import StepMemoryProbe
 from gpulab.monitor.events import MemoryRecord, OomRecord
 from gpulab.monitor.record.frames import user_site
-from gpulab.monitor.record.notices import BATCH_FETCHED, COMPILED, EXCEPTION, MODULE_CALLED, OPTIMIZER_STEPPED
 from gpulab.monitor.record.probe import WindowProbe
 
 
@@ -51,11 +50,11 @@ class MemoryProbe(WindowProbe):
         self.new_lane()
 
     def hook(self) -> None:
-        self.listen(MODULE_CALLED, self._module_called)
-        self.listen(OPTIMIZER_STEPPED, self._optimizer_stepped)
-        self.listen(BATCH_FETCHED, self._note_inputs)
-        self.listen(COMPILED, self._compiled_code)
-        self.listen(EXCEPTION, self._out_of_memory)
+        self.listen(self.sink.notices.module_called, self._module_called)
+        self.listen(self.sink.notices.optimizer_stepped, self._optimizer_stepped)
+        self.listen(self.sink.notices.batch_fetched, self._note_inputs)
+        self.listen(self.sink.notices.compiled, self._compiled_code)
+        self.listen(self.sink.notices.exception, self._out_of_memory)
 
     def new_lane(self) -> None:
         """What each process measures for itself (a forked lane starts again: the parent's window
@@ -86,6 +85,10 @@ class MemoryProbe(WindowProbe):
     def active(self) -> bool:
         """Inside one of the window's two steps."""
         return self._probe is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.done
 
     def on_step_end(self, steps_done: int, may_open: bool) -> None:
         """Between two steps: start the window (after warm-up, when `may_open`), measure, or finish it."""

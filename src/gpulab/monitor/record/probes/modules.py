@@ -3,10 +3,10 @@
 ends when forward raises).
 
 The outermost module call is a compute span (a model's submodules add nothing but cost), and a
-MODULE_CALLED notice (DDP's gradient hooks, the memory window's models and inputs); when it
-returns, PROGRESS (for the hang watch: an evaluation loop is no hang). A module called inside a
-DataLoader fetch is a transform: while the transforms probe wants them (FETCH_MODULES_WANTED), it
-hears of each (FETCH_MODULE_ENTERED / _EXITED). In every other fetch the hooks are paused, by a
+module_called notice (DDP's gradient hooks, the memory window's models and inputs); when it
+returns, progress (for the hang watch: an evaluation loop is no hang). A module called inside a
+DataLoader fetch is a transform: while the transforms probe wants them (fetch_modules_wanted), it
+hears of each (fetch_module_entered / _exited). In every other fetch the hooks are paused, by a
 patch of DataLoader.__iter__ and _BaseDataLoaderIter.__next__ around the loaders probe's: global
 hooks send every module call through torch's slow path (~1.3 us each, more with what they do),
 which per-sample transforms pay per sample, enough to move a loop's data share by points. The
@@ -20,8 +20,6 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from gpulab.monitor.record.notices import (FETCH_MODULE_ENTERED, FETCH_MODULE_EXITED, FETCH_MODULES_WANTED,
-                                          MODULE_CALLED, PROGRESS)
 from gpulab.monitor.record.probe import Probe
 
 
@@ -43,7 +41,7 @@ class ModuleProbe(Probe):
         self.patches.patch(DataLoader, "__iter__", self._paused_in(hooks, lambda: True))
         self.patches.patch(_BaseDataLoaderIter, "__next__",
                            self._paused_in(hooks, lambda: not self._fetch_modules_wanted))
-        self.listen(FETCH_MODULES_WANTED, self._wanted)
+        self.listen(self.sink.notices.fetch_modules_wanted, self._wanted)
 
     def new_lane(self) -> None:
         """A forked lane starts outside any module call."""
@@ -56,8 +54,8 @@ class ModuleProbe(Probe):
     def _make_before(self):
         sink, steps, open_calls = self.sink, self.sink.steps, self._open_calls
         is_compiling = torch.compiler.is_compiling
-        module_called = sink.notices.sender(MODULE_CALLED)
-        fetch_module_entered = sink.notices.sender(FETCH_MODULE_ENTERED)
+        module_called = sink.notices.module_called.send
+        fetch_module_entered = sink.notices.fetch_module_entered.send
 
         def before(module, args):
             if is_compiling() or self._in_forward or not sink.here():
@@ -77,8 +75,8 @@ class ModuleProbe(Probe):
     def _make_after(self):
         sink, steps, open_calls = self.sink, self.sink.steps, self._open_calls
         is_compiling = torch.compiler.is_compiling
-        fetch_module_exited = sink.notices.sender(FETCH_MODULE_EXITED)
-        progress = sink.notices.sender(PROGRESS)
+        fetch_module_exited = sink.notices.fetch_module_exited.send
+        progress = sink.notices.progress.send
 
         def after(module, args, output):
             # is_compiling() first: torch.compile traces global hooks, and folds this one away here.

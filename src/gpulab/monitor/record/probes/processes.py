@@ -1,11 +1,11 @@
 """The processes probe: the process itself - the children it forks, how a multiprocessing child
 ends, and torch's threads under `gpulab profile --try threads=N`.
 
-    os.register_at_fork            a forked child: FORKED (the recorder gives it its own lane, or,
+    os.register_at_fork            a forked child: forked (the recorder gives it its own lane, or,
                                    a DataLoader worker, nothing)
     BaseProcess._bootstrap         patched: a multiprocessing child leaves with os._exit, which
-                                   skips atexit: PROCESS_ENDING (the recorder stops); its target's
-                                   exception never reaches sys.excepthook either: EXCEPTION
+                                   skips atexit: process_ending (the recorder stops); its target's
+                                   exception never reaches sys.excepthook either: exception
     torch.set_num_threads          patched, for --try threads=N only: the threads tried
 It also tells the "facts" snapshot how many threads torch uses, and whether this process is a
 DataLoader worker.
@@ -19,7 +19,6 @@ import weakref
 
 import torch
 
-from gpulab.monitor.record.notices import EXCEPTION, FORKED, PROCESS_ENDING
 from gpulab.monitor.record.probe import Probe
 
 
@@ -49,7 +48,7 @@ class ProcessProbe(Probe):
         """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here.
         Its target's exception never reaches sys.excepthook either (_bootstrap prints it itself):
         it is noted on its way out of run()."""
-        send = self.sink.notices.send
+        notices = self.sink.notices
 
         def _bootstrap(process, *args, **kwargs):
             run = process.run
@@ -58,14 +57,14 @@ class ProcessProbe(Probe):
                 try:
                     return run()
                 except BaseException as e:
-                    send(EXCEPTION, e, e.__traceback__)
+                    notices.exception.send(e, e.__traceback__)
                     raise
 
             process.run = run_noting_its_exception
             try:
                 return original(process, *args, **kwargs)
             finally:
-                send(PROCESS_ENDING)
+                notices.process_ending.send()
 
         return _bootstrap
 
@@ -83,7 +82,7 @@ class ProcessProbe(Probe):
         self.patches.patch(torch, "set_num_threads", wrap)
 
     def _follow_forks(self) -> None:
-        """A fork's child inherits the patches and the recorder's state; FORKED lets the recorder
+        """A fork's child inherits the patches and the recorder's state; forked lets the recorder
         decide what it records. Fork handlers cannot be removed: this one holds the probe weakly
         and does nothing once the probe is removed."""
         if not hasattr(os, "register_at_fork"):  # not POSIX: nothing forks
@@ -93,6 +92,6 @@ class ProcessProbe(Probe):
         def in_child() -> None:
             probe = ref()
             if probe is not None and probe._installed:
-                probe.sink.notices.send(FORKED)
+                probe.sink.notices.forked.send()
 
         os.register_at_fork(after_in_child=in_child)

@@ -2,8 +2,8 @@
 data-wait span so the report can rank them by cost, with the line that built or called them.
 
 What it sees: the modules called inside a fetch (torchvision's transforms are nn.Modules), from
-the module probe's notices (FETCH_MODULE_ENTERED / _EXITED), which it asks for while it times them
-(FETCH_MODULES_WANTED); and torchvision's Compose (v1, once imported), patched: its __init__ for
+the module probe's notices (fetch_module_entered / _exited), which it asks for while it times them
+(fetch_modules_wanted); and torchvision's Compose (v1, once imported), patched: its __init__ for
 where the transforms were built, its __call__ for a span per member (v1 members are plain
 callables; v2's are nn.Modules, which the module hooks see).
 
@@ -26,7 +26,6 @@ import torch
 from gpulab.monitor.events import TRANSFORM_PREFIX
 from gpulab.monitor.record.frames import user_site
 from gpulab.monitor.record.interpreter import after_import
-from gpulab.monitor.record.notices import FETCH_MODULE_ENTERED, FETCH_MODULE_EXITED, FETCH_MODULES_WANTED
 from gpulab.monitor.record.probe import WindowProbe
 from gpulab.monitor.record.sink import Sink
 
@@ -48,24 +47,28 @@ class TransformProbe(WindowProbe):
         for module, members_call in (("torchvision.transforms.transforms", True),
                                      ("torchvision.transforms.v2._container", False)):
             self.patches.on_undo(after_import(module, lambda m, c=members_call: self._patch_compose(m.Compose, c)))
-        self.listen(FETCH_MODULE_ENTERED, self._module_entered)
-        self.listen(FETCH_MODULE_EXITED, self._module_exited)
-        self.sink.notices.send(FETCH_MODULES_WANTED, self.spans.timing)
+        self.listen(self.sink.notices.fetch_module_entered, self._module_entered)
+        self.listen(self.sink.notices.fetch_module_exited, self._module_exited)
+        self.sink.notices.fetch_modules_wanted.send(self.spans.timing)
 
     @property
     def active(self) -> bool:
         return self.spans.window_active
 
+    @property
+    def finished(self) -> bool:
+        return self.spans.done
+
     def on_step_end(self, steps_done: int, may_open: bool) -> None:
         timing = self.spans.timing
         self.spans.on_step_end(steps_done, may_open)
         if self.spans.timing != timing:
-            self.sink.notices.send(FETCH_MODULES_WANTED, self.spans.timing)
+            self.sink.notices.fetch_modules_wanted.send(self.spans.timing)
 
     def new_lane(self) -> None:
         self.spans.new_lane()
         self._open.clear()
-        self.sink.notices.send(FETCH_MODULES_WANTED, self.spans.timing)
+        self.sink.notices.fetch_modules_wanted.send(self.spans.timing)
 
     def facts(self) -> dict:
         return {"transforms": self.spans.calls if self.spans is not None else {}}
@@ -119,6 +122,10 @@ class TransformSpans:
     def timing(self) -> bool:
         """Are transforms timed in the current step (the module hooks see them)?"""
         return self._phase in ("warm-up", "window")
+
+    @property
+    def done(self) -> bool:
+        return self._phase == "done"
 
     @property
     def window_active(self) -> bool:
