@@ -59,7 +59,7 @@ MUTATIONS = [
              "                self.handles.append(dist.all_reduce(flat, group=self.group, async_op=True))\n", TORCHRUN_TESTS),
     Mutation("FSDP's rank-averaged gradients left averaged (--shard fsdp: 1/k too small)", "src/gpulab/parallel/sharded.py",
              "        self.loss_scale = world.world_size  # FSDP", "        self.loss_scale = 1  # FSDP", TORCHRUN_TESTS),
-    Mutation("a survivor's lost-peer error taken for a failure of its own", "src/gpulab/monitor/analyze/failure.py",
+    Mutation("a survivor's lost-peer error taken for a failure of its own", "src/gpulab/monitor/alive/failure.py",
              "lost_peer=bool(_LOST_PEER.search(error))", "lost_peer=False", ["tests/monitor/test_failure.py"]),
     Mutation("stack samples counted one period each, not by the wall time they stand for",
              "src/gpulab/monitor/record/probes/stacks.py", "        self._note(frame, seconds)\n",

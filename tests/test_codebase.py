@@ -110,8 +110,11 @@ def _files_under(folder: str) -> list[Path]:
 
 
 def test_the_analysis_and_the_output_read_events_only():
-    """analyze/ and output/ may read events (monitor/events.py), never torch or the recorder."""
-    files = _files_under("monitor/analyze") + _files_under("monitor/output") + [SRC / "monitor" / "events.py"]
+    """analyze/, output/ and the parent's side of alive/ may read events (monitor/events.py), never
+    torch or the recorder; of alive/, only child.py runs inside the job."""
+    alive = [p for p in _files_under("monitor/alive") if p.name != "child.py"]
+    assert {p.name for p in alive} >= {"protocol.py", "watch.py", "hang.py", "stall.py", "failure.py"}
+    files = _files_under("monitor/analyze") + _files_under("monitor/output") + alive + [SRC / "monitor" / "events.py"]
     assert len(files) > 5
     for path in files:
         forbidden = {m for m in imported_modules(path)
@@ -125,14 +128,14 @@ def test_gpulab_profile_s_parent_never_imports_torch():
     module of monitor/parent/ names torch or the recording side at all."""
     code = ("import sys\n"
             "import gpulab.monitor.cli, gpulab.monitor.parent.runner, gpulab.monitor.parent.trial\n"
-            "import gpulab.monitor.parent.job, gpulab.monitor.parent.hangwatch, gpulab.monitor.parent.sampler\n"
+            "import gpulab.monitor.parent.job, gpulab.monitor.alive.watch, gpulab.monitor.parent.sampler\n"
             "import gpulab.monitor.output.report, gpulab.monitor.analyze.diagnose, gpulab.monitor.record.attach\n"
             "import gpulab.hardware.nvml\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     files = _files_under("monitor/parent")
-    assert {p.name for p in files} >= {"runner.py", "job.py", "hangwatch.py", "sampler.py", "trial.py"}
+    assert {p.name for p in files} >= {"runner.py", "job.py", "sampler.py", "trial.py"}
     for path in files:
         forbidden = {m for m in imported_modules(path)
                      if m.split(".")[0] == "torch" or m.startswith("gpulab.monitor.record")}

@@ -1,6 +1,6 @@
-"""Which process failed first, and how (analyze/failure.py), on recordings written by hand."""
+"""Which process failed first, and how (alive/failure.py), on recordings written by hand."""
 
-from gpulab.monitor.analyze.failure import _crash_where, failure_finding, job_failure
+from gpulab.monitor.alive.failure import _crash_where, failure_finding, job_failure
 from gpulab.monitor.events import Recording
 
 

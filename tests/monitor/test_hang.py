@@ -1,7 +1,7 @@
-"""The hang in words (analyze/hang.py), from what each rank answered: the rules that name the
+"""The hang in words (alive/hang.py), from what each rank answered: the rules that name the
 mismatch, on answers written by hand."""
 
-from gpulab.monitor.analyze.hang import hang_finding, mismatch, rank_line
+from gpulab.monitor.alive.hang import hang_finding, mismatch, rank_line
 
 
 def rank(r: int, op: str | None, seq: int = 7, line: str = "train.py:10", sizes=None) -> dict:

@@ -20,12 +20,12 @@ so lanes line up without translation.
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal, NotRequired, TypedDict
 
 from gpulab.memory.records import OutOfMemory, StepMemory
+from gpulab.monitor.alive.protocol import read_tally, tally_file
 
 CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "compile", "other")
 EVENTS_PREFIX = "events-"
@@ -221,29 +221,13 @@ def events_file(directory: Path | str, pid: int) -> Path:
     return Path(directory) / f"{EVENTS_PREFIX}{pid}.jsonl"
 
 
-# Beside the events files, while the job runs (record/heartbeat.py writes, parent/hangwatch.py reads):
-STATUS_PREFIX = "status-"  # status-<pid>.json: steps, when the process last made progress
-HANG_REQUEST = "hang-request"  # the parent asks every process where it is blocked
-HANG_PREFIX = "hang-"  # hang-<pid>.json: the answer
-# ... and kept for the report (a process that dies without a word leaves these behind):
-TALLY = struct.Struct("<qd")  # tally-<pid>.bin: steps done, when the last one ended (perf_counter)
+# Kept beside the events files for the report (a process that dies without a word leaves it behind;
+# the files by which the job says it is alive are alive/protocol.py's):
 CRASH_PREFIX = "crash-"  # crash-<pid>.txt: faulthandler's traceback of a fatal signal (SIGSEGV, SIGABRT, ...)
-
-
-def tally_file(directory: Path | str, pid: int) -> Path:
-    return Path(directory) / f"tally-{pid}.bin"
 
 
 def crash_file(directory: Path | str, pid: int) -> Path:
     return Path(directory) / f"{CRASH_PREFIX}{pid}.txt"
-
-
-def read_tally(path: Path) -> tuple[int, float] | None:
-    try:
-        steps, t = TALLY.unpack(Path(path).read_bytes()[:TALLY.size])
-    except (OSError, struct.error):
-        return None
-    return steps, t
 
 
 def iter_events(path: Path) -> Iterator[dict]:

@@ -12,13 +12,13 @@ from gpulab.monitor.output import OUTPUTS, timeline, trace
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.compiled import compile_summary, compiles_line
 from gpulab.monitor.analyze.diagnose import diagnose
-from gpulab.monitor.analyze.failure import failure_finding, job_failure
-from gpulab.monitor.analyze.hang import hang_finding
+from gpulab.monitor.alive.failure import failure_finding, job_failure
+from gpulab.monitor.alive.hang import hang_finding
+from gpulab.monitor.alive.stall import find_stalls, stall_finding
 from gpulab.monitor.analyze.memory import memory_line, memory_summary, oom_finding
 from gpulab.monitor.analyze.step_costs import PHASE_NAMES, lane_summary, shown_phases, step_seconds
 from gpulab.monitor.analyze.process import weight_in_the_steps
 from gpulab.monitor.analyze.ranks import rank_findings
-from gpulab.monitor.analyze.stall import find_stalls, stall_finding
 from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
 from gpulab.io import OutputFolder, json_bytes
 

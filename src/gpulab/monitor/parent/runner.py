@@ -32,7 +32,7 @@ from gpulab.io import CannotWrite, OutputFolder, OutputRefused, check_writable, 
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording, read_lanes
 from gpulab.monitor.output import OUTPUTS
-from gpulab.monitor.parent.hangwatch import HangWatch
+from gpulab.monitor.alive.watch import HangWatch
 from gpulab.monitor.parent.job import Job
 from gpulab.monitor.parent.sampler import Sampler
 
@@ -81,8 +81,8 @@ class JobRun:
     samples: list[dict]
     gpus: list[dict]
     sampler: dict
-    hang: dict | None  # hangwatch.py: where each process was blocked, when the job hung
-    stalls: list[dict]  # hangwatch.py: where each process was while the job stood still, then went on
+    hang: dict | None  # alive/watch.py: where each process was blocked, when the job hung
+    stalls: list[dict]  # alive/watch.py: where each process was while the job stood still, then went on
     stopped: bool  # gpulab stopped the job (the hang, or a signal to gpulab)
 
 

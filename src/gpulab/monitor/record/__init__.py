@@ -12,9 +12,9 @@
     windows.py                   the measurement windows (kernels, memory, transforms) take turns
     steps.py                     the span stack, time per category, step rules -> step records
     writer.py, blocks.py         records -> events-<pid>.jsonl (monitor/events.py is the format)
-    heartbeat.py                 progress -> status-<pid>.json; where it is blocked, when asked
     frames.py, interpreter.py    the user's file:line; an import hook, signals in helper threads
 
 Nothing outside this package imports it except the orchestration (monitor/session.py, and
 autostart through parent/runner.py's PYTHONPATH); the analysis reads only what writer.py wrote.
+The recorder's progress for the parent's hang watch is alive/child.py.
 """

@@ -8,7 +8,7 @@ from notices (notices.py), and takes its hooks out again. Around them the Record
     sink.Sink               what the probes write through (the step accounting, the writer, notices)
     windows.MeasurementWindows   the probes that measure in a window of steps, taking turns
     writer.EventWriter      records out (format: monitor/events.py)
-    heartbeat.Heartbeat     progress for the parent's hang watch (progress, rank_known notices)
+    alive.child.Heartbeat   progress for the parent's hang watch (progress, rank_known notices)
 
 It starts and stops the probes, gives a forked child its own lane (forked), ends a
 multiprocessing child's recording (process_ending), and says what happens between two steps.
@@ -34,7 +34,7 @@ from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import EndRecord, ProcessRecord, StartRecord, events_file
 from gpulab.monitor.record import patches
 from gpulab.monitor.record.frames import format_site, is_user_file
-from gpulab.monitor.record.heartbeat import Heartbeat, Progress
+from gpulab.monitor.alive.child import Heartbeat, Progress
 from gpulab.monitor.record.notices import Notices
 from gpulab.monitor.record.probe import Probe, WindowProbe
 from gpulab.monitor.record.probes.autograd import AutogradProbe

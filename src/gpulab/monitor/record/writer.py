@@ -34,7 +34,7 @@ class EventWriter:
         # appended by the training thread, drained by the flushing one (deque: both are atomic)
         self._pending: deque[dict] = deque()
         self._snapshots = snapshots
-        self.on_tick: Callable[[], None] | None = None  # more work for the helper thread (heartbeat.py)
+        self.on_tick: Callable[[], None] | None = None  # more work for the helper thread (alive/child.py)
         self.silenced = False  # a DataLoader worker: writes nothing
         self._start_lane()
 

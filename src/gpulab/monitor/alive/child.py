@@ -20,7 +20,6 @@ import json
 import mmap
 import os
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from statistics import median
 
 import torch
 
-from gpulab.monitor.events import HANG_PREFIX, HANG_REQUEST, STATUS_PREFIX, TALLY, tally_file
+from gpulab.monitor.alive.protocol import HANG_REQUEST, TALLY, answer_file, status_file, tally_file, write_json
 from gpulab.monitor.record.frames import format_site, is_user_file
 
 _STACK_DEPTH = 12  # user frames kept, innermost first
@@ -93,12 +92,12 @@ class Heartbeat:
                   "progress_unix": round(self.progress.last_unix, 3), "progress_t": round(self.progress.last_t, 4),
                   "median_step_s": self.progress.median_step_s()}
         if status != self._last_status:
-            _write_json(self.folder / f"{STATUS_PREFIX}{self.pid}.json", status)
+            write_json(status_file(self.folder, self.pid), status)
             self._last_status = status
         request = self.folder / HANG_REQUEST
         if request.exists() and (asked := request.read_text()) != self._answered:
             self._answered = asked
-            _write_json(self.folder / f"{HANG_PREFIX}{self.pid}.json", {**self.where_blocked(), "request": asked})
+            write_json(answer_file(self.folder, self.pid), {**self.where_blocked(), "request": asked})
 
     def where_blocked(self) -> dict:
         """The collective the training thread waits in (flight recorder) and its Python stack."""
@@ -147,9 +146,3 @@ def _map_tally(path: Path) -> mmap.mmap | None:
     except (OSError, ValueError):
         return None
 
-
-def _write_json(path: Path, record: dict) -> None:
-    """Whole or not at all: the parent may read it any time."""
-    tmp = path.with_name(f".{path.name}.{threading.get_ident()}")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)

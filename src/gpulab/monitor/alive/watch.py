@@ -1,6 +1,6 @@
 """The parent's hang watch: once a second, is any process of the job still making progress?
 
-Each recorded process keeps `status-<pid>.json` (record/heartbeat.py): its steps and when it last
+Each recorded process keeps `status-<pid>.json` (child.py): its steps and when it last
 finished a step, a collective or an outermost module call. When none has for `hang_after_s`
 (default max(60 s, 100 x the slowest median step)), the watch asks every process where it is
 blocked (`hang-request`) and waits up to ANSWER_S for the answers. A hang is a job with a rank
@@ -13,21 +13,20 @@ that there is no step time to judge by (a slow start is not a hang).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import psutil
 
-from gpulab.monitor.analyze.hang import describe, mismatch, who
+from gpulab.monitor.alive.hang import describe, mismatch, who
+from gpulab.monitor.alive.protocol import HANG_PREFIX, HANG_REQUEST, STATUS_PREFIX, read_all
 from gpulab.monitor.config import ProfileConfig
-from gpulab.monitor.events import HANG_PREFIX, HANG_REQUEST, STATUS_PREFIX
 
 MIN_HANG_S = 60.0
 STEPS_OF_SILENCE = 100
 # A shorter silence is a stall (a rank stops for seconds inside a step, then goes on): the watch
-# asks once where everyone is, and keeps the answers for the report (analyze/failure.py).
+# asks once where everyone is, and keeps the answers for the report (stall.py).
 MIN_STALL_S = 5.0
 STEPS_OF_STALL = 20
 MAX_STALLS = 20  # kept for the report; a job that stalls more often says so with the first ones
@@ -52,7 +51,7 @@ class HangWatch:
         if self.hang is not None or now < self._next_poll:
             return None
         self._next_poll = now + _POLL_S
-        statuses = _read_all(self.folder, STATUS_PREFIX)
+        statuses = read_all(self.folder, STATUS_PREFIX)
         if not any(s.get("steps", 0) > 0 for s in statuses):
             return None
         # asked where they are: the processes that trained, and every rank (one stopped before its
@@ -89,7 +88,7 @@ class HangWatch:
         """The job ended: a silence still open ended with it (the job may go on and end between
         two polls)."""
         if self._stall is not None and self.hang is None:
-            statuses = _read_all(self.folder, STATUS_PREFIX)
+            statuses = read_all(self.folder, STATUS_PREFIX)
             self._end_stall(max(statuses, key=lambda s: s["progress_unix"]) if statuses else {})
 
     def _end_stall(self, latest: dict) -> None:
@@ -110,7 +109,7 @@ class HangWatch:
         answers: dict[int, dict] = {}
         while len(answers) < len(wanted) and time.monotonic() < deadline:
             time.sleep(0.1)
-            answers = {a["pid"]: a for a in _read_all(self.folder, HANG_PREFIX)
+            answers = {a["pid"]: a for a in read_all(self.folder, HANG_PREFIX)
                        if a.get("pid") in wanted and a.get("request") == asked}
         ranks = sorted(answers.values(), key=lambda a: (a.get("rank") is None, a.get("rank") or 0, a["pid"]))
         unanswered = [{"who": who(s), "pid": pid} for pid, s in wanted.items() if pid not in answers]
@@ -148,12 +147,3 @@ _STATE_WORDS = {
     "gone": "has exited",
 }
 
-
-def _read_all(folder: Path, prefix: str) -> list[dict]:
-    found = []
-    for path in folder.glob(f"{prefix}*.json"):
-        try:
-            found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):  # being replaced, or gone
-            pass
-    return found

@@ -5,7 +5,7 @@ own: which process stalled, for how long, in which step, and where. In a synchro
 rank's step grows by the stall, so the step times do not tell who stalled; what they are made of
 does (the stalled rank's long step is its own Python or I/O; the others' is the wait inside a
 collective or inside DDP's backward), and so does the parent's hang watch, which asks every
-process where it is once the job has stood still for a few seconds (parent/hangwatch.py): the rank
+process where it is once the job has stood still for a few seconds (watch.py): the rank
 outside any collective is the one the others wait for.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import statistics
 
+from gpulab.monitor.alive.hang import line_of, rank_line
 from gpulab.monitor.analyze.findings import finding
-from gpulab.monitor.analyze.hang import line_of, rank_line
 from gpulab.monitor.analyze.step_costs import PHASE_NAMES, step_seconds
 from gpulab.monitor.events import Recording, trainers
 

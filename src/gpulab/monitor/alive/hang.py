@@ -1,6 +1,6 @@
 """A hang in words: where each rank is blocked, what does not match between them, and the fix.
 
-The input is what each process wrote when the parent asked (record/heartbeat.py): the collective
+The input is what each process wrote when the parent asked (child.py): the collective
 it waits in (torch's flight recorder: op, sequence number, sizes) and its training thread's user
 frames, innermost first.
 """
@@ -47,10 +47,10 @@ def rank_line(forensics: dict) -> str:
 
 def mismatch(ranks: list[dict], unanswered: list[str]) -> str:
     """What does not match between the ranks: the likely cause of the hang (at least one rank
-    waits in a collective: parent/hangwatch.py calls nothing else a hang)."""
+    waits in a collective: watch.py calls nothing else a hang)."""
     waiting = [r for r in ranks if r.get("collective")]
     outside = [r for r in ranks if not r.get("collective")]
-    if unanswered:  # each already says why, where the process table tells (parent/hangwatch.py)
+    if unanswered:  # each already says why, where the process table tells (watch.py)
         return "; ".join(unanswered)
     if waiting and outside:
         return (f"{', '.join(who(r) for r in outside)} never reached the collective the others wait in "
