@@ -70,10 +70,6 @@ class StepAccounting:
 
     # ------------------------------------------------------------------ spans
 
-    @property
-    def started(self) -> bool:
-        return self._t_last is not None
-
     def charged_category(self) -> str | None:
         """The category being charged right now, for the stack sampler's thread: None before
         anything was charged, or when the stack changed while it was read."""

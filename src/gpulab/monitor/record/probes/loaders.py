@@ -29,7 +29,7 @@ from types import FrameType
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from gpulab.monitor.events import LoaderRecord
+from gpulab.monitor.events import LoaderRecord, LoaderUseRecord
 from gpulab.monitor.record.frames import format_site, is_user_file, user_site
 from gpulab.monitor.record.probe import Probe, timed
 
@@ -166,7 +166,7 @@ class Loaders:
             self._steps_fed[self._last] += 1
             self._last = None
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> LoaderUseRecord:
         return {"type": "loader_use", "steps_fed": list(self._steps_fed)}
 
 
