@@ -286,6 +286,12 @@ MUTATIONS = [
              "    if waited_for or (code != 0 and os.environ.get(\"TORCHELASTIC_ERROR_FILE\")):\n",
              "    if waited_for:\n",
              ["tests/test_cli.py::test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_teardown"]),
+    Mutation("the measurement windows skipped between steps before they are done", "src/gpulab/monitor/record/windows.py",
+             "        return not all(window.finished for window in self._windows)", "        return False",
+             ["tests/monitor/test_memory.py::test_the_memory_split_matches_what_the_script_counts_itself"]),
+    Mutation("the transform window taken as done while it waits for its turn", "src/gpulab/monitor/record/probes/transforms.py",
+             '        return self._phase == "done"', '        return self._phase in ("waiting", "done")',
+             ["tests/monitor/test_transform_cost.py::test_the_window_opens_after_warm_up_and_the_other_windows_only_if_there_are_transforms"]),
 ]
 
 

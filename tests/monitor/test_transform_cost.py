@@ -66,17 +66,19 @@ def test_the_window_opens_after_warm_up_and_the_other_windows_only_if_there_are_
     assert spans.timing  # the warm-up: are there any?
     spans.calls["Normalize"] = {"calls": 64, "where": "data.py:3"}
     spans.on_step_end(2, may_open=False)  # the memory window runs
-    assert not spans.timing and not spans.window_active
+    assert not spans.timing and not spans.window_active and not spans.done  # its turn is still to come
     spans.on_step_end(4, may_open=True)
     opened = []
     for done in range(5, 5 + WINDOW_STEPS + 1):
         opened.append(spans.timing and spans.window_active)
         spans.on_step_end(done, may_open=True)
     assert opened == [True] * WINDOW_STEPS + [False] and not spans.timing
+    assert spans.done  # nothing left to do: the recorder stops asking between steps
 
     none_seen = TransformSpans(sink=None, warmup_steps=2)
     none_seen.on_step_end(2, may_open=True)
     assert not none_seen.timing and not none_seen.window_active  # no window: no steps lost
+    assert none_seen.done
 
 
 class Images(Dataset):
