@@ -18,18 +18,24 @@ fixed cost again, seen on a real script.
               the first steps' time (`compile_s=`, compiling included), the loop's, and its median
               step (`step_s=`: the steady step, without the one-time measurement windows inside the
               loop); under gpulab profile compiling and the steady step within 1.10x of plain
+  optimizer-cuda, compiled-cuda   the same two on a GPU (run only where torch sees one): the
+              loop timed to the device's end (synchronize), each step of the compiled one too
 
     flock /tmp/gpulab-cpu.lock env PYTHONPATH=src .venv/bin/python benchmarks/profile_overhead.py
+    python benchmarks/profile_overhead.py --only optimizer-cuda compiled-cuda --variants this --json o.json
 
-Every round also profiles each script with `--no-memory` (the memory window's fixed cost apart),
-and `--before OLD_SRC` adds the same script profiled by another checkout of gpulab (its src/
-folder), so a change to the profiler is compared with what it replaced, side by side, on one
-machine, in one run.
+Every round also profiles each script with `--no-memory` (the memory window's fixed cost apart;
+`--variants this` leaves it out), and `--before OLD_SRC` adds the same script profiled by another
+checkout of gpulab (its src/ folder), so a change to the profiler is compared with what it
+replaced, side by side, on one machine, in one run. `--json PATH` also writes every round's
+ratio profiled / plain of each printed figure (loop_s, compile_s, step_s), per script and
+variant, with the wall seconds added and the fixed costs (scripts/gpu_check.py reads it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -39,19 +45,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 SCRIPTS = {
     "optimizer": '''
 import time, torch
 from torch import nn
 torch.manual_seed(0); torch.set_num_threads(1)
+device = torch.device("DEVICE")
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 model = nn.Sequential(nn.Conv2d(1, 6, 5, padding=2), nn.Sigmoid(), nn.AvgPool2d(2), nn.Conv2d(6, 16, 5), nn.Sigmoid(),
-                      nn.AvgPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.Sigmoid(), nn.Linear(120, 10))
+                      nn.AvgPool2d(2), nn.Flatten(), nn.Linear(400, 120), nn.Sigmoid(), nn.Linear(120, 10)).to(device)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-X, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+X, y = torch.randn(64, 1, 28, 28, device=device), torch.randint(0, 10, (64,), device=device)
+sync()
 t0 = time.perf_counter()
 for _ in range(STEPS):
     loss = nn.functional.cross_entropy(model(X), y)
     opt.zero_grad(); loss.backward(); opt.step()
+sync()
 print(f"loop_s={time.perf_counter() - t0:.6f}")
 ''',
     "backward": '''
@@ -112,6 +124,8 @@ dist.destroy_process_group()
 import time, torch
 from torch import nn
 torch.manual_seed(0); torch.set_num_threads(1)
+device = torch.device("DEVICE")
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -120,13 +134,14 @@ class Net(nn.Module):
         h = torch.relu(self.conv(x))
         scale = h.abs().mean().item()  # one graph break: the rest is a second compiled piece
         return self.fc((h / (scale + 1.0)).flatten(1))
-model = Net()
+model = Net().to(device)
 compiled = torch.compile(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-X, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+X, y = torch.randn(32, 1, 28, 28, device=device), torch.randint(0, 10, (32,), device=device)
 def step():
     loss = nn.functional.cross_entropy(compiled(X), y)
     opt.zero_grad(); loss.backward(); opt.step()
+    sync()  # a step's time is the device's too
 t0 = time.perf_counter()
 for _ in range(3):
     step()
@@ -141,6 +156,8 @@ print(f"loop_s={time.perf_counter() - t0:.6f}")
 print(f"step_s={sorted(times)[len(times) // 2]:.6f}")
 ''',
 }
+# The same scripts on a GPU (where torch sees one): the model and the batch on "cuda".
+SCRIPTS.update({f"{name}-cuda": SCRIPTS[name] for name in ("optimizer", "compiled")})
 # How each script is started (after the interpreter): plain, or under torchrun with 2 ranks.
 LAUNCHERS = {"ddp-2ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]}
 
@@ -168,13 +185,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="training steps per script run")
     parser.add_argument("--only", nargs="+", choices=sorted(SCRIPTS), help="measure only these scripts")
     parser.add_argument("--before", type=Path, help="also profile with this checkout's src/ (side by side)")
+    parser.add_argument("--variants", nargs="+", choices=["this", "no-memory"], default=["this", "no-memory"],
+                        help="how this checkout profiles each script (default: both)")
+    parser.add_argument("--json", type=Path, help="also write every ratio here, per script and variant")
     args = parser.parse_args()
     this_src = Path(__file__).resolve().parent.parent / "src"
-    # Each variant: (the checkout's src/, gpulab profile's options). The memory window (issue 25)
-    # is a fixed cost inside the loop: measured apart with --no-memory.
-    variants = {"this": (this_src, ()), "no-memory": (this_src, ("--no-memory",))}
+    # Each variant: (the checkout's src/, gpulab profile's options). The memory window is a fixed
+    # cost inside the loop: measured apart with --no-memory.
+    variants = {name: (this_src, ("--no-memory",) if name == "no-memory" else ()) for name in args.variants}
     if args.before:
         variants["before"] = (args.before.resolve(), ())
+    names = [n for n in SCRIPTS if (n in args.only if args.only else not n.endswith("-cuda"))]
+    if any(n.endswith("-cuda") for n in names) and not torch.cuda.is_available():
+        sys.exit("the -cuda scripts need a GPU that torch sees: run them where there is one")
+    results = {"rounds": args.rounds, "steps": args.steps, "fixed_s": {}, "scripts": {}}
     env_python = [sys.executable]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -185,16 +209,16 @@ def main() -> None:
             for name, (src, options) in variants.items():
                 prof, _ = run(profiled([*env_python, "-c", "import torch"], out, options), out, src)
                 fixed[name].append(prof - plain)
+        results["fixed_s"] = fixed
         for name, added in fixed.items():
             print(f"\nfixed cost (python -c 'import torch'), {name} ({variants[name][0]} {' '.join(variants[name][1])}): "
                   f"+{statistics.median(added):.2f} s median [{min(added):.2f} .. {max(added):.2f}] over {args.rounds} "
                   f"pairs (goal 0.5 s, accepted 1.0 s)")
         print(f"\n{'script':<12} {'variant':<9} {'loop plain':>11} {'loop prof.':>11} {'in-loop':>9} {'wall added':>11}")
-        for name, source in SCRIPTS.items():
-            if args.only and name not in args.only:
-                continue
+        for name in names:
             script = out / f"{name}.py"
-            script.write_text(source.replace("STEPS", str(args.steps)))
+            device = "cuda" if name.endswith("-cuda") else "cpu"
+            script.write_text(SCRIPTS[name].replace("STEPS", str(args.steps)).replace("DEVICE", device))
             command = [*env_python, *LAUNCHERS.get(name, []), str(script)]
             ratios = {c: {} for c in variants}  # variant -> printed key -> profiled / plain, per round
             added = {c: [] for c in variants}
@@ -207,6 +231,7 @@ def main() -> None:
                         ratios[c].setdefault(key, []).append(prof[key] / plain[key])
                     added[c].append(wall_prof - wall_plain)
                     last[c] = (plain["loop_s"], prof["loop_s"])
+            results["scripts"][name] = {c: {**ratios[c], "wall_added_s": added[c]} for c in variants}
             for c in variants:
                 ratio = statistics.median(ratios[c]["loop_s"])
                 compiling = "".join(f"; {label} x{statistics.median(ratios[c][key]):.2f} [{min(ratios[c][key]):.2f} .. "
@@ -216,6 +241,8 @@ def main() -> None:
                 print(f"{name:<12} {c:<9} {last[c][0]:>10.2f}s {last[c][1]:>10.2f}s {100 * (ratio - 1):>+8.1f}% "
                       f"{statistics.median(added[c]):>+10.2f}s   (in-loop range {100 * (min(ratios[c]['loop_s']) - 1):+.1f}% .. "
                       f"{100 * (max(ratios[c]['loop_s']) - 1):+.1f}%{compiling})")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -758,6 +759,32 @@ def check_bench_training(check: Check, out: Path) -> str:
     return seen
 
 
+PROFILE_OVERHEAD_TARGET = 1.10  # profiled / plain: what the profiler may add to a steady step and to compiling
+
+
+def check_profile_overhead(check: Check, out: Path) -> str:
+    """benchmarks/profile_overhead.py's GPU rows, 3 rounds: the LeNet-sized eager loop and the
+    compiled net with a graph break, plain and under `gpulab profile` alternating. Passes when the
+    compiled net's steady step and compiling are within 1.10x of plain and the fixed cost within
+    0.5 s (medians); every ratio is in the details."""
+    results = out / "profile-overhead.json"
+    done = run([sys.executable, str(ROOT / "benchmarks" / "profile_overhead.py"), "--only", "optimizer-cuda",
+                "compiled-cuda", "--variants", "this", "--rounds", "3", "--json", str(results)],
+               out / "profile-overhead.log", timeout=420)
+    if done.returncode != 0:
+        raise Failed(f"exit {exit_name(done.returncode)} (see profile-overhead.log)")
+    data = json.loads(results.read_text())
+    check.details = data
+    median = {f"{name} {key}": statistics.median(ratios) for name, by_variant in data["scripts"].items()
+              for key, ratios in by_variant["this"].items() if key.endswith("_s") and key != "wall_added_s"}
+    fixed = statistics.median(data["fixed_s"]["this"])
+    seen = f"fixed cost +{fixed:.2f} s; " + "; ".join(f"{k} x{v:.2f}" for k, v in median.items())
+    over = [k for k in ("compiled-cuda step_s", "compiled-cuda compile_s") if median.get(k, 0) > PROFILE_OVERHEAD_TARGET]
+    if over or fixed > 0.5:
+        raise Failed(f"over the targets ({', '.join(over) or 'fixed cost'}): {seen}")
+    return seen
+
+
 def check_profile_train(compile: str) -> Callable[[Check, Path], str]:
     """`gpulab profile` of `gpulab train --compile MODE` on the GPU: how busy the card is (the
     kernel window's share), and what the profiler says first."""
@@ -795,6 +822,8 @@ def compile_checks() -> list[Check]:
               check_compile_parity("on")),
         Check("profile-train-off", "gpu", "gpulab profile -- gpulab train --compile off: exit 0, the card's busy share",
               check_profile_train("off")),
+        Check("profile-overhead-gpu", "gpu", "benchmarks/profile_overhead.py on cuda, 3 rounds: the compiled net's "
+              "steady step and compiling <= 1.10x plain, fixed cost <= 0.5 s", check_profile_overhead),
     ]
 
 
