@@ -204,8 +204,8 @@ def test_gpulab_plan_s_parent_never_imports_torch():
     nothing more); one device's step is measured by a child, plan/profile_step.py (step.CHILD),
     which step.py starts by name and never imports."""
     code = ("import sys\n"
-            "import gpulab.plan.cli, gpulab.plan.planner, gpulab.plan.check, gpulab.plan.report\n"
-            "import gpulab.plan.step, gpulab.plan.collective, gpulab.plan.predict, gpulab.plan.memory\n"
+            "import gpulab.plan.cli, gpulab.plan.planner, gpulab.plan.check, gpulab.plan.render\n"
+            "import gpulab.plan.step, gpulab.plan.collective, gpulab.plan.predict, gpulab.plan.peak_memory\n"
             "print(sorted(m for m in sys.modules\n"
             "             if m == 'torch' or m.startswith('torch.') or m == 'gpulab.plan.profile_step'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -134,7 +134,7 @@ def test_every_benchmark_has_each_preset(name):
 
 
 def test_gloo_ranks_in_threads_sum_exactly():
-    from gpulab.bench.report import Result
+    from gpulab.bench.result import Result
 
     cfg = bench.config(allreduce, "tiny")
     result = Result(name="t", lesson="", config={}, env={}, preset="tiny")
@@ -158,7 +158,7 @@ def test_training_floor_counts_lenet_s_multiply_adds_from_its_layers():
 
 def test_training_ratios_are_round_by_round_against_the_textbook():
     from gpulab.bench import training
-    from gpulab.bench.report import Result
+    from gpulab.bench.result import Result
 
     result = Result(name="training", lesson="", config={}, env={}, preset="tiny")
     table = result.table("training", "", [])
@@ -222,7 +222,7 @@ def test_training_floor_in_bf16_only_where_the_device_has_it(monkeypatch, native
     """Without native bf16 (AVX2 only) torch emulates it: a 2048 matmul took 213 s there. The floor
     then has no bf16 row, and says why."""
     from gpulab.bench import training
-    from gpulab.bench.report import Result
+    from gpulab.bench.result import Result
 
     measured, kernels = [], []
     monkeypatch.setattr(training, "native_bf16", lambda device: native)

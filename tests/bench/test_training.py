@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpulab.bench import training
-from gpulab.bench.report import Result
+from gpulab.bench.result import Result
 from gpulab.bench.runner import Context
 
 

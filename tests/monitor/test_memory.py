@@ -14,7 +14,7 @@ import pytest
 from gpulab.cli import main
 from gpulab.memory.oom import requested_bytes
 from gpulab.memory.categories import CATEGORIES, size
-from gpulab.monitor.analyze.memory import oom_fixes
+from gpulab.monitor.analyze.memory_findings import oom_fixes
 from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -107,7 +107,7 @@ def test_a_capped_allocator_is_named_as_the_limit_and_other_is_said_in_words():
     # the H200 run: the allocator capped at 2 GiB by set_per_process_memory_fraction; the report said
     # "(the device has 139.8 GiB)" and left "other 609.4 MiB" unexplained (issue 33)
     from gpulab.memory.oom import _CUDA_LIMIT, _CUDA_PROCESS, _bytes
-    from gpulab.monitor.analyze.memory import oom_finding
+    from gpulab.monitor.analyze.memory_findings import oom_finding
     from gpulab.monitor.events import Recording
 
     assert _bytes(_CUDA_LIMIT, H200_OOM) == 2 * 2**30

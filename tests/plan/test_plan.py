@@ -14,7 +14,7 @@ import pytest
 from gpulab.io import OUTPUTS_RECORD
 from gpulab.plan import collective, netns
 from gpulab.plan.links import LINKS, LinkCost, parse_link
-from gpulab.plan.memory import fit_line, parse_memory, replicated_peak, sharded_peak
+from gpulab.plan.peak_memory import fit_line, parse_memory, replicated_peak, sharded_peak
 from gpulab.plan.predict import bucket_schedule, exposed_communication, fit_overlap, predict, sharded_communication
 from gpulab.plan.profile import StepProfile
 from tests.conftest import assert_one_line_error, disk_full_for, run_cli

@@ -7,7 +7,7 @@ One module per benchmark; each has the same four parts, top to bottom:
     PRESETS  the other sizes by name: 'quick' (CI, smoke tests: all eight took 14 s on a quiet
              2-core CPU) and 'tiny' (the test suite)
     run()    check that the compared ways compute the same result, then time them with the
-             shared harness (`harness.measure`), filling a `report.Result`
+             shared harness (`harness.measure`), filling a `result.Result`
     plot()   a matplotlib figure of the result
 
 `runner.run_benchmark` ties them together and writes DIR/<name>.json and DIR/<name>.png.

@@ -32,7 +32,7 @@ import torch
 
 from gpulab import models
 from gpulab.bench.harness import measure
-from gpulab.bench.report import Column, Result, figure
+from gpulab.bench.result import Column, Result, figure
 from gpulab.devices import cpu, format_devices
 from gpulab.parallel import Buckets, allreduce
 from gpulab.parallel.allreduce import nccl_usable

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpulab.bench.harness import measure
-from gpulab.bench.report import Column, Result, figure
+from gpulab.bench.result import Column, Result, figure
 from gpulab.devices import cpu, format_devices
 
 LESSON = (

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from gpulab import data, models
 from gpulab.bench.harness import measure
-from gpulab.bench.report import Column, Result, figure
+from gpulab.bench.result import Column, Result, figure
 from gpulab.errors import UserError
 
 LESSON = (

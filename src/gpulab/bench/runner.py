@@ -13,7 +13,7 @@ from rich.markup import escape
 from gpulab import bench
 from gpulab.bench.environment import OtherLoad, contention_warning, environment
 from gpulab.bench.harness import ResultMismatch
-from gpulab.bench.report import Result, json_of, png_of, render
+from gpulab.bench.result import Result, json_of, png_of, render
 from gpulab.devices import cpu, format_devices, num_gpus
 from gpulab.io import OutputFolder, writing_results
 

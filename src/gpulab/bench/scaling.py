@@ -28,7 +28,7 @@ from torch import nn
 
 from gpulab import models
 from gpulab.bench.harness import measure
-from gpulab.bench.report import Column, Result, figure
+from gpulab.bench.result import Column, Result, figure
 from gpulab.devices import cpu, format_devices
 from gpulab.parallel import DataParallel
 from gpulab.train.step import Trainer

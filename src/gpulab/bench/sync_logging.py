@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from gpulab.bench.harness import measure
-from gpulab.bench.report import Column, Result, figure
+from gpulab.bench.result import Column, Result, figure
 
 LESSON = (
     "Reading a value back every step makes the host wait for the device each time; "

@@ -61,7 +61,7 @@ from gpulab import data, models
 from gpulab.config import TrainConfig
 from gpulab.data.fashion_mnist import find, write_subset
 from gpulab.bench.harness import measure, summarize
-from gpulab.bench.report import Column, Result, figure, fmt_seconds
+from gpulab.bench.result import Column, Result, figure, fmt_seconds
 from gpulab.devices import format_devices, native_bf16
 from gpulab.io import cache_dir
 from gpulab.train.precision import use_channels_last

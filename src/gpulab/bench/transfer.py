@@ -24,7 +24,7 @@ import torch
 
 from gpulab.bench.harness import measure
 from gpulab.devices import synchronize
-from gpulab.bench.report import Column, Result, figure, fmt_bytes, fmt_seconds
+from gpulab.bench.result import Column, Result, figure, fmt_bytes, fmt_seconds
 from gpulab.devices import copy_to, place
 
 LESSON = (

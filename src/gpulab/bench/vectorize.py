@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from gpulab.bench.harness import measure
-from gpulab.bench.report import Column, Result, figure
+from gpulab.bench.result import Column, Result, figure
 
 LESSON = (
     "A Python loop of small operations leaves the device idle between them; indexing, "

@@ -157,7 +157,7 @@ def check_memory(cfg: dict, data_dir: Path, tmp: Path, profiles: dict[str, StepP
     sharded peak), then the largest-batch verdict (replicated, one process): for a budget the line through
     those profiles says fits FITS_SCALE x the batch, the step at that largest batch and at 25%
     more, each measured (and on CUDA run under the budget: gpulab.plan.fits)."""
-    from gpulab.plan.memory import fit_line, replicated_peak, sharded_peak, sync_of
+    from gpulab.plan.peak_memory import fit_line, replicated_peak, sharded_peak, sync_of
 
     sync = sync_of(cfg)
     sharded = cfg.get("shard") == "fsdp"

@@ -46,8 +46,8 @@ def run_plan(args) -> int:
 
     from gpulab.options import STEP_FIELDS, given_options
     from gpulab.io import OutputFolder, check_writable, given_path, writing_results
-    from gpulab.plan import report
-    from gpulab.plan.memory import parse_memory
+    from gpulab.plan import render
+    from gpulab.plan.peak_memory import parse_memory
     from gpulab.plan.planner import PlanConfig, device_kind, make_plan
     from gpulab.train import TrainConfig
 
@@ -65,14 +65,14 @@ def run_plan(args) -> int:
     out = given_path(args.out) or Path(f"plans/{datetime.datetime.now():%Y%m%d-%H%M%S}-{train['model'].replace(':', '-')}")
     outputs = OutputFolder.out(out, args.force)
     check_writable(out)
-    outputs.check(report.OUTPUTS)  # before the measurements
+    outputs.check(render.OUTPUTS)  # before the measurements
     console = Console(highlight=False)
     say = lambda text: console.print(f"[dim]{text}[/dim]")  # noqa: E731
     plan = make_plan(cfg, say)
-    console.print(report.table(plan))
-    for line in [*report.verdict(plan), *report.memory_verdict(plan)]:
+    console.print(render.table(plan))
+    for line in [*render.verdict(plan), *render.memory_verdict(plan)]:
         console.print(line)
-    console.print("Assumptions: " + "; ".join(report.assumptions(plan)) + ".", style="dim")
+    console.print("Assumptions: " + "; ".join(render.assumptions(plan)) + ".", style="dim")
     checked, memory_checked = None, None
     if args.check:
         from gpulab.plan.check import check
@@ -81,7 +81,7 @@ def run_plan(args) -> int:
         console.print(check_table(checked))
         console.print(memory_check_table(memory_checked))
     with writing_results():  # a full disk: one line; each file is whole or absent
-        report.write(plan, outputs, checked, memory_checked)
+        render.write(plan, outputs, checked, memory_checked)
     console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
 

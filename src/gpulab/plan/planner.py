@@ -18,7 +18,7 @@ from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.plan import collective, step
 from gpulab.plan.links import LinkCost, parse_link
-from gpulab.plan.memory import MemoryLine, fit_line
+from gpulab.plan.peak_memory import MemoryLine, fit_line
 from gpulab.plan.predict import ASSUMPTIONS, SHARDED_ASSUMPTION, Prediction, predict
 from gpulab.plan.profile import StepProfile
 

@@ -109,7 +109,7 @@ class Prediction:
     exposed_s: float
     link: str
     memory: dict | None = None
-    """The per-device step's measured memory (StepProfile.memory): plan/memory.py predicts from it."""
+    """The per-device step's measured memory (StepProfile.memory): plan/peak_memory.py predicts from it."""
     sharded_measured: tuple[int, int] | None = None
     """(copies, peak) of a sharded step measured among the profile's copies (StepProfile.sharded_peak)."""
 

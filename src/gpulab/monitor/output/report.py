@@ -15,7 +15,7 @@ from gpulab.monitor.analyze.diagnose import diagnose
 from gpulab.monitor.alive.failure import failure_finding, job_failure
 from gpulab.monitor.alive.hang import hang_finding
 from gpulab.monitor.alive.stall import find_stalls, stall_finding
-from gpulab.monitor.analyze.memory import memory_line, memory_summary, oom_finding
+from gpulab.monitor.analyze.memory_findings import memory_line, memory_summary, oom_finding
 from gpulab.monitor.analyze.step_costs import PHASE_NAMES, lane_summary, shown_phases, step_seconds
 from gpulab.monitor.analyze.process import weight_in_the_steps
 from gpulab.monitor.analyze.ranks import rank_findings

@@ -43,7 +43,7 @@ from gpulab.monitor.record.probes.cuda import CudaSyncProbe
 from gpulab.monitor.record.probes.distributed import DistributedProbe
 from gpulab.monitor.record.probes.kernels import KernelProbe
 from gpulab.monitor.record.probes.loaders import LoaderProbe
-from gpulab.monitor.record.probes.memory import MemoryProbe
+from gpulab.monitor.record.probes.memory_window import MemoryProbe
 from gpulab.monitor.record.probes.modules import ModuleProbe
 from gpulab.monitor.record.probes.trainer import TrainerPhasesProbe
 from gpulab.monitor.record.probes.processes import ProcessProbe

@@ -15,6 +15,6 @@ they are installed.
     cuda.py         CUDA: host syncs and copies (sync_debug.py: torch's sync debug mode; sites.py:
                     the user's lines), the "cuda" record
     kernels.py      the kernel window (CUDA): kernels per step and device busy, torch's profiler
-    memory.py       the memory window: one step's peak and what it is made of; out of memory
+    memory_window.py  the memory window: one step's peak and what it is made of; out of memory
     stacks.py       the stack sampler: the hottest user line of each category
 """

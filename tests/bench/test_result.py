@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 
 from gpulab.bench.harness import Timing
-from gpulab.bench.report import Column, Result, fmt_bytes, fmt_seconds, fmt_time, json_of, render
+from gpulab.bench.result import Column, Result, fmt_bytes, fmt_seconds, fmt_time, json_of, render
 
 
 def _timing(median=1e-3):

@@ -8,7 +8,7 @@ import io
 from gpulab.io import OutputFolder, git_commit, json_bytes
 from gpulab.plan.planner import TARGET_EFFICIENCY, Plan
 from gpulab.memory.categories import CATEGORY_NAMES, size
-from gpulab.plan.memory import replicated_peak, sharded_peak, sync_of
+from gpulab.plan.peak_memory import replicated_peak, sharded_peak, sync_of
 from gpulab.plan.predict import ASSUMPTIONS, SHARDED_ASSUMPTION
 
 OUTPUTS = ("plan.json", "plan.png")  # what write() puts in --out
