@@ -29,10 +29,10 @@ from pathlib import Path
 import gpulab
 from gpulab.errors import UserError
 from gpulab.io import CannotWrite, OutputFolder, OutputRefused, check_writable, writing_results
+from gpulab.monitor.alive.watch import HangWatch
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording, read_lanes
 from gpulab.monitor.output import OUTPUTS
-from gpulab.monitor.alive.watch import HangWatch
 from gpulab.monitor.parent.job import Job
 from gpulab.monitor.parent.sampler import Sampler
 

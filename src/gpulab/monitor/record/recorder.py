@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from gpulab.errors import UserError
+from gpulab.monitor.alive.child import Heartbeat, Progress
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import EndRecord, ProcessRecord, StartRecord, events_file
 from gpulab.monitor.record import patches
 from gpulab.monitor.record.frames import format_site, is_user_file
-from gpulab.monitor.alive.child import Heartbeat, Progress
 from gpulab.monitor.record.notices import Notices
 from gpulab.monitor.record.probe import Probe, WindowProbe
 from gpulab.monitor.record.probes.autograd import AutogradProbe
