@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from gpulab.monitor.alive.hang import process_name
 from gpulab.monitor.analyze.findings import finding
 from gpulab.monitor.events import Recording, trainers
 
@@ -52,7 +53,7 @@ class Ending:
 
 
 def ending(rec: Recording, stopped_by_gpulab: bool) -> Ending:
-    who = f"rank {rec.rank}" if rec.rank is not None else f"pid {rec.pid}"
+    who = process_name(rec.rank, rec.pid)
     steps = rec.steps_done
     end = rec.end
     if end is not None:

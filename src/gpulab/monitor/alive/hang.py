@@ -18,8 +18,13 @@ HANG_FIX = (
 )
 
 
+def process_name(rank: int | None, pid: int | None) -> str:
+    """How every line of alive/ names a process: its rank, else its pid."""
+    return f"rank {rank}" if rank is not None else f"pid {pid}"
+
+
 def who(forensics: dict) -> str:
-    return f"rank {forensics['rank']}" if forensics.get("rank") is not None else f"pid {forensics['pid']}"
+    return process_name(forensics.get("rank"), forensics["pid"])
 
 
 def line_of(forensics: dict) -> str | None:

@@ -50,7 +50,9 @@ def read_tally(path: Path) -> tuple[int, float] | None:
 
 
 def write_json(path: Path, record: dict) -> None:
-    """Whole or not at all: the other side may read it any time."""
+    """Whole or not at all: the other side may read it any time. Not gpulab.io's
+    atomic_write_json, which syncs the file and its folder to disk: a status file is rewritten
+    four times a second and matters only while the job runs."""
     tmp = path.with_name(f".{path.name}.{threading.get_ident()}")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from gpulab.monitor.alive.hang import line_of, rank_line
+from gpulab.monitor.alive.hang import line_of, process_name, rank_line
 from gpulab.monitor.analyze.findings import finding
 from gpulab.monitor.analyze.step_costs import PHASE_NAMES, step_seconds
 from gpulab.monitor.events import Recording, trainers
@@ -76,18 +76,14 @@ def _describe(group: list[tuple[Recording, dict]], snapshot: dict | None) -> dic
     answer = answers.get(culprit_rec.pid)
     waiting = [r for r, _ in group if r is not culprit_rec]
     return {
-        "who": _who(culprit_rec), "rank": culprit_rec.rank, "pid": culprit_rec.pid, "step": culprit_step["i"],
+        "who": process_name(culprit_rec.rank, culprit_rec.pid), "rank": culprit_rec.rank, "pid": culprit_rec.pid, "step": culprit_step["i"],
         "seconds": round(seconds, 3), "t0": min(s["t0"] for _, s in group), "t1": max(s["t1"] for _, s in group),
         "median_step_s": round(statistics.median(step_seconds(s) for s in culprit_rec.steps), 6),
         "spent_in": max(culprit_step["excl"], key=culprit_step["excl"].get),
         "where": line_of(answer) if answer else None,
         "seen": [rank_line(a) for a in answers.values()],
-        "waiting": [_who(r) for r in waiting],
+        "waiting": [process_name(r.rank, r.pid) for r in waiting],
     }
-
-
-def _who(rec: Recording) -> str:
-    return f"rank {rec.rank}" if rec.rank is not None else f"pid {rec.pid}"
 
 
 def _own_time(step: dict) -> float:

@@ -38,7 +38,8 @@ class Notice:
             listener(*args)
 
 
-def _notice() -> Notice:
+def _notice():
+    """A field of Notices: each recording its own Notice (its own listeners)."""
     return field(default_factory=Notice)
 
 

@@ -4,7 +4,7 @@ to, and says whose thread is calling and when gpulab itself is at work.
     steps                      the step accounting (steps.py): spans (enter/exit, closed ones),
                                counts, the step rules (a loop back for data after a backward, an
                                optimizer step, an explicit mark), the category charged now
-    notices                    what probes tell one another (notices.py: listen, send, sender)
+    notices                    what probes tell one another (notices.py: each a Notice to listen to or send)
     emit(record)               a record for the events file (monitor/events.py is the format)
     here()                     is the caller the recorded (training) thread? Only its calls count
     span(name, category)       a span as a context manager, in the recorded thread only
