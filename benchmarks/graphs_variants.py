@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from gpulab.bench.environment import environment
-from gpulab.bench.training import TEXTBOOK, compare, data_folder, run_once
+from gpulab.bench.training import GPULAB_TRAIN, TEXTBOOK, TEXTBOOK_SCRIPT, compare, data_folder, run_once
 from gpulab.io import atomic_write_json
 
 VARIANTS = {
@@ -46,8 +46,8 @@ def main() -> None:
     args = parser.parse_args()
 
     compile_flag = ["--compile", "graphs" if args.devices.startswith("cuda") else "on"]
-    commands = {TEXTBOOK: ["gpulab.bench.textbook"]}
-    commands |= {name: ["gpulab", "train", "--devices", args.devices, *compile_flag, *flags] for name, flags in VARIANTS.items()}
+    commands = {TEXTBOOK: TEXTBOOK_SCRIPT}
+    commands |= {name: [*GPULAB_TRAIN, "--devices", args.devices, *compile_flag, *flags] for name, flags in VARIANTS.items()}
     t0, rounds, failed = time.perf_counter(), [], {}
     with tempfile.TemporaryDirectory(prefix="gpulab-graphs-variants-") as tmp:
         data_dir = data_folder(Path(tmp) / "data", args.samples)

@@ -39,7 +39,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "monitor" / "scripts"
 PROFILER_TESTS = ["tests/monitor/test_gpu.py", "tests/monitor/test_kernel_window.py"]
-OTHER_GPU_TESTS = ["tests/test_devices.py", "tests/hardware/test_describe.py", "tests/bench/test_bench_cli.py"]
+OTHER_GPU_TESTS = ["tests/test_devices.py", "tests/hardware/test_describe.py", "tests/bench/test_bench_cli.py",
+                   "tests/bench/test_by_hand.py"]
 # The planted CUDA scripts (tests/monitor/scripts/), each exits 0 on its own.
 PLANTED_CUDA_SCRIPTS = ("item_every_step.py", "annotated_step.py", "slow_loader_gpu.py", "tiny_kernels.py",
                         "pageable_copy.py", "pinned_blocking_copy.py", "masked_index.py",

@@ -292,6 +292,13 @@ MUTATIONS = [
     Mutation("the transform window taken as done while it waits for its turn", "src/gpulab/monitor/record/probes/transforms.py",
              '        return self._phase == "done"', '        return self._phase in ("waiting", "done")',
              ["tests/monitor/test_transform_cost.py::test_the_window_opens_after_warm_up_and_the_other_windows_only_if_there_are_transforms"]),
+    Mutation("the script by hand anneals its learning rate from the wrong step", "src/gpulab/bench/by_hand.py",
+             "    progress = (step - warmup) / max(1, total - warmup)", "    progress = step / max(1, total - warmup)",
+             ["tests/bench/test_by_hand.py::test_it_trains_gpulab_train_s_default_recipe"]),
+    Mutation("the script by hand standardises each split with its own statistics", "src/gpulab/bench/by_hand.py",
+             "    return [(X.sub_(MEAN).div_(STD), y) for X, y in splits]",
+             "    return [(X.sub_(X.mean()).div_(X.std()), y) for X, y in splits]",
+             ["tests/bench/test_by_hand.py::test_its_data_is_gpulab_s"]),
 ]
 
 

@@ -56,11 +56,11 @@ def test_a_gpulab_run_that_never_reaches_0_90_and_one_that_resumed():
 def test_the_textbook_s_figures_from_its_json_line():
     told = {"train_seconds": [15.0, 14.0, 16.0], "eval_seconds": [1.0, 1.0, 1.0], "test_acc": [0.7, 0.8, 0.92],
             "wall_s": [18.0, 33.0, 50.0], "first_step_s": 2.5}
-    ran = training.textbook_figures(told, wall=51.0)
+    ran = training.script_figures(told, wall=51.0)
     assert (ran["first_step_s"], ran["to_acc_s"], ran["steady_s"]) == (2.5, 50.0, 15.0)
     assert ran["test_acc"] == 0.92 and ran["compile_s"] == 0.0 and ran["rest_s"] == 51.0 - 45.0 - 3.0
     told["test_acc"] = [0.7, 0.8, 0.85]
-    assert training.textbook_figures(told, wall=51.0)["to_acc_s"] is None
+    assert training.script_figures(told, wall=51.0)["to_acc_s"] is None
 
 
 def test_a_time_some_rounds_never_reached_counts_as_longer_than_any():
@@ -114,6 +114,17 @@ def test_the_headline_is_the_demo_s_whole_process_first_and_second_run_against_t
         "to test acc 0.90 15.2 s vs not reached (second run 12 s vs not reached)")
 
 
+def test_the_headline_sets_gpulab_train_beside_the_script_by_hand():
+    rows = summary_rows(first=((171.0, (1, 1, 1), 2.04, None), (52.1, (3.28, 3.01, 3.4), 6.2, 15.2)),
+                        second=((170.0, (1, 1, 1), 1.9, None), (48.0, (3.54, 3.3, 3.61), 3.1, 12.0)))
+    for kind, wall, acc in ((training.FIRST, 57.31, 0.904), (training.SECOND, 43.2, 0.9041)):
+        rows[kind][training.BY_HAND] = {"contender": training.BY_HAND, "wall_s": wall, "test_acc": acc}
+        rows[kind][training.DEFAULT]["test_acc"] = 0.908
+    assert training.headline("cpu", rows).endswith(
+        "; vs plain PyTorch by hand, whole process: first run 52.1 s vs 57.3 s (1.10x), test acc 0.908 vs 0.904; "
+        "second run 48 s vs 43.2 s (0.90x), test acc 0.908 vs 0.904")
+
+
 class FakeRuns:
     """run_once's stand-in: records where each run found its caches and leaves something in them,
     as a compiler would; a first run takes 100 s, a second 50 s."""
@@ -141,12 +152,13 @@ def test_each_round_runs_every_contender_first_on_an_empty_cache_then_again_on_w
     cfg = training.Config(epochs=2, rounds=2, compiled=False)
     training.run(cfg, Context(devices=[torch.device("cpu")]), result)
 
-    contenders = [training.TEXTBOOK, training.DEFAULT]
-    assert [c["contender"] for c in fake.calls] == ["gpulab.bench.textbook"] * 2 + ["cpu"] * 2 + ["gpulab.bench.textbook"] * 2 + ["cpu"] * 2
+    contenders = [training.TEXTBOOK, training.BY_HAND, training.DEFAULT]
+    one_round = ["gpulab.bench.textbook"] * 2 + [training.BY_HAND_SCRIPT[-1]] * 2 + ["cpu"] * 2
+    assert [c["contender"] for c in fake.calls] == one_round * 2
     for first, second in zip(fake.calls[::2], fake.calls[1::2]):
         assert first["found"] == [] and second["found"] == ["compiled-0"]  # empty, then what the first left
         assert first["cache"] == second["cache"] and first["out"] != second["out"]
-    assert len({c["cache"] for c in fake.calls}) == 4  # a new folder for every first run
+    assert len({c["cache"] for c in fake.calls}) == 6  # a new folder for every first run
     assert not any(c["cache"].exists() for c in fake.calls)  # removed with the benchmark's temporary folder
 
     device = result.summary["devices"]["cpu"]
@@ -157,14 +169,15 @@ def test_each_round_runs_every_contender_first_on_an_empty_cache_then_again_on_w
             assert (row["wall_s"], row["first_step_s"], row["to_acc_s"], row["rounds"]) == (wall, wall / 10, wall, 2)
     assert "first run (empty caches) 100 s vs 100 s, 1.00x" in result.summary["headline"]
     assert "second run 50 s vs 50 s, 1.00x" in result.summary["headline"]
+    assert "vs plain PyTorch by hand, whole process: first run 100 s vs 100 s (1.00x)" in result.summary["headline"]
     assert result.summary["target_acc"] == 0.90
     assert [r["wall_s"] for r in device["runs"][training.SECOND][training.DEFAULT]] == [50.0, 50.0]  # round by round
     for key in ("training", "training-parts"):
         assert [(r["run"], r["contender"]) for r in result.tables[key].rows] == [
             (kind, name) for kind in (training.FIRST, training.SECOND) for name in contenders]
     # the whole process as a Timing in each row: what `gpulab bench`'s JSON keeps of every benchmark
-    assert [(r["time"]["median_s"], r["time"]["repeats"]) for r in result.tables["training"].rows] == [(100.0, 2)] * 2 + [(50.0, 2)] * 2
-    assert sum("trained 2 epoch(s)" in c.what for c in result.checks) == 8
+    assert [(r["time"]["median_s"], r["time"]["repeats"]) for r in result.tables["training"].rows] == [(100.0, 2)] * 3 + [(50.0, 2)] * 3
+    assert sum("trained 2 epoch(s)" in c.what for c in result.checks) == 12
     import matplotlib.pyplot as plt
 
     plt.close(training.plot(result))  # a bar per contender and run

@@ -8,7 +8,7 @@ that gpulab train is measured against (`gpulab bench training`, benchmarks/train
     and its sgd: p -= lr * grad / batch (lr 0.2), the device synchronized after every batch;
   - evaluation after every epoch, one batch at a time, reading each batch's hits to the host.
 
-    python -m gpulab.bench.textbook EPOCHS DEVICE   -> one JSON line, per epoch (lists): the training
+    python -m gpulab.bench.textbook EPOCHS DEVICE [DATA_DIR]   -> one JSON line, per epoch (lists): the training
     seconds and the evaluation seconds (timed apart), the test accuracy, and `wall_s`, the seconds
     since this process was created when that epoch's evaluation ended; and `first_step_s`, the
     seconds since the process was created when its first training batch had finished on the
@@ -82,10 +82,10 @@ def accuracy(test_iter: DataLoader, W: list[torch.Tensor], device: torch.device)
     return correct / total
 
 
-def main(epochs: int, device_spec: str) -> dict:
+def main(epochs: int, device_spec: str, data_dir: str | None = None) -> dict:
     torch.manual_seed(0)
     device = resolve(device_spec)[0]
-    train_split, test_split = data.load()
+    train_split, test_split = data.load(data_dir)
     W = params(device)
     train_iter = DataLoader(data.ImageDataset(train_split), BATCH, shuffle=True, num_workers=WORKERS)
     test_iter = DataLoader(data.ImageDataset(test_split), BATCH, num_workers=WORKERS)
@@ -108,4 +108,4 @@ def main(epochs: int, device_spec: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(int(sys.argv[1]), sys.argv[2])))
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2], *sys.argv[3:4])))

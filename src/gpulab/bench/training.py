@@ -1,6 +1,8 @@
 """training: what a user feels - the 10-epoch LeNet demo (`gpulab train`, default options) against
-the textbook's chapter (its port, gpulab.bench.textbook), on the same data, each as a whole process
-- start-up, data, compiling and evaluation included - as a user runs it.
+the textbook's chapter (its port, gpulab.bench.textbook) and against the script a user would
+otherwise write (the fastest plain-PyTorch LeNet an expert writes by hand, gpulab.bench.by_hand), on
+the same data, each as a whole process - start-up, data, compiling and evaluation included - as a
+user runs it.
 
 Per device, `rounds` rounds; in each, every contender runs in turn (interleaved, so that the
 machine's drift hits all alike), twice: a FIRST run with empty caches - a new, empty folder as its
@@ -8,9 +10,10 @@ XDG_CACHE_HOME (gpulab's cache, gpulab.io.cache_dir(): its bytecode cache where 
 one, its decoded data) and under it TORCHINDUCTOR_CACHE_DIR (torch.compile's; Triton's kernels go
 under it) - and right after it a SECOND run of the same command on the same folder: what a user's
 next run finds. The contenders: the textbook's port (per-sample DataLoader with 4 workers,
-functional LeNet, manual SGD, a sync per batch), `gpulab train` as it is (eager), and on CUDA `gpulab train
---compile on` and `--compile graphs` (Config.compiled says why not on the CPU); each trains
-`epochs` epochs.
+functional LeNet, manual SGD, a sync per batch), the script by hand (the data on the device,
+channels_last, bf16 where native, gpulab's recipe, the whole step a CUDA graph on a GPU), `gpulab
+train` as it is, and on CUDA `gpulab train --compile off`, `--compile on` and `--compile graphs`
+(Config.compiled says why not on the CPU); each trains `epochs` epochs.
 
 A row (a contender's first or second run) gives the medians over the rounds: the whole process's
 seconds [min .. max] and their ratio to the textbook's (its run of the same kind), round by round
@@ -73,6 +76,8 @@ LESSON = (
 
 DEFAULT, COMPILED, GRAPHS, TEXTBOOK = "gpulab train", "gpulab train --compile on", "gpulab train --compile graphs", "textbook"
 """What `make demo` runs: the step eager on a CPU, recorded as a CUDA graph on one GPU."""
+BY_HAND = "plain PyTorch, by hand"
+"""The script a user would otherwise write (by_hand.py)."""
 UNRECORDED = "gpulab train --compile off"
 """On a GPU, the eager step as it runs, unrecorded: what the default's recording wins."""
 FIRST, SECOND = "first", "second"
@@ -105,11 +110,18 @@ PRESETS = {
 }
 
 
+# The commands after `python`. The script by hand runs by its path, as a user runs a script of their own.
+GPULAB_TRAIN = ["-m", "gpulab", "train"]
+TEXTBOOK_SCRIPT = ["-m", "gpulab.bench.textbook"]
+BY_HAND_SCRIPT = [str(Path(__file__).with_name("by_hand.py"))]
+
+
 def contenders(device: torch.device, compiled: bool = True) -> dict[str, list[str]]:
-    """Name -> the command after `python -m`."""
+    """Name -> the command after `python`: `gpulab train ...`, or a script that takes EPOCHS DEVICE
+    DATA_DIR and prints its figures as one JSON line (the textbook's port, the script by hand)."""
     spec = format_devices([device]).strip("[]")
-    gpulab = ["gpulab", "train", "--devices", spec]
-    found = {TEXTBOOK: ["gpulab.bench.textbook"], DEFAULT: gpulab}
+    gpulab = [*GPULAB_TRAIN, "--devices", spec]
+    found = {TEXTBOOK: TEXTBOOK_SCRIPT, BY_HAND: BY_HAND_SCRIPT, DEFAULT: gpulab}
     if device.type == "cuda":
         found[UNRECORDED] = [*gpulab, "--compile", "off"]
     if compiled and device.type == "cuda":
@@ -141,11 +153,11 @@ def run_once(command: list[str], epochs: int, spec: str, data_dir: Path, out: Pa
     the user's own, as they are): the whole process's seconds, and what it reports of itself, on
     this process's clock."""
     env = {**(os.environ if cache is None else cache_env(cache)), "GPULAB_DATA": str(data_dir)}
-    textbook = command[0] == "gpulab.bench.textbook"
-    if textbook:
-        argv = [sys.executable, "-m", *command, str(epochs), spec]
+    script = command[:len(GPULAB_TRAIN)] != GPULAB_TRAIN
+    if script:
+        argv = [sys.executable, *command, str(epochs), spec, str(data_dir)]
     else:
-        argv = [sys.executable, "-m", *command, "--epochs", str(epochs), "--out", str(out)]
+        argv = [sys.executable, *command, "--epochs", str(epochs), "--out", str(out)]
     t0 = time.perf_counter()
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
         try:
@@ -157,8 +169,8 @@ def run_once(command: list[str], epochs: int, spec: str, data_dir: Path, out: Pa
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}: {stderr.strip().splitlines()[-1:]}")
-    if textbook:
-        ran = textbook_figures(json.loads(stdout.strip().splitlines()[-1]), wall)
+    if script:
+        ran = script_figures(json.loads(stdout.strip().splitlines()[-1]), wall)
     else:
         ran = gpulab_figures(json.loads((out / "metrics.json").read_text()), wall)
     return {**ran, "cache_bytes": None if cache is None else folder_bytes(cache)}
@@ -173,8 +185,9 @@ def gpulab_figures(rows: list[dict], wall: float) -> dict:
                    accuracies=[row["test_acc"] for row in rows])
 
 
-def textbook_figures(told: dict, wall: float) -> dict:
-    """The textbook port's figures from the JSON line it prints (lists, one entry per epoch)."""
+def script_figures(told: dict, wall: float) -> dict:
+    """The figures of the textbook's port or the script by hand, from the JSON line it prints
+    (lists, one entry per epoch)."""
     return figures(wall, told["train_seconds"], told["eval_seconds"], 0.0, told["test_acc"][-1],
                    first_step_s=told["first_step_s"], epoch_walls=told["wall_s"], accuracies=told["test_acc"])
 
@@ -307,11 +320,23 @@ def headline(spec: str, rows: dict) -> str:
         ours = rows[kind][DEFAULT]
         return f"{ours['ratio']:.2f}x [{ours['ratio_min']:.2f} .. {ours['ratio_max']:.2f}]"
 
-    return (f"{spec}: gpulab train vs the textbook, whole process: first run (empty caches) "
+    line = (f"{spec}: gpulab train vs the textbook, whole process: first run (empty caches) "
             f"{versus(FIRST, 'wall_s')}, {ratio(FIRST)}; second run {versus(SECOND, 'wall_s')}, {ratio(SECOND)}; "
             f"to the first step {versus(FIRST, 'first_step_s')} (second run {versus(SECOND, 'first_step_s')}); "
             f"to test acc {TARGET_ACC:.2f} {versus(FIRST, 'to_acc_s', 'not reached')} "
             f"(second run {versus(SECOND, 'to_acc_s', 'not reached')})")
+    return line + (by_hand_headline(rows) if BY_HAND in rows[FIRST] else "")
+
+
+def by_hand_headline(rows: dict) -> str:
+    """gpulab train against the script by hand: whole process (their medians' ratio: above 1x,
+    gpulab is faster) and test accuracy, first run and second."""
+    def versus(kind: str) -> str:
+        ours, theirs = rows[kind][DEFAULT], rows[kind][BY_HAND]
+        return (f"{_seconds(ours['wall_s'])} vs {_seconds(theirs['wall_s'])} ({theirs['wall_s'] / ours['wall_s']:.2f}x), "
+                f"test acc {ours['test_acc']:.3f} vs {theirs['test_acc']:.3f}")
+
+    return f"; vs plain PyTorch by hand, whole process: first run {versus(FIRST)}; second run {versus(SECOND)}"
 
 
 def _seconds(s: float | None, never: str = "-") -> str:
@@ -482,13 +507,13 @@ def plot(result: Result):
     for offset, kind in zip((-width / 2, width / 2), (FIRST, SECOND)):
         these = [r for r in rows if r["run"] == kind]
         bars = ax.bar([i + offset for i in range(len(these))], [r["wall_s"] for r in these], width,
-                      color=["tab:gray" if r["contender"] == TEXTBOOK else "tab:blue" for r in these],
+                      color=[{TEXTBOOK: "tab:gray", BY_HAND: "tab:orange"}.get(r["contender"], "tab:blue") for r in these],
                       hatch=hatches[kind], edgecolor="white")
         ax.bar_label(bars, [f"{r['ratio']:.2f}x" for r in these], fontsize=7)
     labels = [f"{r['device']}\n{r['contender'].replace('gpulab train', 'gpulab')}" for r in rows if r["run"] == FIRST]
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("seconds, whole process (x: vs the textbook)")
-    ax.set_title("LeNet on Fashion-MNIST: the textbook's chapter vs gpulab train")
+    ax.set_title("LeNet on Fashion-MNIST: the textbook's chapter, plain PyTorch by hand, gpulab train")
     ax.legend(handles=[Patch(facecolor="lightgray", edgecolor="black", hatch=hatches[kind], label=RUNS[kind])
                        for kind in (FIRST, SECOND)], fontsize=7, loc="upper left")
     ax.margins(y=0.12)
