@@ -515,7 +515,7 @@ def plot(result: Result):
     ax.set_ylabel("seconds, whole process (x: vs the textbook)")
     ax.set_title("LeNet on Fashion-MNIST: the textbook's chapter, plain PyTorch by hand, gpulab train")
     ax.legend(handles=[Patch(facecolor="lightgray", edgecolor="black", hatch=hatches[kind], label=RUNS[kind])
-                       for kind in (FIRST, SECOND)], fontsize=7, loc="upper left")
+                       for kind in (FIRST, SECOND)], fontsize=7, loc="upper right")
     ax.margins(y=0.12)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
