@@ -57,20 +57,6 @@ def cpu_busy_pct(interval_s: float = 0.3) -> float:
     return psutil.cpu_percent(interval=interval_s)
 
 
-def machine_slug(env: dict) -> str:
-    """A folder name for results: 'cpu-amd-epyc-2core', or the first GPU's name ('nvidia-h100-80gb-hbm3')."""
-    if env["gpus"]:
-        name = env["gpus"][0]["name"] or "unreadable-gpu"  # a GPU NVML could not read
-        count = len(env["gpus"])
-        return _slug(name) + (f"-x{count}" if count > 1 else "")
-    return f"cpu-{_slug(env['cpu']['model'])}-{env['cpu']['logical_cores']}core"
-
-
-def _slug(text: str) -> str:
-    out = "".join(c if c.isalnum() else "-" for c in text.lower())
-    return "-".join(part for part in out.split("-") if part)
-
-
 def contention_warning(others_pct: float, when: str) -> str:
     """What other processes' CPU use does to the timings (one wording for before and during a run)."""
     return (f"other processes used {others_pct:.0f}% of the CPU {when}: CPU timings are inflated and noisy (a "

@@ -50,10 +50,6 @@ class Timing:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    @property
-    def rel_spread(self) -> float:
-        return self.iqr_s / self.median_s if self.median_s > 0 else 0.0
-
 
 def pick_clock(devices: Iterable[torch.device], clock: str = "auto") -> str:
     devices = set(devices)
