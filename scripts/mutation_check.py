@@ -299,6 +299,13 @@ MUTATIONS = [
              "    return [(X.sub_(MEAN).div_(STD), y) for X, y in splits]",
              "    return [(X.sub_(X.mean()).div_(X.std()), y) for X, y in splits]",
              ["tests/bench/test_by_hand.py::test_its_data_is_gpulab_s"]),
+    Mutation("the writer's heartbeat tick taken outside its lock: silence() does not wait for it", "src/gpulab/monitor/record/writer.py",
+             "            with self._lock:  # silence() waits for a tick under way: nothing is written after it returns\n"
+             "                if self.on_tick is not None and not self.silenced:\n"
+             "                    self.on_tick()\n",
+             "            if self.on_tick is not None and not self.silenced:\n"
+             "                self.on_tick()\n",
+             ["tests/monitor/test_profile_jobs.py::test_a_silenced_writer_lets_its_tick_under_way_end_and_starts_no_other"]),
 ]
 
 

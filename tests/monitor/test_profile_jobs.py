@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from gpulab.cli import main
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
 from gpulab.monitor.output.report import build_report
+from gpulab.monitor.record.writer import EventWriter
 from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -208,6 +210,30 @@ def test_killing_gpulab_outright_stops_the_whole_job(tmp_path):
         time.sleep(0.2)
     assert not still_running(pids)
     assert not list((tmp_path / "prof").glob(".events-*"))
+
+
+def test_a_silenced_writer_lets_its_tick_under_way_end_and_starts_no_other(tmp_path):
+    """Killed outright, gpulab leaves the job's main process to silence its writer and remove the
+    recordings' folder: a heartbeat tick under way must end before silence() returns, and none
+    may start after it, or a status file lands in the folder being removed, which then stays."""
+    entered, release, silenced = threading.Event(), threading.Event(), threading.Event()
+    ticks = []
+
+    def tick():
+        ticks.append(threading.get_ident())
+        entered.set()
+        release.wait(10)
+
+    writer = EventWriter(tmp_path / "events-1.jsonl", lambda: [], detail_steps=10)
+    writer.on_tick = tick
+    assert entered.wait(10)  # a tick under way on the writer's thread
+    threading.Thread(target=lambda: (writer.silence(), silenced.set())).start()
+    assert not silenced.wait(1.0)  # silence() waits for it
+    release.set()
+    assert silenced.wait(10)
+    helper = next(t for t in threading.enumerate() if t.ident == ticks[0])
+    helper.join(10)  # nothing left for it to do: it ends
+    assert not helper.is_alive() and len(ticks) == 1
 
 
 # ----------------------------------------------------------------------------- empty recordings

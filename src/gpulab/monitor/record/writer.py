@@ -75,11 +75,12 @@ class EventWriter:
     def _flush_periodically(self) -> None:
         block_signals_in_this_thread()
         pid = self._pid
-        while not self._closed and os.getpid() == pid:
+        while not (self._closed or self.silenced) and os.getpid() == pid:
             time.sleep(FLUSH_EVERY_S)
             now = time.monotonic()
-            if self.on_tick is not None and not self.silenced:
-                self.on_tick()
+            with self._lock:  # silence() waits for a tick under way: nothing is written after it returns
+                if self.on_tick is not None and not self.silenced:
+                    self.on_tick()
             try:
                 self._write(with_snapshots=now - self._last_snapshot >= SNAPSHOT_EVERY_S)
             except RuntimeError:  # a tally changed size while read from this thread: next time
@@ -94,7 +95,7 @@ class EventWriter:
         self._write(with_snapshots=True, final=final)
 
     def silence(self) -> None:
-        """Write nothing from now on; a write under way finishes first."""
+        """Write nothing from now on, no tick either; a write or tick under way finishes first."""
         with self._lock:
             self.silenced = True
 
