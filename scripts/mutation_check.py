@@ -300,7 +300,7 @@ MUTATIONS = [
              "    return [(X.sub_(X.mean()).div_(X.std()), y) for X, y in splits]",
              ["tests/bench/test_by_hand.py::test_its_data_is_gpulab_s"]),
     Mutation("the writer's heartbeat tick taken outside its lock: silence() does not wait for it", "src/gpulab/monitor/record/writer.py",
-             "            with self._lock:  # silence() waits for a tick under way: nothing is written after it returns\n"
+             "            with self._ticking:  # silence() waits for a tick under way: nothing is written after it returns\n"
              "                if self.on_tick is not None and not self.silenced:\n"
              "                    self.on_tick()\n",
              "            if self.on_tick is not None and not self.silenced:\n"

@@ -220,7 +220,7 @@ def test_a_silenced_writer_lets_its_tick_under_way_end_and_starts_no_other(tmp_p
     ticks = []
 
     def tick():
-        ticks.append(threading.get_ident())
+        ticks.append(threading.current_thread())
         entered.set()
         release.wait(10)
 
@@ -231,7 +231,7 @@ def test_a_silenced_writer_lets_its_tick_under_way_end_and_starts_no_other(tmp_p
     assert not silenced.wait(1.0)  # silence() waits for it
     release.set()
     assert silenced.wait(10)
-    helper = next(t for t in threading.enumerate() if t.ident == ticks[0])
+    helper = ticks[0]
     helper.join(10)  # nothing left for it to do: it ends
     assert not helper.is_alive() and len(ticks) == 1
 

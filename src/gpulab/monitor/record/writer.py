@@ -67,6 +67,8 @@ class EventWriter:
         self._pid = os.getpid()
         self._blocks = StepBlocks(self._detail_steps)
         self._lock = threading.RLock()  # the flushing thread and the final flush (a signal handler)
+        # A tick apart: the final flush need not wait for one (it may read a hung collective's state).
+        self._ticking = threading.Lock()
         self._closed = False
         self._last_snapshot = 0.0
         if self.path is not None:
@@ -78,7 +80,7 @@ class EventWriter:
         while not (self._closed or self.silenced) and os.getpid() == pid:
             time.sleep(FLUSH_EVERY_S)
             now = time.monotonic()
-            with self._lock:  # silence() waits for a tick under way: nothing is written after it returns
+            with self._ticking:  # silence() waits for a tick under way: nothing is written after it returns
                 if self.on_tick is not None and not self.silenced:
                     self.on_tick()
             try:
@@ -96,7 +98,7 @@ class EventWriter:
 
     def silence(self) -> None:
         """Write nothing from now on, no tick either; a write or tick under way finishes first."""
-        with self._lock:
+        with self._lock, self._ticking:
             self.silenced = True
 
     def _closed_block(self) -> list[dict]:
