@@ -306,6 +306,10 @@ MUTATIONS = [
              "            if self.on_tick is not None and not self.silenced:\n"
              "                self.on_tick()\n",
              ["tests/monitor/test_profile_jobs.py::test_a_silenced_writer_lets_its_tick_under_way_end_and_starts_no_other"]),
+    Mutation("gpulab bench --rounds ignored", "src/gpulab/bench/__init__.py",
+             "    return replace(cfg, rounds=rounds) if rounds is not None and repeats_rounds(module) else cfg",
+             "    return cfg",
+             ["tests/bench/test_bench_cli.py::test_rounds_sets_the_rounds_of_a_benchmark_that_runs_them"]),
 ]
 
 

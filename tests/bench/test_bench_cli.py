@@ -109,6 +109,8 @@ def test_busbw_follows_the_ring_formula(tiny_run):
         (["bench", "nope"], "unknown benchmark 'nope'"),
         (["bench", "matmul", "--devices", "tpu"], "unknown device 'tpu'"),
         (["bench", "matmul", "--devices", "cuda:7"], "not available"),
+        (["bench", "matmul", "vectorize", "--rounds", "1"], "--rounds: matmul, vectorize run no rounds (training does)"),
+        (["bench", "training", "--rounds", "0"], "--rounds 0: must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
@@ -166,6 +168,25 @@ def test_preset_flags(flags, preset):
     from gpulab.cli import build_parser
 
     assert build_parser().parse_args(["bench", "matmul", *flags]).preset == preset
+
+
+def test_rounds_sets_the_rounds_of_a_benchmark_that_runs_them(monkeypatch, tmp_path):
+    """--rounds 1 for training, on top of any preset; benchmarks without rounds keep their sizes."""
+    from gpulab import bench
+    from gpulab.bench import training
+
+    seen = {}
+
+    def fake_run(cfg, ctx, result):
+        seen[result.name] = cfg
+
+    monkeypatch.setattr(training, "run", fake_run)
+    assert main(["bench", "training", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    assert seen["training"] == training.Config(rounds=1)  # the full preset's 10 epochs, one round
+    assert json.loads((tmp_path / "training.json").read_text())["command"].endswith(f"--rounds 1 --out {tmp_path}")
+    assert bench.config(training, "tiny", rounds=2) == training.Config(**{**training.PRESETS["tiny"], "rounds": 2})
+    matmul = bench.load("matmul")
+    assert bench.config(matmul, "tiny", rounds=5) == bench.config(matmul, "tiny")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ One module per benchmark; each has the same four parts, top to bottom:
 from __future__ import annotations
 
 import importlib
+from dataclasses import fields, replace
 from types import ModuleType
 
 from gpulab.errors import UserError
@@ -42,11 +43,18 @@ def load(name: str) -> ModuleType:
     return importlib.import_module(f"gpulab.bench.{name.replace('-', '_')}")
 
 
-def config(module: ModuleType, preset: str):
-    """A benchmark's Config at the sizes of `preset`."""
+def config(module: ModuleType, preset: str, rounds: int | None = None):
+    """A benchmark's Config at the sizes of `preset`; `rounds`, where given, replaces the preset's
+    for a benchmark that repeats whole runs in rounds (`repeats_rounds`)."""
     if preset not in PRESETS:
         raise UserError(f"unknown preset '{preset}': choose one of {', '.join(PRESETS)}")
-    return module.Config(**module.PRESETS[preset])
+    cfg = module.Config(**module.PRESETS[preset])
+    return replace(cfg, rounds=rounds) if rounds is not None and repeats_rounds(module) else cfg
+
+
+def repeats_rounds(module: ModuleType) -> bool:
+    """Does the benchmark run its contenders in rounds (Config.rounds), so that --rounds applies?"""
+    return "rounds" in {f.name for f in fields(module.Config)}
 
 
 def expand(names: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpulab import bench
+from gpulab.errors import UserError
 
 BUSY_PCT = 25.0
 """Warn when other processes use more than this share of the CPU before a run."""
@@ -45,6 +46,9 @@ def add_bench_parser(sub) -> None:
         help="full (default: for reports), quick (= --quick) or tiny (seconds; checks the code paths only)",
     )
     p.set_defaults(preset="full")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of the benchmarks that run whole contenders in turn, round after round (training; "
+                        "default: the preset's, 3 for full): 1 for a first look where time is short")
     p.add_argument("--out", default="bench-out", help="output folder (default: bench-out); files there that gpulab "
                    "did not write are never replaced")
     p.add_argument("--force", action="store_true", help="replace files in the --out folder that gpulab did not write")
@@ -63,17 +67,23 @@ def run_bench(args) -> int:
     from gpulab.io import OutputFolder, check_writable, given_path
 
     names = bench.expand(args.names)
+    if args.rounds is not None:
+        if args.rounds < 1:
+            raise UserError(f"--rounds {args.rounds}: must be >= 1")
+        if not any(bench.repeats_rounds(bench.load(name)) for name in names):
+            raise UserError(f"--rounds: {', '.join(names)} run no rounds (training does); leave --rounds out")
     devices = None if args.devices in (None, "auto") else resolve(args.devices)
     out_dir = given_path(args.out)
     outputs = OutputFolder.out(out_dir, args.force)
     check_writable(out_dir)
     outputs.check(output_names(names))  # before any benchmark runs
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
-    ctx = Context(preset=args.preset, devices=devices, console=console)
+    ctx = Context(preset=args.preset, rounds=args.rounds, devices=devices, console=console)
     command = shlex.join(
         ["gpulab", "bench", *args.names]
         + (["--devices", args.devices] if args.devices else [])
         + (["--quick"] if args.preset == "quick" else ["--preset", args.preset] if args.preset != "full" else [])
+        + (["--rounds", str(args.rounds)] if args.rounds is not None else [])
         + ["--out", args.out]
         + (["--force"] if args.force else [])
     )

@@ -26,6 +26,8 @@ class Context:
     """What every benchmark is told: preset, the user's devices (if any), where to report progress."""
 
     preset: str = "full"
+    rounds: int | None = None
+    """--rounds: the rounds of the benchmarks that run whole contenders in rounds; None: the preset's."""
     devices: list[torch.device] | None = None
     """The devices from --devices, in order (`cpu*4` gives the CPU four times); None: each
     benchmark's default (the CPU plus every GPU, or virtual CPU replicas for multi-device ones)."""
@@ -65,7 +67,7 @@ def _spec(devices: list[torch.device]) -> str:
 def run_benchmark(name: str, ctx: Context, out: OutputFolder, command: str | None = None, env: dict | None = None) -> Result:
     """Run one benchmark, print its tables, write DIR/<name>.json and DIR/<name>.png (both or neither)."""
     module = bench.load(name)
-    cfg = bench.config(module, ctx.preset)
+    cfg = bench.config(module, ctx.preset, ctx.rounds)
     result = Result(
         name=name, lesson=module.LESSON, config=asdict(cfg), env=env or environment(), preset=ctx.preset, command=command
     )
