@@ -15,6 +15,7 @@ import torch
 from gpulab.bench import by_hand, training
 from gpulab.config import RECIPES, TrainConfig
 from gpulab.data.loader import FASHION_MEAN, FASHION_STD
+from gpulab.devices import native_bf16
 from gpulab.models.lenet import LeNet
 from gpulab.train.recipe import lr_at
 
@@ -28,6 +29,10 @@ def test_it_trains_gpulab_train_s_default_recipe():
     assert modern.nesterov and modern.schedule == "onecycle" and modern.normalize and modern.init == "default"
     total = 2340
     assert [by_hand.lr_at(s, total) for s in range(total)] == [lr_at(s, total, modern.lr, modern) for s in range(total)]
+
+
+def test_it_chooses_bf16_where_gpulab_does():
+    assert by_hand.native_bf16(torch.device("cpu")) == native_bf16(torch.device("cpu"))
 
 
 def test_its_lenet_is_gpulab_s_with_the_same_initial_weights():
