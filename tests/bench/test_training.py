@@ -195,3 +195,13 @@ def test_a_contender_s_caches_are_all_in_its_folder(monkeypatch, tmp_path):
     assert "PYTHONPYCACHEPREFIX" not in env  # gpulab's child sets its own, under the new XDG_CACHE_HOME
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", "/the/user/s/own")
     assert training.cache_env(folder)["PYTHONPYCACHEPREFIX"] == str(folder / "pycache")
+
+
+def test_the_tiny_preset_runs_the_textbook_and_gpulab_train_only():
+    """The suite's smoke run: the script by hand has its own test (test_by_hand.py), the compiled
+    contenders theirs (test_compile.py)."""
+    from gpulab import bench
+
+    cfg = bench.config(training, "tiny")
+    assert list(training.contenders(torch.device("cpu"), cfg.compiled, cfg.by_hand)) == [training.TEXTBOOK, training.DEFAULT]
+    assert list(training.contenders(torch.device("cpu"))) == [training.TEXTBOOK, training.BY_HAND, training.DEFAULT]

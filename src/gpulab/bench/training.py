@@ -101,12 +101,15 @@ class Config:
     defaults come from"), which a 10-epoch demo never wins back, and each such run takes minutes.
     The tiny preset leaves them out everywhere: tests/train/test_compile.py checks compiled
     training on its own."""
+    by_hand: bool = True
+    """Also the script by hand. The tiny preset leaves it out: tests/bench/test_by_hand.py runs it
+    as a process of its own."""
 
 
 PRESETS = {
     "full": {},
     "quick": dict(epochs=1, rounds=2),
-    "tiny": dict(epochs=1, rounds=1, samples=1024, timeout_s=600.0, compiled=False),
+    "tiny": dict(epochs=1, rounds=1, samples=1024, timeout_s=600.0, compiled=False, by_hand=False),
 }
 
 
@@ -116,12 +119,12 @@ TEXTBOOK_SCRIPT = ["-m", "gpulab.bench.textbook"]
 BY_HAND_SCRIPT = [str(Path(__file__).with_name("by_hand.py"))]
 
 
-def contenders(device: torch.device, compiled: bool = True) -> dict[str, list[str]]:
+def contenders(device: torch.device, compiled: bool = True, by_hand: bool = True) -> dict[str, list[str]]:
     """Name -> the command after `python`: `gpulab train ...`, or a script that takes EPOCHS DEVICE
     DATA_DIR and prints its figures as one JSON line (the textbook's port, the script by hand)."""
     spec = format_devices([device]).strip("[]")
     gpulab = [*GPULAB_TRAIN, "--devices", spec]
-    found = {TEXTBOOK: TEXTBOOK_SCRIPT, BY_HAND: BY_HAND_SCRIPT, DEFAULT: gpulab}
+    found = {TEXTBOOK: TEXTBOOK_SCRIPT, **({BY_HAND: BY_HAND_SCRIPT} if by_hand else {}), DEFAULT: gpulab}
     if device.type == "cuda":
         found[UNRECORDED] = [*gpulab, "--compile", "off"]
     if compiled and device.type == "cuda":
@@ -281,7 +284,7 @@ def run(cfg: Config, ctx, result: Result) -> None:
             spec = format_devices([device]).strip("[]")
             runs: dict[str, dict[str, list[dict]]] = {FIRST: {}, SECOND: {}}
             for r in range(cfg.rounds):
-                for name, command in contenders(device, cfg.compiled).items():
+                for name, command in contenders(device, cfg.compiled, cfg.by_hand).items():
                     tag = f"{spec.replace(':', '')}-{r}-{name.split()[-1]}"
                     cache = Path(tmp) / f"cache-{tag}"
                     cache.mkdir()  # new and empty: the first run's
