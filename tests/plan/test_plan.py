@@ -248,9 +248,11 @@ def test_a_real_plan_end_to_end(tiny_data, tmp_path, capsys):
 
     params = list(models.build("lenet").parameters())
     assert sum(plan["profiles"][0]["bucket_bytes"]) == 4 * (sum(p.numel() for p in params) + len(params))
-    for p in plan["profiles"]:  # timestamps from hooks, the step from the clock around it
+    for p in plan["profiles"]:  # timestamps from hooks, the steps from the clock around them
         assert p["before_backward_s"] > 0 and p["backward_s"] > 0
-        assert p["step_s"] >= p["before_backward_s"] + p["backward_s"] * 0.99
+        # Each step holds its two parts; their medians fit in the longest step (the mean step, a
+        # mean, may be shorter than the medians' sum on a noisy machine).
+        assert p["before_backward_s"] + p["backward_s"] <= max(p["step_times_s"])
         assert len(p["step_times_s"]) >= 5
         # Copies that ran at once measured what backward hides of an allreduce; one alone did not.
         assert 0 <= p["overlap"] <= 1 and (p["copies"] > 1 or p["overlap"] == 1.0)
