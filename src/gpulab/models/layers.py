@@ -53,7 +53,8 @@ class _ReLUAvgPool2d(torch.autograd.Function):
         # channels_last activation). ReLU's backward reads it beside the activation, and over two
         # layouts that pass is a strided loop, on the CPU ~10x slower than over one; the gradient
         # is k*k times smaller than the activation, so it takes the activation's layout first.
-        grad = grad.contiguous(memory_format=layout_of(activation))
+        if activation.dim() == 4 and activation.is_contiguous(memory_format=torch.channels_last):
+            grad = grad.contiguous(memory_format=torch.channels_last)
         height, width = activation.shape[-2:]
         pooled_height, pooled_width = height // k * k, width // k * k
         spread = F.interpolate(grad / (k * k), size=(pooled_height, pooled_width), mode="nearest")
@@ -62,10 +63,3 @@ class _ReLUAvgPool2d(torch.autograd.Function):
         # ReLU's own backward: the gradient where the activation is positive, else 0
         return torch.ops.aten.threshold_backward(spread, activation, 0), None
 
-
-def layout_of(x: torch.Tensor) -> torch.memory_format:
-    """channels_last where `x` is laid out so and not also contiguous (one channel, or 1x1 images,
-    are both), else the contiguous format."""
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    return torch.contiguous_format
