@@ -125,6 +125,23 @@ def test_runs_that_disagree_are_called_not_reliable_with_their_spread(tmp_path, 
     assert "not reliable" in capsys.readouterr().err
 
 
+def test_a_trial_under_torchrun_is_named_after_the_script_torchrun_starts(two_cores, tmp_path, monkeypatch, capsys):
+    """As `gpulab profile` names its folder: profiles/<time>-train, not after the launcher's options."""
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    folders = []
+
+    def stop_before_running(self, change, label, max_pairs):
+        folders.append(self.out)
+        raise UserError("stopped before the runs")
+
+    monkeypatch.setattr(trial._Trial, "run_until_stable", stop_before_running)
+    code, _, err = run_cli(["profile", "--try", "num_workers=1", "--steps", "3", "--", sys.executable, "-m",
+                            "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"], capsys)
+    assert_one_line_error(code, err, "stopped before the runs")
+    assert folders[0].parent == Path("profiles") and folders[0].name.endswith("-train"), folders
+
+
 def test_more_threads_than_cores_are_refused(two_cores):
     with pytest.raises(UserError, match=r"--try threads=3: this machine has 2 usable cores.*try threads=1 \.\. 2"):
         trial.parse_overrides(["threads=3"])

@@ -26,7 +26,7 @@ from gpulab.io import OutputFolder, check_writable, json_bytes, writing_results
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.step_costs import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
-from gpulab.monitor.parent.runner import default_out_dir, run_job, split_python_command
+from gpulab.monitor.parent.runner import default_out_dir, run_job, split_python_command, training_target
 
 TRYABLE = {"num_workers": int, "prefetch_factor": int, "pin_memory": bool, "persistent_workers": bool, "threads": int}
 WORKER_SETTINGS = ("prefetch_factor", "persistent_workers")  # DataLoader ignores them without workers
@@ -141,7 +141,7 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
     if not MIN_PAIRS <= max_pairs <= 50:
         raise UserError(f"--max-pairs {max_pairs}: use {MIN_PAIRS} to 50 (each pair runs the script twice)")
     interpreter, options, target = split_python_command(command)
-    out = out or default_out_dir(target)
+    out = out or default_out_dir(training_target(interpreter, target))
     outputs = OutputFolder.out(out, force)
     check_writable(out)
     outputs.check([TRY_OUTPUT])  # before the runs: minutes of them, then nowhere to write
