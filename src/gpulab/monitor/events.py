@@ -314,7 +314,6 @@ class Recording:
         self._cuda_in_use: dict | None = None
         self._rule: str | None = None
         self.compiles: list[dict] = []  # torch.compile's records, in order
-        self.exit_code: int | None = None  # set by whoever knows it (the parent, for its own child)
         self.tally: tuple[int, float] | None = None  # (steps, t of the last) from tally-<pid>.bin
         self.crash: str | None = None  # faulthandler's report of a fatal signal
         self.ranks_here: int | None = None  # ranks recorded on this machine (read_lanes counts them)
@@ -440,10 +439,7 @@ def _merged(earlier: list[dict], step: dict) -> dict:
     if "spans" in step:
         merged["spans"] = [span for r in earlier for span in r.get("spans", [])] + step["spans"]
     for r in earlier:
-        for category, seconds in r["excl"].items():
-            merged["excl"][category] = merged["excl"].get(category, 0.0) + seconds
-        for key, n in r["counts"].items():
-            merged["counts"][key] = merged["counts"].get(key, 0) + n
+        merged["excl"], merged["counts"] = _added(merged["excl"], r["excl"]), _added(merged["counts"], r["counts"])
     return merged
 
 

@@ -26,9 +26,6 @@ def build(lanes: list[Recording], samples: list[dict], gpus: list[dict], origin:
 
 
 def _lane_events(rec: Recording, track: int, origin: float) -> list[dict]:
-    def us(t: float) -> float:
-        return round((t - origin) * 1e6, 1)
-
     rank = rec.rank
     name = f"rank {rank}" if rank is not None else "training process"
     events: list[dict] = [
@@ -38,38 +35,23 @@ def _lane_events(rec: Recording, track: int, origin: float) -> list[dict]:
         _meta("thread_name", track, _SPANS_TID, "phases (host)"),
     ]
     for s in rec.steps:
-        events.append({
-            "name": f"step {s['i']}", "cat": "step", "ph": "X", "pid": track, "tid": _STEPS_TID,
-            "ts": us(s["t0"]), "dur": round((s["t1"] - s["t0"]) * 1e6, 1),
-            "args": {f"{k} ms": round(v * 1e3, 3) for k, v in s["excl"].items()} | {"excluded": bool(s.get("profiled"))},
-        })
+        args = {f"{k} ms": round(v * 1e3, 3) for k, v in s["excl"].items()} | {"excluded": bool(s.get("profiled"))}
+        events.append(_span(f"step {s['i']}", "step", track, _STEPS_TID, s["t0"], s["t1"], origin, args))
     for b in rec.blocks:
-        events.append({
-            "name": f"steps {b['i0']}-{b['i1']} (summed)", "cat": "steps", "ph": "X", "pid": track, "tid": _STEPS_TID,
-            "ts": us(b["t0"]), "dur": round((b["t1"] - b["t0"]) * 1e6, 1),
-            "args": {f"{k} ms per step": round(v * 1e3 / b["n"], 4) for k, v in b["excl"].items()} | {"steps": b["n"]},
-        })
+        args = {f"{k} ms per step": round(v * 1e3 / b["n"], 4) for k, v in b["excl"].items()} | {"steps": b["n"]}
+        events.append(_span(f"steps {b['i0']}-{b['i1']} (summed)", "steps", track, _STEPS_TID, b["t0"], b["t1"], origin, args))
     if rec.tail:
-        events.append({
-            "name": "after the last step", "cat": "step", "ph": "X", "pid": track, "tid": _STEPS_TID,
-            "ts": us(rec.tail["t0"]), "dur": round((rec.tail["t1"] - rec.tail["t0"]) * 1e6, 1),
-        })
+        events.append(_span("after the last step", "step", track, _STEPS_TID, rec.tail["t0"], rec.tail["t1"], origin))
     for s in [*rec.steps, *([rec.tail] if rec.tail else [])]:
         for name, category, t0, t1 in s.get("spans", []):
-            events.append({
-                "name": name, "cat": category, "ph": "X", "pid": track, "tid": _SPANS_TID,
-                "ts": us(t0), "dur": round((t1 - t0) * 1e6, 1),
-            })
+            events.append(_span(name, category, track, _SPANS_TID, t0, t1, origin))
     return events
 
 
 def _sample_events(samples: list[dict], gpus: list[dict], origin: float) -> list[dict]:
-    def us(t: float) -> float:
-        return round((t - origin) * 1e6, 1)
-
     events: list[dict] = []
     for sample in samples:
-        ts = us(sample["t"])
+        ts = _us(sample["t"], origin)
         for position, info in enumerate(gpus):
             if position >= len(sample["gpus"]):
                 continue
@@ -90,6 +72,19 @@ def _sample_events(samples: list[dict], gpus: list[dict], origin: float) -> list
             _counter(events, "CPU % (100 = one core)", ts, cpu)
             _counter(events, "RSS MiB", ts, {"training process": proc["rss_mib"], "workers": proc["workers_rss_mib"]})
     return events
+
+
+def _us(t: float, origin: float) -> float:
+    """Microseconds since `origin`: the trace's clock."""
+    return round((t - origin) * 1e6, 1)
+
+
+def _span(name: str, category: str, track: int, tid: int, t0: float, t1: float, origin: float,
+          args: dict | None = None) -> dict:
+    """A complete event: t0..t1 on a thread of a process track."""
+    event = {"name": name, "cat": category, "ph": "X", "pid": track, "tid": tid, "ts": _us(t0, origin),
+             "dur": round((t1 - t0) * 1e6, 1)}
+    return event | {"args": args} if args is not None else event
 
 
 def _meta(kind: str, pid: int, tid: int, value) -> dict:

@@ -232,7 +232,6 @@ class ProcessReader:
     """
 
     def __init__(self, pid: int):
-        self.pid = pid
         self.proc = psutil.Process(pid)
         self.proc.cpu_percent(None)  # the first call only starts psutil's measurement
         self._children: dict[int, psutil.Process] = {}

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from functools import update_wrapper
 from types import CodeType, FunctionType, ModuleType
 
-_MARK = "__gpulab_patch__"
 _in_place = 0  # patches in place in this process, every Patches together
 _patched: list[tuple[object, str, object, object]] = []  # (owner, name, original, wrapper), all of them
 _lifted = 0  # compiles under way (they nest): the originals are in place meanwhile
@@ -50,7 +49,6 @@ class Patches:
         had_own = name in vars(owner)
         original = getattr(owner, name)
         wrapper = update_wrapper(make_wrapper(original), original)
-        setattr(wrapper, _MARK, True)
         entry = (owner, name, original, wrapper)
         _patched.append(entry)
         if not _lifted:

@@ -142,7 +142,7 @@ class Recorder:
         for probe in self.probes:
             end.update(probe.end_fields())
         self.writer.emit(end)
-        self.writer.flush(final=True)
+        self.writer.close()
         self.sink.ident = None
         self._recording = False
 

@@ -88,13 +88,12 @@ class EventWriter:
             except RuntimeError:  # a tally changed size while read from this thread: next time
                 pass
 
-    def flush(self, final: bool = False) -> None:
-        """Write what is pending, with the whole-run tallies; the final one ends the lane."""
+    def close(self) -> None:
+        """Write what is pending, with the whole-run tallies, and end the lane."""
         if self.path is None:
-            if final:
-                self._pending.extend(self._closed_block() + self._snapshots())
+            self._pending.extend(self._closed_block() + self._snapshots())
             return
-        self._write(with_snapshots=True, final=final)
+        self._write(with_snapshots=True, final=True)
 
     def silence(self) -> None:
         """Write nothing from now on, no tick either; a write or tick under way finishes first."""

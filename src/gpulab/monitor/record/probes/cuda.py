@@ -71,7 +71,6 @@ def cuda_device_present() -> bool:
 class CudaSyncProbe(Probe):
     def __init__(self, warmup_steps: int):
         self._warmup_steps = warmup_steps
-        self.enabled = False
         self.sites = SyncSites(warmup_steps)
         self._state = _ThreadState()
         self._debug_mode = SyncDebugMode(self._on_sync_reported)
@@ -84,12 +83,11 @@ class CudaSyncProbe(Probe):
         # script's every .to() and tensor repr for nothing (a fifth of a small data fetch). With a device the wrappers are inert until a CUDA tensor shows up.
         if not cuda_device_present():
             return
-        self.enabled = True
         self._debug_mode.install()
         self.wrap_sync_points(self.patches.patch)
         self.patches.on_undo(self.sink.guard_own_work(self.suppressed))
         self.listen(self.sink.notices.step_ended, self._step_ended)
-        self.patches.on_undo(self._uninstall)  # first out: sync debug mode and the warning filter
+        self.patches.on_undo(self._debug_mode.uninstall)  # first out: sync debug mode and the warning filter
 
     def wrap_sync_points(self, patch) -> None:
         """Replace, through `patch(owner, name, make_wrapper)`, the Python entry points that sync or copy."""
@@ -100,10 +98,6 @@ class CudaSyncProbe(Probe):
         patch(torch.cuda, "synchronize", lambda orig: self._timed_explicit(orig, "torch.cuda.synchronize"))
         patch(torch.cuda.Event, "synchronize", lambda orig: self._timed_explicit(orig, "Event.synchronize"))
         patch(torch.cuda.Stream, "synchronize", lambda orig: self._timed_explicit(orig, "Stream.synchronize"))
-
-    def _uninstall(self) -> None:
-        self.enabled = False
-        self._debug_mode.uninstall()
 
     def new_lane(self) -> None:
         self.sites = SyncSites(self._warmup_steps)
