@@ -18,7 +18,7 @@ import pytest
 
 from gpulab.cli import main
 from gpulab.io import OUTPUTS_RECORD
-from tests.conftest import disk_full_for
+from tests.conftest import assert_one_line_error, disk_full_for, run_cli
 from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -184,6 +184,18 @@ def test_a_full_disk_is_one_line_and_the_script_keeps_its_sys_exit_code(tmp_path
     assert sorted(p.name for p in out.iterdir()) == [OUTPUTS_RECORD, "report.json"]
     report = read_report(out)
     assert report["exit_code"] == 3 and report["steps"] == 6
+
+
+def test_an_interpreter_that_cannot_start_is_one_line_and_leaves_no_folder(tmp_path, capsys):
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_bytes(b"\x7fELF not a program")
+    fake.chmod(0o755)
+    (tmp_path / "train.py").write_text("")
+    out = tmp_path / "new" / "prof"
+    code, _, err = run_cli(["profile", "--out", str(out), "--", str(fake), str(tmp_path / "train.py")], capsys)
+    assert_one_line_error(code, err, f"could not start {fake} (Exec format error): give the path of a Python interpreter")
+    assert not (tmp_path / "new").exists()
 
 
 def test_output_path_that_is_a_file_is_refused(tmp_path, capsys):

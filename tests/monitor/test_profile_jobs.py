@@ -141,11 +141,11 @@ def test_try_measures_the_change_on_the_first_steps(tmp_path, capsys):
 # ----------------------------------------------------------------------------- signals
 
 
-def start_signals_job(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, list[int]]:
-    """gpulab profile of signals.py in its own session; the script's pids once it is training."""
+def start_signals_job(tmp_path: Path, *args: str, options: tuple[str, ...] = ()) -> tuple[subprocess.Popen, list[int]]:
+    """gpulab profile (with `options`) of signals.py in its own session; the script's pids once it is training."""
     pids_file = tmp_path / "pids"
     gpulab = subprocess.Popen(
-        [sys.executable, "-m", "gpulab", "profile", "--out", str(tmp_path / "prof"), "--", sys.executable,
+        [sys.executable, "-m", "gpulab", "profile", "--out", str(tmp_path / "prof"), *options, "--", sys.executable,
          str(SCRIPTS / "signals.py"), str(pids_file), *args],
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -193,6 +193,19 @@ def test_signals_end_the_job_and_keep_the_report(tmp_path, how, args, exit_code)
     assert report["exit_code"] == exit_code and report["steps"] > 10, err[-3000:]
     assert not still_running(pids)
     assert not list((tmp_path / "prof").glob(".events-*"))
+
+
+def test_ctrl_c_ends_a_trial_as_it_ends_a_profile(tmp_path):
+    """--try: the run under way gets the signal and ends; nothing is written, and gpulab exits with
+    that run's code, where a trial would otherwise call the interrupted run too short."""
+    gpulab, pids = start_signals_job(tmp_path, options=("--try", "threads=1", "--steps", "100000"))
+    gpulab.send_signal(signal.SIGINT)
+    out, err = gpulab.communicate(timeout=60)
+    assert gpulab.returncode == 130, err[-2000:]
+    assert "signals: cleanup ran" in out
+    assert err.rstrip().endswith("gpulab profile --try: stopped during the run as it is; nothing measured is kept"), err[-2000:]
+    assert not (tmp_path / "prof").exists()
+    assert not still_running(pids)
 
 
 def test_children_dying_during_the_flush_do_not_lose_the_recording(tmp_path, capfd):

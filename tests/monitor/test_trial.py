@@ -64,8 +64,8 @@ def test_a_worker_setting_acts_where_a_loader_has_workers_or_workers_are_tried_w
 
 def test_prefetch_factor_on_a_loader_without_workers_is_refused_not_measured(two_cores, tmp_path, capfd):
     """slow_dataset.py's DataLoader has num_workers=0: DataLoader ignores prefetch_factor there, so a
-    ratio of the two runs would only measure noise."""
-    out = tmp_path / "try"
+    ratio of the two runs would only measure noise. The folders made for the output go again."""
+    out = tmp_path / "new" / "nested" / "try"
     code = main(["profile", "--out", str(out), "--try", "prefetch_factor=4", "--steps", "3", "--",
                  sys.executable, str(SCRIPTS / "slow_dataset.py")])
     err = capfd.readouterr().err
@@ -76,7 +76,43 @@ def test_prefetch_factor_on_a_loader_without_workers_is_refused_not_measured(two
     assert "slow_dataset.py:" in line
     assert line.endswith("has num_workers=0: try both, --try num_workers=1 --try prefetch_factor=4")
     assert "the change makes each step" not in err
-    assert not out.exists()  # refused part-way: nothing written, no empty folder left
+    assert not (tmp_path / "new").exists()  # refused part-way: nothing written, no empty folder left
+
+
+@pytest.mark.parametrize("script, args, said", [
+    ("failing.py", ["--steps", "10"], "the run as it is failed (exit code 1) after 6 steps, before its 2 steps of "
+                                      "warm-up and 10 measured (--steps 10): see why with gpulab profile -- "),
+    ("fast_dataset.py", ["--steps", "30"], "the script ended after 20 steps, before its 2 steps of warm-up and 30 "
+                                           "measured (--steps 30): use --steps 18 or fewer"),
+    ("manual_sgd.py", ["--steps", "5"], "--try num_workers=1: the script iterated no DataLoader in the run as it is, "
+                                        "so a DataLoader setting changes nothing there"),
+])
+def test_a_run_that_cannot_measure_the_change_is_refused_after_it(script, args, said, two_cores, tmp_path, capfd):
+    """A run that fails, one that ends before its steps (fast_dataset.py has 20), and a DataLoader
+    setting for a script without a DataLoader (manual_sgd.py): one line after the run as it is,
+    no second run, nothing written."""
+    out = tmp_path / "try"
+    code = main(["profile", "--out", str(out), "--try", "num_workers=1", *args, "--",
+                 sys.executable, str(SCRIPTS / script)])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert said in err.splitlines()[-1], err.splitlines()[-1]
+    assert not out.exists()
+
+
+def test_a_setting_is_tried_once_and_a_number_is_ascii_digits(two_cores):
+    with pytest.raises(UserError, match=r"--try threads=1: threads is given twice: try one value at a time"):
+        trial.parse_overrides(["threads=2", "threads=1"])
+    with pytest.raises(UserError, match="--try num_workers=\u00b2: num_workers is a whole number"):
+        trial.parse_overrides(["num_workers=\u00b2"])  # a digit to str.isdigit, not to int()
+
+
+def test_trial_options_without_try_are_refused(tmp_path, capsys):
+    code, _, err = run_cli(["profile", "--steps", "3", "--max-pairs", "9", "--out", str(tmp_path / "p"), "--",
+                            sys.executable, str(SCRIPTS / "manual_sgd.py")], capsys)
+    assert_one_line_error(code, err, "--steps and --max-pairs only apply with --try: add --try KEY=VALUE to measure "
+                                     "a change, or drop them")
+    assert not (tmp_path / "p").exists()
 
 
 # ----------------------------------------------------------------------------- pairs of runs

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from gpulab.errors import UserError
 from gpulab.io import given_path
-from gpulab.monitor.config import ProfileConfig
+from gpulab.monitor.config import TRY_MAX_PAIRS, TRY_STEPS, ProfileConfig
 
 _DESCRIPTION = """\
 Run an unmodified PyTorch training script and show where its step time goes.
@@ -45,10 +46,10 @@ def add_profile_parser(sub) -> None:
                         "with KEY=VALUE forced on its DataLoaders (num_workers, pin_memory, persistent_workers, "
                         "prefetch_factor) or torch's intra-op threads (threads=N), in turn, and compare the step "
                         "times; repeatable")
-    p.add_argument("--steps", type=int, default=30, metavar="K", help="steps measured per --try run (default 30)")
-    p.add_argument("--max-pairs", type=int, default=5, metavar="N",
+    p.add_argument("--steps", type=int, default=None, metavar="K", help=f"steps measured per --try run (default {TRY_STEPS})")
+    p.add_argument("--max-pairs", type=int, default=None, metavar="N",
                    help="--try runs as-is and changed in turn until the latest pairs' ratios agree within 10%%, "
-                        "at most N pairs (default 5); then it says the result is not reliable")
+                        f"at most N pairs (default {TRY_MAX_PAIRS}); then it says the result is not reliable")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the memory window (two steps after warm-up measured for memory; a fixed cost of "
                         "about a tenth of a second plus two slower steps, noticeable in a run of a few seconds)")
@@ -73,5 +74,11 @@ def run_profile(args) -> int:
     if args.try_:
         from gpulab.monitor.parent.trial import try_command
 
-        return try_command(command, out, cfg, args.try_, args.steps, args.max_pairs, force=args.force)
+        steps = TRY_STEPS if args.steps is None else args.steps
+        max_pairs = TRY_MAX_PAIRS if args.max_pairs is None else args.max_pairs
+        return try_command(command, out, cfg, args.try_, steps, max_pairs, force=args.force)
+    given = [flag for flag, value in (("--steps", args.steps), ("--max-pairs", args.max_pairs)) if value is not None]
+    if given:  # silently ignored, they would look like a setting of the profile
+        raise UserError(f"{' and '.join(given)} only {'apply' if len(given) > 1 else 'applies'} with --try: add "
+                        f"--try KEY=VALUE to measure a change, or drop {'them' if len(given) > 1 else 'it'}")
     return profile_command(command, out, cfg, force=args.force)

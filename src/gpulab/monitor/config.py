@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field
 
 from gpulab.errors import UserError
 
+TRY_STEPS = 30  # `gpulab profile --try`: steps measured per run, unless --steps says otherwise
+TRY_MAX_PAIRS = 5  # and pairs of runs at most (--max-pairs)
+
 
 @dataclass(kw_only=True)
 class ProfileConfig:

@@ -21,9 +21,11 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import gpulab
@@ -53,10 +55,9 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig, fo
     outputs = OutputFolder.out(out, force)
     check_writable(out)
     outputs.check(OUTPUTS)  # before the job runs: its report would have nowhere to go
-    with writing_results():
-        out.mkdir(parents=True, exist_ok=True)
     _import_in_background("gpulab.monitor.output.report")  # matplotlib: ~0.7 s, hidden behind the job
-    job = run_job([interpreter, *options, *target], cfg, out)
+    with removed_if_left_empty(out):
+        job = run_job([interpreter, *options, *target], cfg, out)
     from gpulab.monitor.output.report import build_report, print_report, write_outputs
 
     report, lanes = build_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code,
@@ -92,7 +93,11 @@ def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
         events = Path(tempfile.mkdtemp(prefix=".events-", dir=out))
     try:
         with Job() as job:
-            proc = job.start(argv, job_env(events, cfg))
+            try:
+                proc = job.start(argv, job_env(events, cfg))
+            except OSError as e:  # a file named like an interpreter that is not one, no permission
+                raise UserError(f"could not start {argv[0]} ({e.strerror or e}): give the path of a Python "
+                                f"interpreter, e.g. {_USAGE}") from None
             sampler = Sampler(cfg.interval_s, pid=proc.pid).start()
             hangs = HangWatch(events, cfg)
 
@@ -110,6 +115,24 @@ def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
         shutil.rmtree(events, ignore_errors=True)
     return JobRun(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary(), hangs.hang,
                   hangs.stalls, job.stopping)
+
+
+@contextmanager
+def removed_if_left_empty(out: Path) -> Iterator[None]:
+    """The output folder, created here with its missing parents; if the work inside fails, the
+    folders made here that are still empty go again (a refusal leaves nothing behind)."""
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # the deepest first
+    with writing_results():
+        out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: kept, and the folders above it
+                break
+        raise
 
 
 def _import_in_background(module: str) -> None:

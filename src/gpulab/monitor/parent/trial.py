@@ -7,14 +7,15 @@ cache or a noisy neighbour moves one run's steps by more than the change does. S
 alternate (as is, changed; changed, as is; ...) and each pair gives one ratio, taken side by side
 in time; the trial stops when the latest ratios agree, or when its budget of pairs runs out and
 then says the result is not reliable, with the spread (and the direction, where every pair
-agrees on it). A change that cannot act (prefetch_factor
-on a loader without workers) is refused, not measured: its ratio would only be noise.
+agrees on it). A change that cannot act (prefetch_factor on a loader without workers, a
+DataLoader setting where the script iterates none) is refused, not measured: its ratio would only
+be noise; so is a run that fails or ends before its steps are measured.
 """
 
 from __future__ import annotations
 
 import statistics
-from contextlib import contextmanager
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,17 +24,17 @@ from rich.console import Console
 from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.io import OutputFolder, check_writable, json_bytes, writing_results
-from gpulab.monitor.config import ProfileConfig
+from gpulab.monitor.config import TRY_MAX_PAIRS, ProfileConfig
 from gpulab.monitor.analyze.step_costs import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
-from gpulab.monitor.parent.runner import default_out_dir, run_job, split_python_command, training_target
+from gpulab.monitor.parent.runner import (default_out_dir, removed_if_left_empty, run_job, split_python_command,
+                                          training_target)
 
 TRYABLE = {"num_workers": int, "prefetch_factor": int, "pin_memory": bool, "persistent_workers": bool, "threads": int}
 WORKER_SETTINGS = ("prefetch_factor", "persistent_workers")  # DataLoader ignores them without workers
 WORKERS_PER_CORE = 4  # beyond this, workers only compete for the cores (and each is a process)
 
 MIN_PAIRS = 2
-MAX_PAIRS = 5
 # The ratios of the latest pairs (up to STABLE_WINDOW of them) agree when their range is at most
 # this share of their median: then one more pair would not change the answer in its first digit.
 STABLE_SPREAD = 0.10
@@ -63,6 +64,8 @@ def parse_overrides(items: list[str]) -> dict:
         key, sep, text = item.partition("=")
         if not sep or key not in TRYABLE:
             raise UserError(f"--try {item}: use KEY=VALUE with KEY one of {', '.join(TRYABLE)}, e.g. --try num_workers=2")
+        if key in overrides:  # one of the two would be measured, and the label would name both
+            raise UserError(f"--try {item}: {key} is given twice: try one value at a time")
         kind = TRYABLE[key]
         if kind is bool:
             if text.lower() not in ("true", "false", "1", "0"):
@@ -70,7 +73,7 @@ def parse_overrides(items: list[str]) -> dict:
             overrides[key] = text.lower() in ("true", "1")
         else:
             at_least = 1 if key in ("prefetch_factor", "threads") else 0
-            if not text.isdigit() or int(text) < at_least:
+            if not (text.isascii() and text.isdigit()) or int(text) < at_least:
                 raise UserError(f"--try {item}: {key} is a whole number{' of 1 or more' if at_least else ''}")
             overrides[key] = int(text)
     _check_workers(overrides)
@@ -115,10 +118,15 @@ def _workers_to_try() -> int:
 
 
 def check_change_acts(overrides: dict, loaders: list[dict]) -> None:
-    """After the run as it is: a worker setting (prefetch_factor, persistent_workers) on loaders that
-    all have num_workers=0 changes nothing (DataLoader ignores it), so it is refused, not measured."""
+    """After the run as it is: a DataLoader setting where the run iterated no DataLoader, or a
+    worker setting (prefetch_factor, persistent_workers) on loaders that all have num_workers=0,
+    changes nothing (DataLoader ignores it), so it is refused, not measured."""
+    if overrides and not loaders:
+        key = next(iter(overrides))
+        raise UserError(f"--try {_item(key, overrides[key])}: the script iterated no DataLoader in the run as it is, "
+                        f"so a DataLoader setting changes nothing there (--try threads=N acts without one)")
     settings = [key for key in WORKER_SETTINGS if key in overrides]
-    if not settings or "num_workers" in overrides or not loaders:
+    if not settings or "num_workers" in overrides:
         return
     if all(loader["num_workers"] == 0 for loader in loaders):
         key = settings[0]
@@ -134,7 +142,7 @@ def _item(key: str, value) -> str:
 
 
 def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items: list[str], steps: int,
-                max_pairs: int = MAX_PAIRS, force: bool = False) -> int:
+                max_pairs: int = TRY_MAX_PAIRS, force: bool = False) -> int:
     change = parse_change(items)
     if steps < 3:
         raise UserError(f"--steps {steps}: measure at least 3 steps (e.g. --steps 30) to see a spread")
@@ -147,14 +155,26 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
     outputs.check([TRY_OUTPUT])  # before the runs: minutes of them, then nowhere to write
     argv = [interpreter, *options, *target]
     label = "with " + " ".join(items)
-    with _removed_if_refused(out):
-        trial = _Trial(argv, cfg, steps, out)
-        trial.run_until_stable(change, label, max_pairs)
-        result = trial.result(change, label)
-        with writing_results():
-            outputs.write({TRY_OUTPUT: json_bytes(result)})
+    try:
+        with removed_if_left_empty(out):
+            trial = _Trial(argv, cfg, steps, out)
+            trial.run_until_stable(change, label, max_pairs)
+            result = trial.result(change, label)
+            with writing_results():
+                outputs.write({TRY_OUTPUT: json_bytes(result)})
+    except Stopped as e:  # as gpulab profile ends with the job a signal ended
+        print(f"gpulab profile --try: stopped during the run {e.label}; nothing measured is kept", file=sys.stderr)
+        return e.exit_code
     _print(result, out)
     return 0
+
+
+class Stopped(Exception):
+    """A signal to gpulab (Ctrl-C, SIGTERM) ended a run of the trial, and so the trial."""
+
+    def __init__(self, label: str, exit_code: int):
+        super().__init__(label)
+        self.label, self.exit_code = label, exit_code
 
 
 AS_IS = "as it is"
@@ -185,13 +205,23 @@ class _Trial:
     def _measure(self, change: Change, label: str) -> tuple[list[float], list[dict]]:
         """Run the first steps with `change`: the measured steps' times, and the loaders the
         diagnosed process iterated."""
-        limit = self.cfg.warmup_steps + self.steps
-        job = run_job(self.argv, change.applied_to(self.cfg, limit), self.out)
+        warmup = self.cfg.warmup_steps
+        job = run_job(self.argv, change.applied_to(self.cfg, warmup + self.steps), self.out)
+        if job.stopped and job.hang is None:
+            raise Stopped(label, job.exit_code)
         lane = diagnosed_lane(job.lanes, job.pid)
-        times = [step_seconds(s) for s in lane.steps[self.cfg.warmup_steps:]] if lane else []
-        if len(times) < 3:
-            raise UserError(f"--try: the run {label} ended after {len(times)} measured steps (exit code "
-                            f"{job.exit_code}): it needs {self.steps} steps after {self.cfg.warmup_steps} of warm-up")
+        steps = len(lane.steps) if lane else 0
+        times = [step_seconds(s) for s in lane.steps[warmup:]] if lane else []
+        # A run that reached its steps may still exit non-zero: under torchrun a rank that leaves at
+        # once can fail a peer's collective. One that did not reach them measured too little.
+        if len(times) < self.steps:
+            asked = f"its {warmup} steps of warm-up and {self.steps} measured (--steps {self.steps})"
+            if job.exit_code != 0:
+                ended = "hung and was stopped" if job.hang else f"failed (exit code {job.exit_code})"
+                raise UserError(f"--try: the run {label} {ended} after {steps} steps, before {asked}: see why "
+                                f"with gpulab profile -- {' '.join(self.argv)}")
+            fix = f"use --steps {steps - warmup} or fewer" if steps - warmup >= 3 else "it runs too few steps to measure"
+            raise UserError(f"--try: the script ended after {steps} steps, before {asked}: {fix}")
         return times, lane.loaders
 
     def result(self, change: Change, label: str) -> dict:
@@ -227,20 +257,6 @@ def stable(ratios: list[float]) -> bool:
         return False
     window = ratios[-STABLE_WINDOW:]
     return (max(window) - min(window)) <= STABLE_SPREAD * statistics.median(window)
-
-
-@contextmanager
-def _removed_if_refused(out: Path):
-    """The output folder, created here; a trial refused part-way leaves no empty folder behind."""
-    existed = out.exists()
-    with writing_results():
-        out.mkdir(parents=True, exist_ok=True)
-    try:
-        yield
-    except BaseException:
-        if not existed and not any(out.iterdir()):
-            out.rmdir()
-        raise
 
 
 def verdict(before: dict, after: dict) -> str:
