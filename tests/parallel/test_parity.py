@@ -203,6 +203,8 @@ def test_check_parity_states_the_float32_yardstick_it_measured(tiny_data, capsys
 @pytest.mark.parametrize(("sync_bn", "verdict"), [
     (["--sync-bn"], "parity PASS: float64 difference <= 1e-09"),
     ([], "parity not expected: per-device BatchNorm (no --sync-bn)"),
+    (["--sync-bn", "--accumulate", "2"], "parity not expected: --accumulate 2: BatchNorm normalizes each micro-batch "
+                                         "with its own statistics, unlike one model on the whole batch"),
 ])
 def test_check_parity_checks_the_batchnorm_mode_asked_for(tiny_data, capsys, sync_bn, verdict):
     # Per-device BN is not one model's BN: it must be reported as such, not quietly checked with

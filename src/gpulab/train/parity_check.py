@@ -93,12 +93,14 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
             console.print(line)
     close = results.get(torch.float64, 0.0) <= FLOAT64_TOLERANCE
     ok = world.broadcast(same_batches and close)
-    if per_device_batchnorm(cfg, run):
-        # Not a bug to find: each device normalizes with its own shard's statistics, which one model
-        # on the whole batch does not. Say so, with the measured difference, and keep the settings asked for.
-        console.print(f"parity not expected: per-device BatchNorm (no --sync-bn) normalizes each shard with its own "
-                      f"statistics, unlike one model on the whole batch; measured float64 difference "
-                      f"{results.get(torch.float64, float('nan')):.3e}. Add --sync-bn for parity.")
+    unlike = batchnorm_unlike_one_model(cfg, run)
+    if unlike:
+        # Not a bug to find: BatchNorm normalizes with the statistics of the part of the batch it
+        # sees, which one model on the whole batch does not. Say so, with the measured difference,
+        # and keep the settings asked for.
+        why, fix = unlike
+        console.print(f"parity not expected: {why}, unlike one model on the whole batch; measured float64 difference "
+                      f"{results.get(torch.float64, float('nan')):.3e}. {fix} for parity.")
         return 0
     if not same_batches:
         verdict = "the ranks do not train on the batches one process would"
@@ -113,9 +115,18 @@ def _check(world, cfg: TrainConfig, num_steps: int) -> int:
     return 0 if ok else 1
 
 
-def per_device_batchnorm(cfg: TrainConfig, run) -> bool:
-    """BatchNorm layers without --sync-bn, over more than one replica."""
-    return models.has_batchnorm(run.strategy.replicas[0]) and not cfg.sync_bn and run.strategy.num_replicas > 1
+def batchnorm_unlike_one_model(cfg: TrainConfig, run) -> tuple[str, str] | None:
+    """Why the model's BatchNorm layers see less than the whole batch, and the setting that makes
+    them see it all; None when they see it all (or there are none): each micro-batch normalized on
+    its own (--accumulate), or each device's shard (several replicas without --sync-bn)."""
+    if not models.has_batchnorm(run.strategy.replicas[0]):
+        return None
+    if cfg.accumulate > 1:
+        return (f"--accumulate {cfg.accumulate}: BatchNorm normalizes each micro-batch with its own statistics",
+                "Use --accumulate 1")
+    if not cfg.sync_bn and run.strategy.num_replicas > 1:
+        return "per-device BatchNorm (no --sync-bn) normalizes each shard with its own statistics", "Add --sync-bn"
+    return None
 
 
 def one_process_batches(cfg: TrainConfig, run, num_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
