@@ -112,6 +112,14 @@ def test_a_loss_that_does_not_reduce_or_outputs_without_the_batch_are_one_line_e
         train(config(tmp_path, batch_size=16), train_data=train_set, test_data=test_set, model=model(), loss_fn=loss_fn())
 
 
+def test_a_model_with_nothing_to_train_is_refused(tmp_path):
+    train_set, test_set = regression_data()
+    frozen = mlp().requires_grad_(False)
+    with pytest.raises(UserError, match=r"the model passed to train\(\) has no parameter that requires a gradient"):
+        train(config(tmp_path), train_data=train_set, test_data=test_set, model=frozen, loss_fn=nn.MSELoss())
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_model_spanning_devices_is_refused(tmp_path):
     train_set, test_set = regression_data()
     model = mlp()
@@ -130,6 +138,12 @@ def model_module(tmp_path, monkeypatch):
 
         def not_a_model():
             return 42
+
+        def no_parameters():
+            return nn.Flatten()
+
+        def needs_a_size(width):
+            return nn.Linear(784, width)
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_models"
@@ -149,6 +163,10 @@ def test_cli_trains_your_model_from_a_factory(tiny_data, tmp_path, model_module)
 @pytest.mark.parametrize(("spec", "message"), [
     ("my_models:nope", "my_models has no callable nope"),
     ("my_models:not_a_model", "not_a_model\\(\\) returned an object of type int, not a torch.nn.Module"),
+    ("my_models:no_parameters", "the model no_parameters\\(\\) built has no parameter that requires a gradient: "
+                                "nothing to train"),
+    ("my_models:needs_a_size", "needs_a_size\\(\\) cannot be called without arguments \\(missing a required "
+                               "argument: 'width'\\)"),
     ("no_such_module:f", "cannot import no_such_module"),
     ("alexnet", "unknown model; choose one of lenet, resnet18, or give your own as package.module:factory"),
 ])

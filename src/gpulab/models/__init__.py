@@ -7,6 +7,7 @@ the run directory, so resuming such a run takes the object again.
 """
 
 import importlib
+import inspect
 import os
 import sys
 
@@ -55,10 +56,25 @@ def from_factory(spec: str) -> nn.Module:
     if not callable(factory):
         raise UserError(f"--model {spec}: {module_name} has no callable {attr}; name a function or class that "
                         "returns an nn.Module")
+    try:
+        inspect.signature(factory).bind()  # gpulab calls it with no arguments
+    except TypeError as e:
+        raise UserError(f"--model {spec}: {attr}() cannot be called without arguments ({e}); name a function that "
+                        "builds the model with none, e.g. def my_model(): return Net(num_classes=10)") from None
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
     model = factory()
     if not isinstance(model, nn.Module):
         raise UserError(f"--model {spec}: {attr}() returned an object of type {type(model).__name__}, not a torch.nn.Module")
+    check_trainable(model, f"--model {spec}: the model {attr}() built")
     return model
+
+
+def check_trainable(model: nn.Module, named: str) -> None:
+    """An optimizer needs parameters to step (torch.optim refuses an empty list with a traceback)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(f"{named} has no parameter that requires a gradient: nothing to train; give it layers with "
+                        "weights (nn.Linear, nn.Conv2d, ...)")
 
 
 __all__ = ["MODELS", "OBJECT", "LeNet", "ResNet18", "build", "check_spec", "is_factory"]

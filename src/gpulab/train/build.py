@@ -186,6 +186,7 @@ def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, device
 
 
 def check_own_model(model: torch.nn.Module) -> None:
+    models.check_trainable(model, "the model passed to train()")
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) > 1:
         listing = ", ".join(sorted(str(d) for d in devices))
