@@ -502,9 +502,10 @@ def test_resume_of_a_damaged_checkpoint_is_a_one_line_error(tiny_data, tmp_path)
     out = tmp_path / "run"
     train(config(out, epochs=1))
     good = (out / CHECKPOINT).read_bytes()
-    (out / CHECKPOINT).write_bytes(good[:100])
-    with pytest.raises(UserError, match="is unreadable"):
-        train(resume=str(out))
+    for cut in (100, 5000):  # torch's zip reader fails on the first; the second is a seek before the file's start (EINVAL)
+        (out / CHECKPOINT).write_bytes(good[:cut])
+        with pytest.raises(UserError, match="checkpoint.pt is unreadable .*; it is damaged"):
+            train(resume=str(out))
     (out / CHECKPOINT).write_bytes(good)  # now the config alone is damaged
     (out / "config.json").write_text('{"epochs": "ten"}')
     with pytest.raises(UserError, match="config.json: epochs is \"ten\", not a whole number"):

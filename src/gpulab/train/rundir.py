@@ -442,7 +442,12 @@ class RunDir:
         if not path.is_file():
             raise self._no_checkpoint()
         try:
-            with open_regular_file(path) as f:
+            f = open_regular_file(path)
+        except OSError as e:
+            raise UserError(f"{self.label}: cannot read {CHECKPOINT} ({e.strerror or e}); a gpulab checkpoint is a "
+                            "regular file, never a link") from None
+        try:
+            with f:
                 checkpoint = torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             # weights_only: tensors and plain values only, as gpulab saves them. Anything else would
@@ -454,10 +459,7 @@ class RunDir:
             raise UserError(f"{self.label}: {CHECKPOINT} names {named.group(1)}, which gpulab never saves (it saves "
                             "tensors and plain values): it was made or altered elsewhere, and is not loaded - loading "
                             "it would run that code") from None
-        except OSError as e:
-            raise UserError(f"{self.label}: cannot read {CHECKPOINT} ({e.strerror or e}); a gpulab checkpoint is a "
-                            "regular file, never a link") from None
-        except Exception as e:  # truncated or foreign file: torch raises several types
+        except Exception as e:  # truncated or foreign file: torch raises several types, OSError among them
             raise UserError(f"{self.label}: {CHECKPOINT} is unreadable ({type(e).__name__}); it is damaged") from None
         if not isinstance(checkpoint, dict) or not {"strategy", "history", "epoch"} <= checkpoint.keys():
             raise UserError(f"{self.label}: {CHECKPOINT} is not a gpulab checkpoint")
