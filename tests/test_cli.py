@@ -165,6 +165,20 @@ def test_resume_with_other_options(tiny_data, tmp_path, capsys):
     assert not run_dir.exists()
 
 
+def test_resume_refuses_another_model_and_a_parity_check(tiny_data, tmp_path, capsys):
+    """Both were dropped without a word: a finished LeNet run said "complete" to --model resnet18."""
+    run_dir = tmp_path / "run"
+    code, _, err = run([*TRAIN, "--out", str(run_dir)], capsys)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    code, _, err = run(["train", "--resume", str(run_dir), "--model", "resnet18"], capsys)
+    assert_one_line_error(code, err, "--model resnet18, but this run trains lenet (its config.json), and a run keeps "
+                                     "its model: drop --model")
+    code, _, err = run(["train", "--resume", str(run_dir), "--check-parity"], capsys)
+    assert_one_line_error(code, err, "--check-parity checks a run's settings before it trains, not a run to continue")
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
 def test_nan_loss_stops_with_one_line(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     code, _, err = run([*TRAIN, "--epochs", "2", "--lr", "1e6", "--out", str(out)], capsys)

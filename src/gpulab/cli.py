@@ -64,6 +64,9 @@ def run_train(args) -> int:
             raise SharedError(
                 f"--resume continues a run with its saved config; drop {', '.join('--' + f.replace('_', '-') for f in others)}"
             )
+        if args.check_parity:
+            raise SharedError("--check-parity checks a run's settings before it trains, not a run to continue: drop "
+                              "--resume (gpulab train --check-parity with the run's options)")
         train(resume=args.resume, data_dir=given.get("data_dir"), epochs=given.get("epochs"),
               trust=Trust(model=given.get("model"), checkpoint=args.trust_checkpoint))
         return 0

@@ -373,10 +373,13 @@ class RunDir:
         gave on this command line (self.trust): importing a module runs its code, and a run
         directory may come from anyone."""
         config = self.read_config()
-        saved = config.get("model")
-        if isinstance(saved, str) and models.is_factory(saved) and saved != self.trust.model:
+        saved, given = config.get("model"), self.trust.model
+        if isinstance(saved, str) and models.is_factory(saved) and saved != given:
             raise UserError(f"{self.label}: its config.json names the model {saved}, code gpulab would import and run: "
                             f"if you trust it, say so with --model {saved}")
+        if given is not None and saved != given:  # a built-in model other than the run's: not this run
+            raise UserError(f"{self.label}: --model {given}, but this run trains {saved} (its config.json), and a "
+                            f"run keeps its model: drop --model (a new run with --model {given} goes elsewhere, --out)")
         return config
 
     def write_metrics(self, history: list[dict], last: bool = True) -> None:
