@@ -20,7 +20,7 @@ from gpulab.errors import UserError
 from gpulab.parallel.launch import LAUNCHED_BY_GPULAB
 from gpulab.train import TrainConfig, train
 from gpulab.train import loop, rundir
-from gpulab.train.resume import resume_hint
+from gpulab.train.resume import interrupted_line, resume_hint
 from gpulab.train.rundir import CHECKPOINT
 from gpulab.train.step import Trainer
 
@@ -310,6 +310,29 @@ def test_a_rank_s_resume_hint_says_what_it_knows_in_its_launcher_s_words(tmp_pat
               else f"the same torchrun command with gpulab train --resume {run}")
     hint = resume_hint(rundir.RunDir(run), saved, unconfirmed, TwoRanks())
     assert hint == said.format(run=run, launcher=launcher, resume=resume)
+
+
+@pytest.mark.parametrize("world_size, launcher, after_epoch_2, before_any", [
+    (1, "torchrun", "continue with gpulab train --resume {run}",
+     "start over with gpulab train --out {run} (and the same options)"),
+    (2, "gpulab launch", "continue with gpulab launch (the same options) -- --resume {run}",
+     "start over with the same gpulab launch command"),
+    (2, "torchrun", "continue with the same torchrun command with gpulab train --resume {run}",
+     "start over with the same torchrun command"),
+])
+def test_ctrl_c_says_how_to_go_on_in_the_launcher_s_words(tmp_path, monkeypatch, world_size, launcher, after_epoch_2,
+                                                           before_any):
+    """Under gpulab launch, `gpulab train --resume` would go on in one process."""
+    class World:
+        pass
+
+    world = World()
+    world.world_size = world_size
+    monkeypatch.setenv(LAUNCHED_BY_GPULAB, "1" if launcher == "gpulab launch" else "0")
+    run = tmp_path / "run"
+    assert interrupted_line(rundir.RunDir(run), 2, world) == f"interrupted after epoch 2: {after_epoch_2.format(run=run)}"
+    assert interrupted_line(rundir.RunDir(run), 0, world) == (f"interrupted before the first checkpoint: "
+                                                              f"{before_any.format(run=run)}")
 
 
 def test_resuming_with_another_models_checkpoint_is_one_line(tiny_data, tmp_path, capsys):

@@ -156,7 +156,7 @@ def fit(run: Run, run_dir: RunDir, history: list[dict], start_epoch: int, consol
                     on_epoch_end(row)
         except KeyboardInterrupt:
             run_dir.writes.wait()  # an epoch being written is saved (its failure: not what stopped the run)
-            console.print(escape(interrupted_line(run_dir, run.saved_epoch)))
+            console.print(escape(interrupted_line(run_dir, run.saved_epoch, world)))
             raise
         except (PeerLost, Terminated) as e:  # another rank failed: say which, where, and how to go on
             hint = resume_hint(run_dir, run.saved_epoch, run.unconfirmed_epoch, world)

@@ -107,11 +107,12 @@ def check_resumable(cfg: TrainConfig, history: list[dict], replicas: int) -> Non
         )
 
 
-def interrupted_line(run_dir: RunDir, saved_epoch: int) -> str:
+def interrupted_line(run_dir: RunDir, saved_epoch: int, world: World) -> str:
     if saved_epoch:
-        return f"interrupted after epoch {saved_epoch}: continue with gpulab train --resume {run_dir.path}"
+        return f"interrupted after epoch {saved_epoch}: continue with {resume_command(run_dir, world)}"
     # no checkpoint: nothing to resume, but the same --out starts over in place
-    return f"interrupted before the first checkpoint: start over with gpulab train --out {run_dir.path} (and the same options)"
+    again = start_over_command(run_dir, world)
+    return f"interrupted before the first checkpoint: start over with {again}" + (" (and the same options)" if world.world_size == 1 else "")
 
 
 def resume_hint(run_dir: RunDir, saved_epoch: int, unconfirmed_epoch: int | None, world: World) -> str:
