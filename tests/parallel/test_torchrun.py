@@ -369,6 +369,11 @@ def test_launch_rejects_bad_node_settings(capsys):
     assert "--master ADDR:PORT" in capsys.readouterr().err
     assert main(["launch", "-n", "1", "--nnodes", "2", "--master", "nohost"]) == 2
     assert "give the first machine's address" in capsys.readouterr().err
+    for timeout in ("nan", "inf", "-5", "0.5"):  # were tracebacks, a C++ stack dump, a silent 0
+        assert main(["launch", "-n", "1", "--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:29500",
+                     "--startup-timeout", timeout]) == 2
+        assert f"--startup-timeout {float(timeout):g}: give the seconds to wait for every machine, 1 or more" in \
+            capsys.readouterr().err
 
 
 def test_launch_says_when_the_port_is_taken(capsys):

@@ -11,6 +11,7 @@ node that never arrives) and a one-line summary of which rank failed and how.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -60,6 +61,9 @@ def torchrun_args(nproc: int, nnodes: int, node_rank: int, master: str | None, s
         raise UserError(f"-n {nproc}: launch at least 1 process per machine")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} with --nnodes {nnodes}: node ranks go from 0 to {nnodes - 1}")
+    if not (math.isfinite(startup_timeout_s) and startup_timeout_s >= 1):  # torchrun takes whole seconds
+        raise UserError(f"--startup-timeout {startup_timeout_s:g}: give the seconds to wait for every machine, "
+                        "1 or more (default 600)")
     args = ["--nproc-per-node", str(nproc)]
     if nnodes == 1 and master is None:
         args.append("--standalone")  # one machine: torchrun picks a free port itself
