@@ -25,6 +25,7 @@ import torch
 from gpulab import models
 from gpulab.cli import main
 from gpulab.export import load_run
+from gpulab.parallel.launch import exit_code
 from gpulab.train import TrainConfig, train
 from gpulab.train.rundir import CHECKPOINT
 from tests.conftest import make_idx_dataset, scaled
@@ -374,6 +375,19 @@ def test_launch_rejects_bad_node_settings(capsys):
                      "--startup-timeout", timeout]) == 2
         assert f"--startup-timeout {float(timeout):g}: give the seconds to wait for every machine, 1 or more" in \
             capsys.readouterr().err
+
+
+@pytest.mark.parametrize("codes, expected", [({0: 2, 1: 2}, 2), ({0: 2, 1: 1}, 1), ({1: -9}, 1), ({0: 1}, 1)])
+def test_launch_exits_2_when_every_failed_rank_refused_bad_input(codes, expected):
+    """gpulab launch -n 2 -- --epochs 0: each rank says it in one line and exits 2, as gpulab train does."""
+    class Failure:
+        def __init__(self, code):
+            self.exitcode = code
+
+    class Failed:
+        failures = {rank: Failure(code) for rank, code in codes.items()}
+
+    assert exit_code(Failed()) == expected
 
 
 def test_launch_says_when_the_port_is_taken(capsys):

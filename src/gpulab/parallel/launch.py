@@ -97,7 +97,7 @@ def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None =
         run(get_args_parser().parse_args(args))
     except ChildFailedError as e:
         print(f"gpulab launch: {failure_summary(e)}", flush=True)
-        return 1
+        return exit_code(e)
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: torchrun stopped the ranks (they said where)
         print(f"gpulab launch: stopped by {signal.Signals(e.sigval).name}", flush=True)
         return 128 + e.sigval
@@ -112,6 +112,12 @@ def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None =
     finally:
         os.environ.pop(LAUNCHED_BY_GPULAB, None)  # a job this process starts later is not launch's
     return 0
+
+
+def exit_code(error) -> int:
+    """2 when every rank that failed refused bad input (gpulab train's exit code for it, the line
+    that says why printed once), as one process of gpulab train would; else 1."""
+    return 2 if {failure.exitcode for failure in error.failures.values()} == {2} else 1
 
 
 def failure_summary(error) -> str:
