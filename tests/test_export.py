@@ -348,6 +348,16 @@ def test_out_is_an_existing_directory(tiny_run, tmp_path, capsys):
     assert_one_line_error(code, err, f"--out {tmp_path} is a directory", "give a file name")
 
 
+@pytest.mark.parametrize("name, taken", [("checkpoint.pt", "checkpoint.pt"), ("metrics", "metrics.json")])
+def test_out_over_a_file_of_the_run_is_refused_even_with_force(tiny_run, capsys, name, taken):
+    """The run wrote checkpoint.pt, not an export: --force would have put ONNX in its place."""
+    run_dir = tiny_run[0]
+    before = (run_dir / taken).read_bytes()
+    code, _, err = run(["export", str(run_dir), "--out", str(run_dir / name), "--force"], capsys)
+    assert_one_line_error(code, err, f"{run_dir / taken} is a file of the run in {run_dir}, never replaced by an export")
+    assert (run_dir / taken).read_bytes() == before
+
+
 def test_out_in_a_missing_folder(tiny_run, tmp_path, capsys):
     out = tmp_path / "nope" / "model.onnx"
     code, _, err = run(["export", str(tiny_run[0]), "--out", str(out)], capsys)
