@@ -215,6 +215,26 @@ class OutputFolder:
                 tmp.unlink(missing_ok=True)
         self._write_record({**recorded, **{n: [h] for n, h in hashes.items()}})
 
+    def remove_own(self) -> None:
+        """Remove what gpulab wrote here, as recorded and unchanged since, then the record, then the
+        folder if nothing else is left; anything else stays, and a link is never followed."""
+        try:
+            if not stat.S_ISDIR(os.lstat(self.path).st_mode):
+                return
+        except OSError:
+            return
+        recorded = self._record()
+        if recorded is None:  # not gpulab's record: nothing here is known to be gpulab's
+            return
+        for name, hashes in recorded.items():
+            if _sha256_of(self.path / name) in hashes:
+                (self.path / name).unlink()
+        (self.path / OUTPUTS_RECORD).unlink(missing_ok=True)
+        try:
+            self.path.rmdir()
+        except OSError:  # something else is there: kept
+            pass
+
     def _folder_exists(self) -> bool:
         try:
             mode = os.lstat(self.path).st_mode

@@ -31,3 +31,21 @@ def test_train_without_profile_writes_no_profile(tiny_data, tmp_path):
     run = tmp_path / "run"
     assert main(["train", "--epochs", "1", "--batch-size", "256", "--devices", "cpu", "--out", str(run)]) == 0
     assert not (run / "profile").exists()
+
+
+def test_a_run_started_over_in_place_drops_its_predecessors_profile(tiny_data, tmp_path):
+    """A run stopped before its first checkpoint starts over with the same --out; the report of the
+    one before, with its batch size, would read as this run's. What gpulab did not write stays."""
+    run = tmp_path / "run"
+    argv = ["train", "--epochs", "1", "--batch-size", "256", "--devices", "cpu", "--out", str(run)]
+    assert main([*argv, "--profile"]) == 0
+    (run / "checkpoint.pt").unlink()  # as if stopped before its first checkpoint
+    assert main(argv) == 0
+    assert not (run / "profile").exists()
+
+    (run / "checkpoint.pt").unlink()
+    assert main([*argv, "--profile"]) == 0
+    (run / "checkpoint.pt").unlink()
+    (run / "profile" / "notes.txt").write_text("mine")
+    assert main(argv) == 0
+    assert [p.name for p in (run / "profile").iterdir()] == ["notes.txt"]

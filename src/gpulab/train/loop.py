@@ -43,7 +43,7 @@ from gpulab.train.display import banner, contention_line, epoch_line, progress_b
 from gpulab.train.recipe import lr_at
 from gpulab.train.resume import (extension_line, interrupted_line, restore, resume_command, resume_hint, saved_config,
                                  start_over_command)
-from gpulab.train.rundir import RunDir, Trust, check_writable, claims, default_run_dir
+from gpulab.train.rundir import PROFILE, RunDir, Trust, check_writable, claims, default_run_dir
 from gpulab.train.step import FiniteWatch, Meter
 
 CHECK_EVERY = 50
@@ -138,7 +138,7 @@ def fit(run: Run, run_dir: RunDir, history: list[dict], start_epoch: int, consol
     if world.is_main and any(d.type == "cuda" for d in run.devices):
         run_dir.curves.prepare()  # while a GPU trains the host's cores are free: matplotlib's import now
     # --profile: the same machinery as `gpulab profile`; report, timeline and trace go to <run>/profile.
-    profiling = profile(out=run_dir.path / "profile", console=console, real_folder=True) if cfg.profile and world.is_main else nullcontext()
+    profiling = profile(out=run_dir.path / PROFILE, console=console, real_folder=True) if cfg.profile and world.is_main else nullcontext()
     with profiling, progress_bar(console, show=world.is_main) as progress, writes_finished(run_dir):
         try:
             for epoch in range(start_epoch, cfg.epochs):

@@ -47,7 +47,7 @@ import torch
 from gpulab import models
 from gpulab.config import TrainConfig
 from gpulab.errors import UserError
-from gpulab.io import (atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable,
+from gpulab.io import (OutputFolder, atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable,
                        open_regular_file, read_regular_file)
 from gpulab.parallel.shard_files import read_shards
 from gpulab.train.background import Background
@@ -58,6 +58,7 @@ SHARDS_GLOB = "checkpoint-epoch*.dcp"  # a sharded run's checkpoints (torch.dist
 SHARDS_NAME = re.compile(r"checkpoint-epoch[0-9]+\.dcp")
 LOCK = ".gpulab.lock"
 RESULTS = ("metrics.json", "metrics.csv", "curves.png")
+PROFILE = "profile"  # where --profile writes its report, timeline and trace
 """What a finished epoch writes besides the checkpoint: stale when a run starts over in place."""
 CONFIG_MAX_BYTES = 1 << 20  # a run's config.json is under 1 KiB: anything near this is not one
 
@@ -249,6 +250,7 @@ class RunDir:
         self.check_files_replaceable("--out")
         for name in RESULTS:  # a run started over in place: its predecessor's results are not this run's
             (self.path / name).unlink(missing_ok=True)
+        OutputFolder(self.path / PROFILE, f"--out {self.path}: {PROFILE}").remove_own()  # ... nor its --profile report
         self.remove_shards_but(None)  # ... nor its unfinished sharded checkpoint
 
     def claim_for_resume(self) -> None:
