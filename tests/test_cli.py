@@ -30,6 +30,8 @@ TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
         (["--devices", "tpu"], ["unknown device 'tpu'", "available: cpu"]),
         (["--devices", "cpu*0"], ["cpu*K with K >= 1"]),
         (["--devices", "cpu,cpu"], ["lists a device twice"]),
+        (["--devices", "cpu*2,cpu"], ["puts cpu*K in a list: cpu*K stands alone"]),
+        (["--seed", "-1"], ["--seed -1: out of range; use a whole number from 0 to"]),
         (["--batch-size", "0"], ["--batch-size 0"]),
         (["--batch-size", "-3"], ["--batch-size -3"]),
         (["--devices", "cpu*4", "--batch-size", "2"], ["smaller than the 4 devices"]),

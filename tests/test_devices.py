@@ -42,7 +42,7 @@ def test_resolve_cpu_times_zero_is_an_error():
         devices.resolve("cpu*0")
 
 
-@pytest.mark.parametrize("spec", ["tpu", "cuda:x", "cpu*", "cpu*-1", "cpu*2,cpu", "gpu0"])
+@pytest.mark.parametrize("spec", ["tpu", "cuda:x", "cpu*", "cpu*-1", "gpu0"])
 def test_resolve_unknown_spec_lists_what_exists(spec):
     with pytest.raises(UserError) as info:
         devices.resolve(spec)

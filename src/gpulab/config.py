@@ -130,7 +130,7 @@ class TrainConfig:
         check_choices(self)
         if self.epochs < 1:
             raise UserError(f"--epochs {self.epochs}: train for at least 1 epoch")
-        if not (isinstance(self.seed, int) and abs(self.seed) <= MAX_SEED):
+        if not (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED):
             raise UserError(f"--seed {self.seed}: out of range; use a whole number from 0 to {MAX_SEED}")
         # An empty path (a shell variable never set) would silently mean the default, or the
         # current folder: never what the user meant.

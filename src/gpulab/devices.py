@@ -113,6 +113,9 @@ def resolve(spec: str) -> list[torch.device]:
     tokens = [t for t in spec.split(",") if t]
     if not tokens:
         raise UserError("empty device spec: use auto, cpu, cpu*K or cuda:0,cuda:1")
+    if any(_VIRTUAL.match(t) for t in tokens):
+        raise UserError(f"device spec '{spec}' puts cpu*K in a list: cpu*K stands alone (K replicas on the CPU); a "
+                        "list names GPUs, e.g. cuda:0,cuda:1")
     devices = [_parse_one(t) for t in tokens]
     if len({d.type for d in devices}) > 1:
         # A CPU replica would be far slower than the GPUs and every step would wait for it.
