@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 from gpulab.errors import UserError  # noqa: E402
 from gpulab.train import curves  # noqa: E402
-from gpulab.train.rundir import RunDir  # noqa: E402
+from gpulab.train.rundir import RunDir, claims  # noqa: E402
 
 C0, C1 = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)  # matplotlib's first two line colours: train, test
 
@@ -91,6 +91,18 @@ def test_read_errors_name_the_run_as_its_reader_was_given_it(tmp_path):
         RunDir(tmp_path).check_is_run()
     with pytest.raises(UserError, match=f"^{here}/nope does not exist; give the directory of a gpulab train run$"):
         RunDir(tmp_path / "nope").check_is_run()
+
+
+def test_a_run_still_in_its_first_epoch_is_said_to_be_so(tmp_path):
+    """Not 'the run stopped before its first epoch ended' while it trains (gpulab export RUN too early)."""
+    run = tmp_path / "run"
+    with claims():
+        RunDir(run).claim()  # this process holds the run's lock, as a training process does
+        (run / "config.json").write_text("{}")  # written as the run starts
+        with pytest.raises(UserError, match=r"no checkpoint.pt there yet; the run is still in its first epoch \(pid "):
+            RunDir(run).check_is_run()
+    with pytest.raises(UserError, match="the run stopped before its first epoch ended$"):
+        RunDir(run).check_is_run()
 
 
 def test_curves_are_drawn_after_the_last_epoch_and_at_most_every_so_often_before(tmp_path, monkeypatch):

@@ -437,6 +437,10 @@ class RunDir:
         return (self.path / CHECKPOINT).is_file()
 
     def _no_checkpoint(self) -> UserError:
+        who = holder(self.path)
+        if who:  # still in its first epoch
+            return UserError(f"{self.label}: no {CHECKPOINT} there yet; the run is still in its first epoch ({who}): "
+                             "try again once it has finished one")
         message = f"{self.label}: no {CHECKPOINT} there; the run stopped before its first epoch ended"
         if self.option == "--resume":  # nothing to continue: say how to start over instead
             message += f": start it over with gpulab train --out {self.path} and its options"
