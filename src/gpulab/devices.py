@@ -128,6 +128,14 @@ def resolve(spec: str) -> list[torch.device]:
     return devices
 
 
+def names_several(spec: str) -> bool:
+    """Does `spec` name several devices for one process (cpu*K with K > 1, a list)? Read from the
+    text alone: no device is looked for."""
+    spec = spec.strip().lower().replace(" ", "")
+    m = _VIRTUAL.match(spec)
+    return bool(m and int(m.group(1)) > 1) or len([t for t in spec.split(",") if t]) > 1
+
+
 def for_rank(spec: str, local_rank: int, local_world_size: int) -> torch.device:
     """The one device a torchrun rank drives: `cuda:LOCAL_RANK` for auto/cuda with GPUs, else the CPU.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from gpulab.errors import UserError
 from gpulab.parallel.launch import LAUNCHED_BY_GPULAB
 from gpulab.train import TrainConfig, train
 from gpulab.train import loop, rundir
-from gpulab.train.resume import interrupted_line, resume_hint
+from gpulab.train.resume import interrupted_line, resume_hint, saved_config
 from gpulab.train.rundir import CHECKPOINT
 from gpulab.train.step import Trainer
 
@@ -333,6 +334,22 @@ def test_ctrl_c_says_how_to_go_on_in_the_launcher_s_words(tmp_path, monkeypatch,
     assert interrupted_line(rundir.RunDir(run), 2, world) == f"interrupted after epoch 2: {after_epoch_2.format(run=run)}"
     assert interrupted_line(rundir.RunDir(run), 0, world) == (f"interrupted before the first checkpoint: "
                                                               f"{before_any.format(run=run)}")
+
+
+def test_a_run_of_several_devices_in_one_process_resumes_in_one_process(tiny_data, tmp_path):
+    """Under torchrun each rank drives one device: the hint is the command that resumes it, not
+    --devices auto, which --resume refuses."""
+    class TwoRanks:
+        world_size = 2
+
+        def share(self, name, read):
+            return read()
+
+    out = tmp_path / "run"
+    train(config(out, devices="cpu*2"))
+    with pytest.raises(UserError, match=rf"this run trained on --devices cpu\*2, several devices in one process, and "
+                                        rf"goes on the same way: gpulab train --resume {re.escape(str(out))}$"):
+        saved_config(TwoRanks(), rundir.RunDir(out, option="--resume"), None, None)
 
 
 def test_resuming_with_another_models_checkpoint_is_one_line(tiny_data, tmp_path, capsys):

@@ -5,6 +5,7 @@ say when a run stops."""
 from __future__ import annotations
 
 from gpulab.config import TrainConfig
+from gpulab.devices import names_several
 from gpulab.errors import UserError
 from gpulab.parallel import World
 from gpulab.parallel.launch import launcher
@@ -34,6 +35,9 @@ def saved_config(world: World, run_dir: RunDir, data_dir: str | None, epochs: in
 
     # Validated on rank 0 (a damaged config.json is said once); the others get the checked dict.
     cfg = TrainConfig.from_dict(world.share("config", read))
+    if world.world_size > 1 and names_several(cfg.devices):  # its replicas live in one process
+        raise SharedError(f"{run_dir.label}: this run trained on --devices {cfg.devices}, several devices in one "
+                          f"process, and goes on the same way: gpulab train --resume {run_dir.path}")
     return cfg, checkpoint, saved_epochs
 
 
