@@ -80,20 +80,22 @@ def test_prefetch_factor_on_a_loader_without_workers_is_refused_not_measured(two
 
 
 @pytest.mark.parametrize("script, args, said", [
-    ("failing.py", ["--steps", "10"], "the run as it is failed (exit code 1) after 6 steps, before its 2 steps of "
-                                      "warm-up and 10 measured (--steps 10): see why with gpulab profile -- "),
-    ("fast_dataset.py", ["--steps", "30"], "the script ended after 20 steps, before its 2 steps of warm-up and 30 "
-                                           "measured (--steps 30): use --steps 18 or fewer"),
-    ("manual_sgd.py", ["--steps", "5"], "--try num_workers=1: the script iterated no DataLoader in the run as it is, "
-                                        "so a DataLoader setting changes nothing there"),
+    ("failing.py", ["--try", "threads=1", "--steps", "10"],
+     "the run as it is failed (exit code 1) after 6 steps, before its 2 steps of warm-up and 10 measured (--steps "
+     "10): see why with gpulab profile -- "),
+    ("manual_sgd.py", ["--try", "threads=1", "--steps", "50"],
+     "the script ended after 40 steps, before its 2 steps of warm-up and 50 measured (--steps 50): use --steps 38 "
+     "or fewer"),
+    ("manual_sgd.py", ["--try", "num_workers=1", "--steps", "5"],
+     "--try num_workers=1: the script iterated no DataLoader in the run as it is, so a DataLoader setting changes "
+     "nothing there"),
 ])
 def test_a_run_that_cannot_measure_the_change_is_refused_after_it(script, args, said, two_cores, tmp_path, capfd):
-    """A run that fails, one that ends before its steps (fast_dataset.py has 20), and a DataLoader
-    setting for a script without a DataLoader (manual_sgd.py): one line after the run as it is,
-    no second run, nothing written."""
+    """A run that fails, one that ends before its steps (manual_sgd.py has 40), and a DataLoader
+    setting for a script without a DataLoader: one line after the run as it is, no second run,
+    nothing written."""
     out = tmp_path / "try"
-    code = main(["profile", "--out", str(out), "--try", "num_workers=1", *args, "--",
-                 sys.executable, str(SCRIPTS / script)])
+    code = main(["profile", "--out", str(out), *args, "--", sys.executable, str(SCRIPTS / script)])
     err = capfd.readouterr().err
     assert code == 2, err
     assert said in err.splitlines()[-1], err.splitlines()[-1]
