@@ -227,7 +227,9 @@ class OutputFolder:
         if recorded is None:  # not gpulab's record: nothing here is known to be gpulab's
             return
         for name, hashes in recorded.items():
-            if _sha256_of(self.path / name) in hashes:
+            # The record may come from elsewhere: a name that leads out of the folder is not one gpulab wrote
+            plain = name == Path(name).name and name not in ("", ".", "..")
+            if plain and _sha256_of(self.path / name) in hashes:
                 (self.path / name).unlink()
         (self.path / OUTPUTS_RECORD).unlink(missing_ok=True)
         try:

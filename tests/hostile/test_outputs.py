@@ -6,6 +6,7 @@ link is refused, not written through. A failed write leaves the old outputs in p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpulab import export as export_module
+from gpulab.cli import main
 from gpulab.io import OUTPUTS_RECORD
 from tests.conftest import assert_one_line_error, disk_full_for, make_idx_dataset, run_cli
 
@@ -303,3 +305,19 @@ def test_an_empty_out_is_one_line_not_the_default(argv, tmp_path, capsys, monkey
     assert_one_line_error(code, err, "--out '': an empty path; give a")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py"]  # no default folder made, no record written
     assert not (tmp_path / OUTPUTS_RECORD).exists()
+
+
+def test_a_forged_record_cannot_make_a_start_over_remove_files_outside_the_profile_folder(tiny_data, tmp_path):
+    """A run folder from elsewhere: its profile/ record names a file outside it (../../keep.txt),
+    with that file's own hash. Starting the run over in place removes the folder's own files only."""
+    run = tmp_path / "run"
+    argv = ["train", "--epochs", "1", "--batch-size", "256", "--devices", "cpu", "--out", str(run)]
+    assert main([*argv, "--profile"]) == 0
+    (run / "checkpoint.pt").unlink()  # as if stopped before its first checkpoint
+    outside = tmp_path / "keep.txt"
+    outside.write_text("not the run's")
+    forged = {"../../keep.txt": [hashlib.sha256(outside.read_bytes()).hexdigest()]}
+    record = run / "profile" / OUTPUTS_RECORD
+    record.write_text(json.dumps({**json.loads(record.read_text()), "files": forged}))
+    assert main(argv) == 0
+    assert outside.read_text() == "not the run's"
