@@ -95,6 +95,11 @@ def virtual_replica_count(spec: str, digits: str) -> int:
     return k
 
 
+def _canonical(spec: str) -> str:
+    """A device spec as it is read: lower case, no spaces ("CPU * 2" is cpu*2)."""
+    return spec.strip().lower().replace(" ", "")
+
+
 def resolve(spec: str) -> list[torch.device]:
     """Turn a CLI device spec into a list of devices, one per data-parallel replica.
 
@@ -104,7 +109,7 @@ def resolve(spec: str) -> list[torch.device]:
     cuda | gpu   the first GPU;  cuda:N | gpu:N  GPU N
     a,b,c        a comma-separated list of the above (real devices may not repeat)
     """
-    spec = spec.strip().lower().replace(" ", "")
+    spec = _canonical(spec)
     if spec in ("auto", "all"):
         return try_all_gpus()
     m = _VIRTUAL.match(spec)
@@ -131,7 +136,7 @@ def resolve(spec: str) -> list[torch.device]:
 def names_several(spec: str) -> bool:
     """Does `spec` name several devices for one process (cpu*K with K > 1, a list)? Read from the
     text alone: no device is looked for."""
-    spec = spec.strip().lower().replace(" ", "")
+    spec = _canonical(spec)
     m = _VIRTUAL.match(spec)
     return bool(m and int(m.group(1)) > 1) or len([t for t in spec.split(",") if t]) > 1
 
@@ -142,7 +147,7 @@ def for_rank(spec: str, local_rank: int, local_world_size: int) -> torch.device:
     Under torchrun each process drives exactly one device; more devices means more processes
     (`--nproc-per-node`), so a spec naming several devices is an error here.
     """
-    spec = spec.strip().lower().replace(" ", "")
+    spec = _canonical(spec)
     if spec in ("auto", "all"):
         spec = "cuda" if num_gpus() else "cpu"
     if spec in ("cpu", "cpu:0", "cpu*1"):

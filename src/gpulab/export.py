@@ -36,7 +36,7 @@ import torch
 from gpulab import models
 from gpulab.errors import UserError
 from gpulab.io import OutputFolder, given_path, json_bytes
-from gpulab.train.rundir import (CHECKPOINT, LOCK, RESULTS, RunDir, Trust, has_lock_file, parse_config,
+from gpulab.train.rundir import (CHECKPOINT, LOCK, RUN_FILES, RunDir, Trust, has_lock_file, parse_config,
                                  read_sharded_model)
 
 FORMATS = ("onnx",)
@@ -90,8 +90,7 @@ def check_out(out: Path) -> None:
         raise UserError(f"--out {out}: {parent} is a file, not a folder; choose another --out")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"--out {out}: {parent} is not writable; choose another --out")
-    run_files = {"config.json", CHECKPOINT, LOCK, *RESULTS}
-    taken = next((name for name in (out.name, report_path(out).name) if name in run_files), None)
+    taken = next((name for name in (out.name, report_path(out).name) if name in (*RUN_FILES, LOCK)), None)
     if taken and has_lock_file(parent):  # --force would replace the run itself
         raise UserError(f"--out {out}: {parent / taken} is a file of the run in {parent}, never replaced by an "
                         f"export: choose another name, e.g. {parent / 'model.onnx'}")

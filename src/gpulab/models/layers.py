@@ -62,4 +62,3 @@ class _ReLUAvgPool2d(torch.autograd.Function):
             spread = F.pad(spread, (0, width - pooled_width, 0, height - pooled_height))
         # ReLU's own backward: the gradient where the activation is positive, else 0
         return torch.ops.aten.threshold_backward(spread, activation, 0), None
-

@@ -58,8 +58,10 @@ SHARDS_GLOB = "checkpoint-epoch*.dcp"  # a sharded run's checkpoints (torch.dist
 SHARDS_NAME = re.compile(r"checkpoint-epoch[0-9]+\.dcp")
 LOCK = ".gpulab.lock"
 RESULTS = ("metrics.json", "metrics.csv", "curves.png")
-PROFILE = "profile"  # where --profile writes its report, timeline and trace
 """What a finished epoch writes besides the checkpoint: stale when a run starts over in place."""
+RUN_FILES = ("config.json", CHECKPOINT, *RESULTS)
+"""Every file a run writes in its folder (its lock apart)."""
+PROFILE = "profile"  # where --profile writes its report, timeline and trace
 CONFIG_MAX_BYTES = 1 << 20  # a run's config.json is under 1 KiB: anything near this is not one
 
 # The run directories claimed inside the innermost `claims()` block, released when it ends.
@@ -271,7 +273,7 @@ class RunDir:
         """Before a run writes its files: none of their names may be a folder here (a file is
         replaced, a link replaced itself; a folder would fail the run's first write after an epoch
         of training)."""
-        for name in ("config.json", CHECKPOINT, *RESULTS):
+        for name in RUN_FILES:
             if (self.path / name).is_dir() and not (self.path / name).is_symlink():
                 raise UserError(f"{option} {self.path}: {name} is a folder there, where the run writes a file; move it "
                                 "away or choose another directory")

@@ -24,7 +24,7 @@ from rich.console import Console
 from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.io import OutputFolder, check_writable, json_bytes, writing_results
-from gpulab.monitor.config import TRY_MAX_PAIRS, ProfileConfig
+from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.analyze.step_costs import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
 from gpulab.monitor.parent.runner import (default_out_dir, removed_if_left_empty, run_job, split_python_command,
@@ -141,8 +141,16 @@ def _item(key: str, value) -> str:
     return f"{key}={str(value).lower()}"
 
 
+class Stopped(Exception):
+    """A signal to gpulab (Ctrl-C, SIGTERM) ended a run of the trial, and so the trial."""
+
+    def __init__(self, label: str, exit_code: int):
+        super().__init__(label)
+        self.label, self.exit_code = label, exit_code
+
+
 def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items: list[str], steps: int,
-                max_pairs: int = TRY_MAX_PAIRS, force: bool = False) -> int:
+                max_pairs: int, force: bool = False) -> int:
     change = parse_change(items)
     if steps < 3:
         raise UserError(f"--steps {steps}: measure at least 3 steps (e.g. --steps 30) to see a spread")
@@ -167,14 +175,6 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
         return e.exit_code
     _print(result, out)
     return 0
-
-
-class Stopped(Exception):
-    """A signal to gpulab (Ctrl-C, SIGTERM) ended a run of the trial, and so the trial."""
-
-    def __init__(self, label: str, exit_code: int):
-        super().__init__(label)
-        self.label, self.exit_code = label, exit_code
 
 
 AS_IS = "as it is"
