@@ -234,7 +234,7 @@ MUTATIONS = [
              'checkpoint = torch.load(f, map_location="cpu", weights_only=False)',
              [f"{HOSTILE_RUNS}::test_a_checkpoint_that_names_code_is_refused_unrun"]),
     Mutation("a model's import path read from config.json imported without the user naming it", "src/gpulab/train/rundir.py",
-             "if isinstance(saved, str) and models.is_factory(saved) and saved != self.trust.model:",
+             "if isinstance(saved, str) and models.is_factory(saved) and saved != given:",
              "if False:", [f"{HOSTILE_RUNS}::test_a_model_named_by_import_path_in_config_json_is_never_imported"]),
     Mutation("a sharded checkpoint's .metadata unpickled in full", "src/gpulab/parallel/shard_files.py",
              "metadata = MetadataUnpickler(io.BytesIO(data)).load()", "metadata = pickle.loads(data)",
