@@ -143,6 +143,11 @@ MUTATIONS = [
     Mutation("a forged outputs record makes a start-over remove files outside the folder", "src/gpulab/io.py",
              '            plain = name == Path(name).name and name not in ("", ".", "..")', "            plain = True",
              ["tests/hostile/test_outputs.py::test_a_forged_record_cannot_make_a_start_over_remove_files_outside_the_profile_folder"]),
+    Mutation("gpulab killed outright: the job's children end before its recordings go", "src/gpulab/monitor/record/attach.py",
+             "        for _ in range(_REMOVE_TRIES):\n",
+             "        psutil.wait_procs([c for c in psutil.Process().children(recursive=True) if c.terminate() or True], timeout=5)\n"
+             "        for _ in range(_REMOVE_TRIES):\n",
+             ["tests/monitor/test_profile_jobs.py::test_killing_gpulab_outright_stops_the_whole_job"]),
     Mutation("DDP's allreduce wait charged to compute", "src/gpulab/monitor/record/probes/ddp.py",
              'self._sink.steps.add_closed_span(WAIT_SPAN, "collective", t0, t1)', 'self._sink.steps.add_closed_span(WAIT_SPAN, "compute", t0, t1)',
              ["tests/monitor/test_profile_ddp_steps.py"]),

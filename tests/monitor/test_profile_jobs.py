@@ -214,8 +214,10 @@ def test_children_dying_during_the_flush_do_not_lose_the_recording(tmp_path, cap
     assert report["exit_code"] == 143 and report["steps"] == 2000
 
 
-def test_killing_gpulab_outright_stops_the_whole_job(tmp_path):
-    gpulab, pids = start_signals_job(tmp_path)
+@pytest.mark.parametrize("args", [[], ["--child-ends-the-script"]], ids=["script", "script that ends with a child"])
+def test_killing_gpulab_outright_stops_the_whole_job(tmp_path, args):
+    """And removes the recordings first: a script may end the moment a child of it is stopped."""
+    gpulab, pids = start_signals_job(tmp_path, *args)
     gpulab.kill()
     gpulab.wait()
     deadline = time.monotonic() + 15

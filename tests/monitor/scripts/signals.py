@@ -3,7 +3,9 @@
 With --steps N it trains N steps and ends normally. Writes its pid and its children's pids to the file given as argv[1], then trains until stopped;
 after 20 steps it creates argv[1] + ".trained".
 On KeyboardInterrupt it prints "signals: cleanup ran" and exits with 130; with --ignore-sigint
-it ignores SIGINT altogether.
+it ignores SIGINT altogether. With --child-ends-the-script, its child process, terminated, ends the
+script at once (SIGKILL): a script that goes down with its children, as one with a DataLoader does
+when a worker is killed (its SIGCHLD handler raises), but without a race.
 """
 
 import sys
@@ -28,7 +30,16 @@ TRAINED_MARK = 20
 """After this many steps the script says so (PIDS_FILE.trained)."""
 
 
-def idle():
+def idle(ends_the_script: bool):
+    if ends_the_script:
+        import os
+        import signal
+
+        def end_the_script(signum, frame):
+            os.kill(os.getppid(), signal.SIGKILL)
+            os._exit(143)
+
+        signal.signal(signal.SIGTERM, end_the_script)
     time.sleep(600)
 
 
@@ -38,7 +49,7 @@ def main():
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    child = mp.get_context("fork").Process(target=idle, daemon=False)
+    child = mp.get_context("fork").Process(target=idle, args=("--child-ends-the-script" in sys.argv,), daemon=False)
     child.start()
     model = nn.Linear(8, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

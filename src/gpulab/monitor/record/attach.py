@@ -20,6 +20,7 @@ import os
 from gpulab.monitor.record.interpreter import after_import, block_signals_in_this_thread
 
 _PARENT_POLL_S = 0.5
+_REMOVE_TRIES = 10  # the recordings' folder, while the job's other processes may still write to it
 _recorders: list = []  # this process's recorder, once torch is imported (the parent watch silences it)
 
 
@@ -52,18 +53,27 @@ def _stop_the_job_if_gpulab_dies(directory: str) -> None:
         while os.getppid() == parent:
             time.sleep(_PARENT_POLL_S)
         import shutil
+        from contextlib import suppress
 
         import psutil
 
+        # The recordings go first: a child that ends may end this process at once (a DataLoader's
+        # SIGCHLD handler raises in the training thread when a worker is killed). A child still
+        # writing may put a file in the folder while it goes; once it is gone, nothing makes it again.
+        for recorder in _recorders:
+            recorder.writer.silence()
+        for _ in range(_REMOVE_TRIES):
+            shutil.rmtree(directory, ignore_errors=True)
+            if not os.path.exists(directory):
+                break
         children = psutil.Process().children(recursive=True)
         for child in children:
-            child.terminate()
+            with suppress(psutil.NoSuchProcess):  # it ended meanwhile
+                child.terminate()
         _, alive = psutil.wait_procs(children, timeout=5)
         for child in alive:
-            child.kill()
-        for recorder in _recorders:  # its writer would put a file back while the folder goes
-            recorder.writer.silence()
-        shutil.rmtree(directory, ignore_errors=True)
+            with suppress(psutil.NoSuchProcess):
+                child.kill()
         os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="gpulab-parent-watch", daemon=True).start()
