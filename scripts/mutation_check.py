@@ -148,6 +148,10 @@ MUTATIONS = [
              "        psutil.wait_procs([c for c in psutil.Process().children(recursive=True) if c.terminate() or True], timeout=5)\n"
              "        for _ in range(_REMOVE_TRIES):\n",
              ["tests/monitor/test_profile_jobs.py::test_killing_gpulab_outright_stops_the_whole_job"]),
+    Mutation("a relative --out is handed to the job as it is", "src/gpulab/monitor/parent/runner.py",
+             'events = Path(os.path.abspath(tempfile.mkdtemp(prefix=".events-", dir=out)))',
+             'events = Path(tempfile.mkdtemp(prefix=".events-", dir=out))',
+             ["tests/monitor/test_profile_jobs.py::test_a_relative_out_records_a_job_whose_processes_change_folders"]),
     Mutation("DDP's allreduce wait charged to compute", "src/gpulab/monitor/record/probes/ddp.py",
              'self._sink.steps.add_closed_span(WAIT_SPAN, "collective", t0, t1)', 'self._sink.steps.add_closed_span(WAIT_SPAN, "compute", t0, t1)',
              ["tests/monitor/test_profile_ddp_steps.py"]),

@@ -284,3 +284,14 @@ def test_importing_torch_and_nothing_else_is_not_called_inference(tmp_path):
     assert main(["profile", "--out", str(out), "--", sys.executable, "-c", "import torch"]) == 0
     evidence = read_report(out)["findings"][0]["evidence"]
     assert "nothing ran" in evidence and "inference" not in evidence
+
+
+def test_a_relative_out_records_a_job_whose_processes_change_folders(tmp_path, monkeypatch, capfd):
+    away = tmp_path / "away"
+    away.mkdir()
+    monkeypatch.chdir(tmp_path)
+    code = main(["profile", "--out", "prof", "--", sys.executable, str(SCRIPTS / "elsewhere.py"), str(away)])
+    err = capfd.readouterr().err
+    assert code == 0 and "Traceback" not in err and "Error" not in err, err[-2000:]
+    report = read_report(tmp_path / "prof")
+    assert [p["steps"] for p in report["processes"]] == [30, 30], report["processes"]

@@ -90,7 +90,9 @@ class JobRun:
 def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
     """Run the job to its end with every Python process recorded; its recordings and samples."""
     with writing_results():
-        events = Path(tempfile.mkdtemp(prefix=".events-", dir=out))
+        # absolute: the job's processes find it from wherever they are (a script may chdir, a
+        # child start elsewhere); not resolved, so a link on the way is the one --out named
+        events = Path(os.path.abspath(tempfile.mkdtemp(prefix=".events-", dir=out)))
     try:
         with Job() as job:
             try:
