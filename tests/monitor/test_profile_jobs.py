@@ -195,6 +195,16 @@ def test_signals_end_the_job_and_keep_the_report(tmp_path, how, args, exit_code)
     assert not list((tmp_path / "prof").glob(".events-*"))
 
 
+def test_a_script_s_sigterm_handler_that_calls_the_one_it_replaced_runs_as_without_gpulab(tmp_path):
+    """Lightning's does: without gpulab the handler it replaced is SIG_DFL, which it does not call;
+    under gpulab it finds the recording's, which must not end the process in its place."""
+    gpulab, pids = start_signals_job(tmp_path, "--chain-sigterm")
+    os.kill(pids[0], signal.SIGTERM)
+    out, err = gpulab.communicate(timeout=60)
+    assert gpulab.returncode == 0 and "signals: stopped by its own handler" in out, err[-2000:]
+    assert read_report(tmp_path / "prof")["exit_code"] == 0
+
+
 def test_ctrl_c_ends_a_trial_as_it_ends_a_profile(tmp_path):
     """--try: the run under way gets the signal and ends; nothing is written, and gpulab exits with
     that run's code, where a trial would otherwise call the interrupted run too short."""

@@ -5,7 +5,9 @@ after 20 steps it creates argv[1] + ".trained".
 On KeyboardInterrupt it prints "signals: cleanup ran" and exits with 130; with --ignore-sigint
 it ignores SIGINT altogether. With --child-ends-the-script, its child process, terminated, ends the
 script at once (SIGKILL): a script that goes down with its children, as one with a DataLoader does
-when a worker is killed (its SIGCHLD handler raises), but without a race.
+when a worker is killed (its SIGCHLD handler raises), but without a race. With --chain-sigterm it
+stops training on SIGTERM with a handler of its own that calls the one it replaced, as
+Lightning's does, and ends normally, printing "signals: stopped by its own handler".
 """
 
 import sys
@@ -62,8 +64,20 @@ def main():
         f.write(" ".join(map(str, pids)))
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else None
     done = 0
+    stopping = []
+    if "--chain-sigterm" in sys.argv:
+        import signal
+
+        replaced = signal.getsignal(signal.SIGTERM)
+
+        def stop(signum, frame):
+            stopping.append(signum)
+            if callable(replaced):
+                replaced(signum, frame)
+
+        signal.signal(signal.SIGTERM, stop)
     try:
-        while steps is None or steps > 0:
+        while (steps is None or steps > 0) and not stopping:
             steps = steps - 1 if steps is not None else None
             loss = model(X).pow(2).mean()
             optimizer.zero_grad()
@@ -77,6 +91,8 @@ def main():
         print("signals: cleanup ran", flush=True)
         child.terminate()
         sys.exit(130)
+    if stopping:
+        print("signals: stopped by its own handler", flush=True)
     child.terminate()
 
 

@@ -65,13 +65,19 @@ def _note_uncaught_exceptions(recorder) -> None:
 
 def _flush_on_termination(recorder) -> None:
     """On SIGTERM/SIGHUP (timeout, Slurm, Kubernetes, gpulab passing one on), write what was
-    recorded, then die of the signal as the script would have. A script's own handler wins."""
+    recorded, then die of the signal as the script would have. A script's own handler wins, also
+    one that calls this one in turn."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     sigchld = getattr(signal, "SIGCHLD", None)  # POSIX only
 
     def flush_and_die(signum, frame):
+        if signal.getsignal(signum) is not flush_and_die:
+            # A handler the script installed since called this one, the one it replaced (as
+            # Lightning's does). Without gpulab it would have found SIG_DFL, which it does not
+            # call: the script decides, and its recording is written when it ends.
+            return
         # A signal sent to the job's process group also ends its DataLoader workers, and the
         # DataLoader's SIGCHLD handler would raise "worker killed" in the middle of this flush
         # (the recording lost, silently: the process dies of the signal right after). Blocking
