@@ -305,3 +305,17 @@ def test_a_relative_out_records_a_job_whose_processes_change_folders(tmp_path, m
     assert code == 0 and "Traceback" not in err and "Error" not in err, err[-2000:]
     report = read_report(tmp_path / "prof")
     assert [p["steps"] for p in report["processes"]] == [30, 30], report["processes"]
+
+
+@pytest.mark.parametrize("how", ["pool", "child-fails", "os-exit 0"])
+def test_a_job_that_exits_0_had_no_failure_whatever_its_children_did(tmp_path, how):
+    code, report = profile(tmp_path, "ends_its_own_way.py", *how.split())
+    assert code == 0 and report["exit_code"] == 0
+    assert "failure" not in report, report.get("failure")
+    assert "failure" not in [f["cause"] for f in report["findings"]]
+
+
+def test_a_script_that_ends_with_os_exit_is_not_said_to_be_killed(tmp_path):
+    code, report = profile(tmp_path, "ends_its_own_way.py", "os-exit", "3")
+    assert code == 3 and report["exit_code"] == 3
+    assert "os._exit" in report["error"] and "SIGKILL" not in report["error"], report["error"]

@@ -20,6 +20,7 @@ from gpulab.monitor.events import Recording, trainers
 
 # What a process says when it failed because another one did: gloo's and torch's words for a
 # peer that went away or never answered, and gpulab train's own failure protocol.
+_KILLED = 128 + 9  # a shell's exit status for SIGKILL, as gpulab reports a job's
 _LOST_PEER = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|timed out|Timeout|"
     r"DistNetworkError|DistStoreError|PeerLost|JobFailed|stopped answering", re.IGNORECASE)
@@ -29,8 +30,9 @@ _CRASH_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 @dataclass
 class Ending:
     """How one process ended. `how`: "ok", "exception", "signal" (a catchable one: SIGTERM,
-    SIGHUP), "crash" (a fatal signal: faulthandler wrote its stack), "killed" (no word at all:
-    SIGKILL), "stopped" (gpulab stopped the job)."""
+    SIGHUP), "crash" (a fatal signal: faulthandler wrote its stack), "exited" (os._exit with a
+    code other than 0: no word, but an exit status), "killed" (no word at all: SIGKILL),
+    "stopped" (gpulab stopped the job)."""
     who: str
     pid: int | None
     rank: int | None
@@ -52,7 +54,8 @@ class Ending:
         return self.failed and self.how != "signal" and not self.lost_peer
 
 
-def ending(rec: Recording, stopped_by_gpulab: bool) -> Ending:
+def ending(rec: Recording, stopped_by_gpulab: bool, exit_code: int | None = None) -> Ending:
+    """`exit_code`: the process's exit status where gpulab knows it (the script's own process)."""
     who = process_name(rec.rank, rec.pid)
     steps = rec.steps_done
     end = rec.end
@@ -71,6 +74,11 @@ def ending(rec: Recording, stopped_by_gpulab: bool) -> Ending:
                       stacks=rec.crash)
     if stopped_by_gpulab:
         return Ending(who, rec.pid, rec.rank, "stopped", "stopped by gpulab (SIGKILL)", None, steps, last)
+    if exit_code is not None and exit_code != _KILLED:  # it ended itself, past Python's own exit
+        if exit_code == 0:
+            return Ending(who, rec.pid, rec.rank, "ok", None, None, steps, last)
+        return Ending(who, rec.pid, rec.rank, "exited", f"exited with {exit_code} through os._exit (no Python clean-up, "
+                      "no traceback)", None, steps, last)
     return Ending(who, rec.pid, rec.rank, "killed", "ended without a word: killed by a signal Python cannot catch "
                   "(SIGKILL)", None, steps, last)
 
@@ -84,11 +92,16 @@ def last_sign_of_life(rec: Recording) -> float | None:
     return max(times)
 
 
-def job_failure(lanes: list[Recording], stopped_by_gpulab: bool) -> dict | None:
-    """The job's first failure and how every other process ended; None when no process failed.
-    The processes that trained count: a launcher's failure (torchrun's ChildFailedError) and a
-    DataLoader worker's follow from theirs."""
-    endings = [ending(r, stopped_by_gpulab) for r in trainers(lanes)]
+def job_failure(lanes: list[Recording], stopped_by_gpulab: bool, main_pid: int | None = None,
+                exit_code: int | None = None) -> dict | None:
+    """The job's first failure and how every other process ended; None when no process failed,
+    or when the job exited 0: then whatever a child did (a Pool's workers are ended by SIGTERM,
+    a child's error may be handled), the script carried on. The processes that trained count: a
+    launcher's failure (torchrun's ChildFailedError) and a DataLoader worker's follow from theirs.
+    `exit_code`: the job's, which is its main process's (`main_pid`)."""
+    if exit_code == 0:
+        return None
+    endings = [ending(r, stopped_by_gpulab, exit_code if r.pid == main_pid else None) for r in trainers(lanes)]
     failed = [e for e in endings if e.failed]
     if not failed:
         return None
@@ -106,6 +119,8 @@ _FIXES = {
     "killed": "SIGKILL comes from outside Python: the kernel's out-of-memory killer (`dmesg | grep -i oom`, or "
               "the job's memory limit: a smaller batch, fewer DataLoader workers), a scheduler's limit, or "
               "`kill -9`; torchrun's summary above gives the exit code",
+    "exited": "{who} ended itself with os._exit (or a C library's exit()), which skips Python's clean-up and "
+              "prints no traceback: find where it is called, and the error it was reporting",
     "signal": "something outside the job sent it that signal (a scheduler's time limit, `kill`): see who, or "
               "give the job more time",
 }

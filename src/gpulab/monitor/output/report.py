@@ -75,7 +75,7 @@ def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dic
     report["diagnosed_pid"] = shown.pid
     report["processes"] = [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
                            for r in by_rank(lanes) if r.recorded and not r.is_dataloader_worker]
-    failure = job_failure(lanes, stopped)
+    failure = job_failure(lanes, stopped, main_pid, exit_code)
     # a failure ends the steps worth judging across ranks: the survivors' last steps wait for the dead
     across = rank_findings(lanes, cfg.warmup_steps, until=failure["first"]["t"] if failure else None)
     if not any(f["cause"] == "out_of_memory" for f in report["findings"]):  # another process ran out
