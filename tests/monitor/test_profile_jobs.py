@@ -319,3 +319,13 @@ def test_a_script_that_ends_with_os_exit_is_not_said_to_be_killed(tmp_path):
     code, report = profile(tmp_path, "ends_its_own_way.py", "os-exit", "3")
     assert code == 3 and report["exit_code"] == 3
     assert "os._exit" in report["error"] and "SIGKILL" not in report["error"], report["error"]
+
+
+def test_jobs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *t: "20260101-000000")
+    for _ in range(2):
+        assert main(["profile", "--", sys.executable, str(SCRIPTS / "manual_sgd.py")]) == 0
+    folders = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert folders == ["20260101-000000-manual_sgd", "20260101-000000-manual_sgd-2"]
+    assert all((tmp_path / "profiles" / name / "report.json").is_file() for name in folders)

@@ -15,6 +15,7 @@ from what was recorded, and the exit code is the script's (128 + N for signal N)
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import re
@@ -51,12 +52,13 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig, fo
     `force`: replace files in `out` that gpulab did not write."""
     interpreter, options, target = split_python_command(command)
     name = training_target(interpreter, target)
+    default = out is None
     out = out or default_out_dir(name)
     outputs = OutputFolder.out(out, force)
     check_writable(out)
     outputs.check(OUTPUTS)  # before the job runs: its report would have nowhere to go
     _import_in_background("gpulab.monitor.output.report")  # matplotlib: ~0.7 s, hidden behind the job
-    with removed_if_left_empty(out):
+    with removed_if_left_empty(out, new=default):
         job = run_job([interpreter, *options, *target], cfg, out)
     from gpulab.monitor.output.report import build_report, print_report, write_outputs
 
@@ -120,12 +122,16 @@ def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
 
 
 @contextmanager
-def removed_if_left_empty(out: Path) -> Iterator[None]:
+def removed_if_left_empty(out: Path, new: bool = False) -> Iterator[None]:
     """The output folder, created here with its missing parents; if the work inside fails, the
-    folders made here that are still empty go again (a refusal leaves nothing behind)."""
+    folders made here that are still empty go again (a refusal leaves nothing behind). `new`: the
+    folder is gpulab's default, which must not exist yet (another job may just have taken it)."""
     made = [folder for folder in (out, *out.parents) if not folder.exists()]  # the deepest first
-    with writing_results():
-        out.mkdir(parents=True, exist_ok=True)
+    try:
+        with writing_results():
+            out.mkdir(parents=True, exist_ok=not new)
+    except FileExistsError:
+        raise UserError(f"{out}: another job took this folder a moment ago; run again, or name one with --out") from None
     try:
         yield
     except BaseException:
@@ -255,6 +261,10 @@ def _is_launched_script(launcher_args: list[str], i: int) -> bool:
 
 
 def default_out_dir(target: list[str]) -> Path:
+    """profiles/<time>-<script>, or with -2, -3, ... after it when a job started in the same second
+    has that name (removed_if_left_empty(..., new=True) then makes it this job's)."""
     name = target[1] if target[0] in ("-m", "-c") else Path(target[0]).stem
     name = "code" if target[0] == "-c" else re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-    return Path("profiles") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    base = Path("profiles") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    candidates = (base.with_name(f"{base.name}-{n}") if n > 1 else base for n in itertools.count(1))
+    return next(path for path in candidates if not os.path.lexists(path))

@@ -157,6 +157,7 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
     if not MIN_PAIRS <= max_pairs <= 50:
         raise UserError(f"--max-pairs {max_pairs}: use {MIN_PAIRS} to 50 (each pair runs the script twice)")
     interpreter, options, target = split_python_command(command)
+    default = out is None
     out = out or default_out_dir(training_target(interpreter, target))
     outputs = OutputFolder.out(out, force)
     check_writable(out)
@@ -164,7 +165,7 @@ def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items:
     argv = [interpreter, *options, *target]
     label = "with " + " ".join(items)
     try:
-        with removed_if_left_empty(out):
+        with removed_if_left_empty(out, new=default):
             trial = _Trial(argv, cfg, steps, out)
             trial.run_until_stable(change, label, max_pairs)
             result = trial.result(change, label)
