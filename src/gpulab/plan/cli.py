@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 from pathlib import Path
 
 from gpulab.errors import UserError
@@ -32,9 +33,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--check", action="store_true",
                    help="also run what fits on this machine (1 process, 2 ranks, 2 agents, 2 tc-limited hosts) "
                    "and compare predicted with measured samples/s")
-    p.add_argument("--check-links", default="1000,200", metavar="MBIT,...",
+    p.add_argument("--check-links", default=None, metavar="MBIT,...",
                    help="link rates of the 2-host check, Mbit/s (default 1000,200)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the check (default 3; the median counts)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the check (default 3; the median counts)")
     p.add_argument("--out", default=None, help="folder for plan.json and plan.png (default plans/<timestamp>-<model>); "
                    "files there that gpulab did not write are never replaced")
     p.add_argument("--force", action="store_true", help="replace files in the --out folder that gpulab did not write")
@@ -57,11 +58,16 @@ def run_plan(args) -> int:
     cfg = PlanConfig(train=train, devices_per_node=args.devices_per_node, nodes=args.nodes, link=args.link,
                      device_link=args.device_link, profile_seconds=args.seconds, sweep=not args.no_sweep,
                      memory=parse_memory(args.memory) if args.memory is not None else None)
-    rates = parse_rates(args.check_links)
-    if args.rounds < 1:
-        raise UserError(f"--rounds {args.rounds}: run the check at least once")
+    check_options_used(args, cfg)
+    rates = parse_rates(args.check_links or CHECK_LINKS)
+    rounds = CHECK_ROUNDS if args.rounds is None else args.rounds
+    if rounds < 1:
+        raise UserError(f"--rounds {rounds}: run the check at least once")
     if args.check and device_kind(train) != "cpu":
         raise UserError("plan --check runs the CPU configurations this machine can run: add --devices cpu")
+    if args.check and train["batch_size"] < 2:
+        raise UserError(f"--batch-size {train['batch_size']}: --check runs 2 ranks, each on half the batch; "
+                        "use a batch of 2 or more")
     out = given_path(args.out) or Path(f"plans/{datetime.datetime.now():%Y%m%d-%H%M%S}-{train['model'].replace(':', '-')}")
     outputs = OutputFolder.out(out, args.force)
     check_writable(out)
@@ -77,7 +83,7 @@ def run_plan(args) -> int:
     if args.check:
         from gpulab.plan.check import check
 
-        checked, memory_checked = check(train, rates, rounds=args.rounds, profile_seconds=args.seconds, say=say)
+        checked, memory_checked = check(train, rates, rounds=rounds, profile_seconds=args.seconds, say=say)
         console.print(check_table(checked))
         console.print(memory_check_table(memory_checked))
     with writing_results():  # a full disk: one line; each file is whole or absent
@@ -86,12 +92,30 @@ def run_plan(args) -> int:
     return 0
 
 
+CHECK_LINKS = "1000,200"  # Mbit/s of the 2-host check's links
+CHECK_ROUNDS = 3
+
+
+def check_options_used(args, cfg) -> None:
+    """An option that would change nothing in this plan is refused, not ignored."""
+    if not args.check:
+        for option, value in (("--rounds", args.rounds), ("--check-links", args.check_links)):
+            if value is not None:
+                raise UserError(f"{option} sets the check's runs: add --check, or leave {option} out")
+    if cfg.link is not None and max(cfg.nodes) == 1:
+        raise UserError(f"--link {cfg.link} says what joins machines, and this plan is for one: add --nodes 2 "
+                        "(or more), or leave --link out")
+    if cfg.device_link is not None and max(cfg.devices_per_node) == 1:
+        raise UserError(f"--device-link {cfg.device_link} says what joins the devices of a machine, and this plan "
+                        "has one per machine: add --devices-per-node 2 (or more), or leave --device-link out")
+
+
 def parse_rates(text: str) -> list[float]:
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         rates = []
-    if not rates or any(not (r > 0) for r in rates):
+    if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
         raise UserError(f"--check-links {text}: give link rates in Mbit/s, e.g. 1000,200")
     return rates
 

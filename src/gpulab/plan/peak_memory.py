@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from gpulab.errors import UserError
 from gpulab.plan.profile import StepProfile
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+# a number, then K/M/G/T with B, iB, i or nothing after it, or a bare B, or nothing (bytes)
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(?:([KMGT])(iB|i|B)?|B?)\s*$", re.IGNORECASE)
+_LARGEST = 1024**5  # a PiB per device: beyond it a size is a typo
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 
 
@@ -33,11 +35,14 @@ def parse_memory(text: str) -> int:
     """'80GiB', '80G', '16GB', '512MiB', '2.5G' -> bytes (K, M, G, T are binary, 1024^n; with a
     B and no i - GB - decimal, 1000^n, as disk makers count)."""
     m = _SIZE.match(text or "")
-    if not m or float(m.group(1)) <= 0:
+    size = 0
+    if m:
+        number, prefix, suffix = float(m.group(1)), (m.group(2) or "").upper(), (m.group(3) or "").lower()
+        base = 1000 if suffix == "b" and prefix else 1024
+        size = int(number * base ** _POWERS[prefix])
+    if not m or size < 1 or size > _LARGEST:
         raise UserError(f"--memory {text}: give a size such as 80GiB, 16GB, 512MiB or 2.5G (per device)")
-    number, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
-    base = 1000 if suffix == "b" and prefix else 1024
-    return int(number * base ** _POWERS[prefix])
+    return size
 
 
 def state_bytes(memory: dict) -> int:

@@ -12,8 +12,10 @@ the cores (cores / ranks per machine), measured with that many copies running at
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from gpulab.devices import names_several, resolve
 from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.plan import collective, step
@@ -49,7 +51,11 @@ class PlanConfig:
         return self.train.get("shard") == "fsdp"
 
     def __post_init__(self):
+        if not (math.isfinite(self.profile_seconds) and self.profile_seconds > 0):
+            raise UserError(f"--seconds {self.profile_seconds:g}: give the seconds of steps each profile measures, "
+                            "e.g. --seconds 3")
         batch = self.train["batch_size"]
+        self.devices_per_node, self.nodes = list(dict.fromkeys(self.devices_per_node)), list(dict.fromkeys(self.nodes))
         for k in self.devices_per_node:
             if k < 1:
                 raise UserError(f"--devices-per-node {k}: give 1 or more devices per machine")
@@ -71,17 +77,14 @@ class PlanConfig:
 
 
 def device_kind(train: dict) -> str:
-    """'cuda' when the plan's devices are GPUs, else 'cpu'."""
-    spec = (train.get("devices") or "auto").lower()
-    if spec.startswith("cpu"):
-        return "cpu"
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if spec != "auto":
-        raise UserError(f"--devices {spec}: torch sees no GPU here; plan for the CPU with --devices cpu")
-    return "cpu"
+    """'cuda' when the plan's devices are GPUs, else 'cpu'. --devices names the kind only: how many
+    a machine has is --devices-per-node."""
+    spec = train.get("devices")
+    spec = "auto" if spec is None else spec
+    if names_several(spec):
+        raise UserError(f"--devices {spec}: a plan names the kind of device (cpu, cuda or auto); say how many per "
+                        "machine with --devices-per-node, e.g. --devices cpu --devices-per-node 1 2")
+    return resolve(spec)[0].type
 
 
 class Profiles:
