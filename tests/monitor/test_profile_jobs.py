@@ -329,3 +329,11 @@ def test_jobs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     folders = sorted(p.name for p in (tmp_path / "profiles").iterdir())
     assert folders == ["20260101-000000-manual_sgd", "20260101-000000-manual_sgd-2"]
     assert all((tmp_path / "profiles" / name / "report.json").is_file() for name in folders)
+
+
+def test_a_script_that_profiles_itself_runs_under_gpulab_profile_with_its_step_marks(tmp_path, capfd):
+    code, report = profile(tmp_path, "uses_the_api.py", str(tmp_path / "own"))
+    out, err = capfd.readouterr()
+    assert code == 0 and "uses_the_api: done" in out, err[-2000:]
+    assert report["steps"] == 10  # its p.step() marks, as in a session of its own
+    assert not (tmp_path / "own").exists()

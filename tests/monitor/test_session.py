@@ -211,3 +211,28 @@ def test_torch_compile_traces_through_the_patched_calls_without_graph_breaks(tmp
     assert p.report["steps"] == 4
     assert not torch._dynamo.utils.counters["graph_break"]
     assert not [w for w in caught if "global hooks" in str(w.message)]  # gpulab's hooks warn nobody
+
+
+@pytest.mark.parametrize("ending, exit_code, error", [
+    (SystemExit(0), 0, None), (SystemExit(None), 0, None), (SystemExit(3), 3, "SystemExit: 3"),
+    (SystemExit("why"), 1, "SystemExit: why"), (KeyboardInterrupt(), 130, "KeyboardInterrupt"),
+])
+def test_a_block_left_by_sys_exit_or_ctrl_c_ends_as_python_would_end(tmp_path, ending, exit_code, error):
+    model, optimizer = tiny()
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,)))] * 4
+    with pytest.raises(type(ending)):
+        with gpulab.monitor.profile(out=tmp_path, quiet=True):
+            train_steps(model, optimizer, batches)
+            raise ending
+    report = read_report(tmp_path)
+    assert (report["exit_code"], report["error"]) == (exit_code, error)
+    assert "failure" not in [f["cause"] for f in report["findings"]]
+
+
+def test_an_empty_out_and_a_step_outside_the_block_are_user_errors(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="out ''"):
+        gpulab.monitor.profile(out="")
+    with pytest.raises(UserError, match="inside the block"):
+        gpulab.monitor.profile(out="p").step()
+    assert not list(tmp_path.iterdir())

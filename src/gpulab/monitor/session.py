@@ -13,7 +13,9 @@ report is printed (stderr), and `p.report` holds the report dict. An exception i
 still writes a partial report, then propagates. A full disk while writing is one line: a
 CannotWrite (a UserError), or on stderr when the block raised its own exception, which goes on.
 Files in `out` that gpulab did not write are not replaced (unless force=True): that is refused
-on entering the block, before any step runs.
+on entering the block, before any step runs. Under `gpulab profile`, which records the whole
+process already, the block records nothing of its own: its p.step() marks go to that recording,
+and the report is that command's.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
 from gpulab.monitor.output import OUTPUTS
 from gpulab.monitor.output.report import build_report, print_report, write_outputs
+from gpulab.monitor.record.attach import recorder_of_gpulab_profile
 from gpulab.monitor.record.recorder import Recorder
 from gpulab.monitor.parent.sampler import Sampler
-from gpulab.io import CannotWrite, OutputFolder, OutputRefused, check_writable
+from gpulab.errors import UserError
+from gpulab.io import CannotWrite, OutputFolder, OutputRefused, check_writable, given_path
 
 
 class Profile:
     def __init__(self, out: str | Path, cfg: ProfileConfig, console: Console | None = None, quiet: bool = False,
                  force: bool = False, real_folder: bool = False):
-        self.out = Path(out)
+        self.out = given_path(out, option="out")
         self.outputs = _output_folder(self.out, force, real_folder)
         self.cfg = cfg
         self.console = console
@@ -43,9 +47,17 @@ class Profile:
         self.report: dict | None = None
         self._sampler: Sampler | None = None
         self._recorder: Recorder | None = None
+        self._outer = False  # gpulab profile's recorder, not this session's
 
     def __enter__(self) -> "Profile":
-        check_writable(self.out)
+        self._recorder = recorder_of_gpulab_profile()
+        if self._recorder is not None:
+            self._outer = True
+            if not self.quiet:
+                print(f"gpulab profile records this whole process: its report is the one, {self.out} is not written",
+                      file=sys.stderr, flush=True)
+            return self
+        check_writable(self.out, option="out")
         self.outputs.check(OUTPUTS)
         self._sampler = Sampler(self.cfg.interval_s).start()
         try:
@@ -57,12 +69,15 @@ class Profile:
 
     def step(self) -> None:
         """Mark the end of a training step."""
+        if self._recorder is None:
+            raise UserError("p.step() marks a step inside the block: with gpulab.monitor.profile(...) as p: ... p.step()")
         self._recorder.mark_step()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        error = f"{exc_type.__name__}: {exc}" if exc_type else None
-        exit_code = 1 if exc_type else 0
-        if exc is not None:
+        if self._outer:
+            return False
+        exit_code, error = _ending(exc)
+        if error is not None:
             self._recorder.note_exception(exc, tb)
         self._recorder.stop(exit_code=exit_code, error=error)
         self._sampler.stop()
@@ -81,6 +96,20 @@ class Profile:
         if not self.quiet:
             print_report(self.report, self.out, self.console)
         return False  # never swallow the exception
+
+
+def _ending(exc: BaseException | None) -> tuple[int, str | None]:
+    """(exit code, error) of a process the block's exception would end, as Python ends it:
+    sys.exit(0) or sys.exit() succeed, sys.exit(n) exits n, sys.exit("why") 1; Ctrl-C 130."""
+    if exc is None:
+        return 0, None
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None or code == 0:
+            return 0, None
+        return (code & 0xFF if isinstance(code, int) else 1), f"SystemExit: {code}"
+    error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return (130 if isinstance(exc, KeyboardInterrupt) else 1), error
 
 
 def _output_folder(out: Path, force: bool, real_folder: bool) -> OutputFolder:

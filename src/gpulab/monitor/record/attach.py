@@ -24,6 +24,11 @@ _REMOVE_TRIES = 10  # the recordings' folder, while the job's other processes ma
 _recorders: list = []  # this process's recorder, once torch is imported (the parent watch silences it)
 
 
+def recorder_of_gpulab_profile():
+    """The recorder `gpulab profile` started in this process (at its `import torch`), or None."""
+    return _recorders[0] if _recorders else None
+
+
 def install(directory: str) -> None:
     if str(os.getppid()) == os.environ.get("GPULAB_PROFILE_PARENT"):
         _stop_the_job_if_gpulab_dies(directory)
