@@ -142,6 +142,7 @@ def test_runs_as_python_dash_m_gpulab_from_pythonpath(tmp_path):
     (["--", "train.py"], "gpulab profile -- python train.py"),
     (["--", sys.executable], "no script given"),
     (["--", sys.executable, "no_such_script.py"], "script no_such_script.py not found"),
+    (["--", sys.executable, str(Path(__file__).parent)], "a folder without __main__.py"),
     (["--", sys.executable, "-m"], "needs a module"),
     (["--", sys.executable, "-"], "stdin"),
     (["--interval", "0", "--", sys.executable, "x.py"], "--interval 0"),
@@ -154,6 +155,14 @@ def test_bad_command_lines_are_one_line_errors(argv, message, capsys):
     assert main(["profile", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and err.count("\n") == 0 and err.startswith("gpulab: error:")
+
+
+def test_a_folder_with_a_main_runs_as_python_runs_it(tmp_path, capfd):
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import torch\nprint('app ran', torch.ones(2).sum().item())\n")
+    assert main(["profile", "--out", str(tmp_path / "prof"), "--", sys.executable, str(app)]) == 0
+    assert "app ran 2.0" in capfd.readouterr().out
 
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

@@ -214,7 +214,11 @@ def _split(command: list[str]) -> tuple[str, list[str], list[str]]:
 
 
 def _check_script(path: str) -> None:
-    if not Path(path).is_file():
+    """What Python runs as a script: a file (a zip application too), or a folder with __main__.py."""
+    script = Path(path)
+    if script.is_dir() and not (script / "__main__.py").is_file():
+        raise UserError(f"{path} is a folder without __main__.py: name the script in it to run")
+    if not (script.is_file() or script.is_dir()):
         raise UserError(f"script {path} not found: check the path (relative to {Path.cwd()})")
 
 
