@@ -4,8 +4,8 @@ One module per benchmark; each has the same four parts, top to bottom:
 
     LESSON   one sentence: the claim the benchmark measures
     Config   a dataclass of sizes (its defaults: the 'full' run, for reports)
-    PRESETS  the other sizes by name: 'quick' (CI, smoke tests: all eight took 14 s on a quiet
-             2-core CPU) and 'tiny' (the test suite)
+    PRESETS  the other sizes by name: 'quick' (CI, smoke tests: all nine took 121 s on a quiet
+             2-core CPU, 109 s of it the training demo's whole processes) and 'tiny' (the test suite)
     run()    check that the compared ways compute the same result, then time them with the
              shared harness (`harness.measure`), filling a `result.Result`
     plot()   a matplotlib figure of the result

@@ -39,7 +39,7 @@ def add_bench_parser(sub) -> None:
     # default can overwrite the other's.
     size.add_argument(
         "--quick", dest="preset", action="store_const", const="quick",
-        help="small sizes for CI and smoke tests (all eight took 14 s on a quiet 2-core CPU)",
+        help="small sizes for CI and smoke tests (all nine took 2 minutes on a quiet 2-core CPU, the training demo most of it)",
     )
     size.add_argument(
         "--preset", choices=bench.PRESETS,
