@@ -301,3 +301,18 @@ def test_the_command_leaves_after_its_exit_handlers_without_the_interpreters_tea
         assert "torn down" in done.stdout
     if case == "thread":
         assert done.stdout.index("thread done") < done.stdout.index("exit handler ran")
+
+
+@pytest.mark.parametrize("stdout", ["full disk", "closed"])
+def test_output_that_cannot_be_printed_is_one_line_not_a_traceback(stdout):
+    """gpulab devices > /dev/full: one line, exit 1; gpulab devices >&- (no stdout at all): the
+    work is done, nothing to say, exit 0."""
+    command = [sys.executable, "-m", "gpulab", "devices", "--json"]
+    if stdout == "full disk":
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert done.returncode == 1 and done.stderr.startswith("gpulab: error: could not print the results: No space")
+    else:
+        done = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+        assert done.returncode == 0
+    assert done.stderr.count("\n") <= 1 and "Traceback" not in done.stderr, done.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import json
 import os
 import sys
@@ -196,6 +197,8 @@ def leave(code: int) -> None:
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with it closed (>&-): Python gives None
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe (gpulab ... | head): nothing left to say
@@ -213,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     return _main(argv)
 
 
+_OUTPUT_LOST = {errno.ENOSPC, errno.EPIPE, errno.EBADF, errno.EIO}
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -221,6 +227,13 @@ def _main(argv: list[str] | None) -> int:
     except UserError as e:
         rank = _rank()  # an error every rank raises together is printed by one (printed_by)
         return _fail(e, 2, printed_here=rank is None or getattr(e, "printed_by", rank) == rank)
+    except OSError as e:
+        if e.errno not in _OUTPUT_LOST:
+            raise
+        # what gpulab prints could not be written (stdout on a full disk, a closed pipe); results
+        # that go to files are written by writing_results, which says so itself
+        return _fail(UserError(f"could not print the results: {e.strerror}; send the output somewhere it "
+                               "can be written"), 1, printed_here=True)
     except Exception as e:
         from gpulab.parallel.failures import JobFailed
 
