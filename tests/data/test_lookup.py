@@ -130,3 +130,9 @@ def test_data_dir_that_does_not_exist(places):
     missing = places["arg"] / "nope"
     with pytest.raises(UserError, match=f"--data-dir {missing} does not exist"):
         fashion_mnist.find(missing)
+
+
+def test_a_gpulab_data_that_is_not_a_folder_is_refused_not_passed_over(places, monkeypatch):
+    monkeypatch.setenv("GPULAB_DATA", str(places["env"] / "typo"))
+    with pytest.raises(UserError, match="GPULAB_DATA=.*typo is not a folder"):
+        fashion_mnist.find()

@@ -59,7 +59,11 @@ def candidate_dirs(data_dir: str | os.PathLike | None = None) -> list[Path]:
     if data_dir:
         dirs.append(Path(data_dir))
     if os.environ.get("GPULAB_DATA"):
-        dirs.append(Path(os.environ["GPULAB_DATA"]))
+        env = Path(os.environ["GPULAB_DATA"])
+        if not env.is_dir():  # a typo: quietly reading the cache's copy instead would hide it
+            raise UserError(f"GPULAB_DATA={env} is not a folder; point it at the folder that holds the "
+                            "Fashion-MNIST IDX files, or unset it")
+        dirs.append(env)
     dirs += [cache_dir(), DEBIAN_DIR]
     return dirs
 
