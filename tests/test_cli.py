@@ -26,6 +26,8 @@ TRAIN = ["train", "--devices", "cpu", "--epochs", "1", "--batch-size", "32"]
     "args, fragments",
     [
         (["--model", "vgg"], ["--model vgg", "unknown model", "lenet"]),
+        (["--model", "../models:net"], ["--model ../models:net", "import names, not a file path"]),
+        (["--model", "custom"], ["--model custom", "passed to train() as an object", "package.module:factory"]),
         (["--data", "cifar10"], ["--data cifar10", "choose one of fashion-mnist"]),
         (["--devices", "tpu"], ["unknown device 'tpu'", "available: cpu"]),
         (["--devices", "cpu*0"], ["cpu*K with K >= 1"]),

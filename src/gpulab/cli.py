@@ -52,12 +52,14 @@ def add_train_parser(sub) -> None:
 
 
 def run_train(args) -> int:
+    from gpulab.models import check_named
     from gpulab.options import given_options, train_fields
     from gpulab.parallel.world import SharedError
     from gpulab.train import TrainConfig, train
     from gpulab.train.rundir import Trust
 
     given = given_options(args, train_fields())
+    check_named(given.get("model"))
     if args.resume:
         # where the data is now; a new total; the run's own model, trusted
         others = [f for f in given if f not in ("data_dir", "epochs", "model")]

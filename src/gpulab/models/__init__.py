@@ -9,6 +9,7 @@ the run directory, so resuming such a run takes the object again.
 import importlib
 import inspect
 import os
+import re
 import sys
 
 from torch import nn
@@ -21,15 +22,27 @@ MODELS = {"lenet": LeNet, "resnet18": ResNet18}
 OBJECT = "custom"  # the spec recorded for a model passed as an nn.Module
 
 
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
 def is_factory(spec: str) -> bool:
+    """`package.module:factory`: a module's dotted import name (not a file path), a name in it."""
     module, sep, attr = spec.partition(":")
-    return bool(sep and module and attr)
+    return bool(sep and _DOTTED.fullmatch(module) and _NAME.fullmatch(attr))
 
 
 def check_spec(spec: str) -> None:
     if spec not in MODELS and spec != OBJECT and not is_factory(spec):
         raise UserError(f"--model {spec}: unknown model; choose one of {', '.join(MODELS)}, "
-                        "or give your own as package.module:factory")
+                        "or give your own as package.module:factory (import names, not a file path)")
+
+
+def check_named(spec: str | None) -> None:
+    """A --model the user typed: `custom` is gpulab's record of a model passed as an object."""
+    if spec == OBJECT:
+        raise UserError(f"--model {OBJECT}: gpulab's record of a model passed to train() as an object; here give "
+                        f"{', '.join(MODELS)} or your own as package.module:factory")
 
 
 def build(spec: str, num_classes: int = 10) -> nn.Module:

@@ -45,6 +45,7 @@ def add_plan_parser(sub) -> None:
 def run_plan(args) -> int:
     from rich.console import Console
 
+    from gpulab.models import check_named
     from gpulab.options import STEP_FIELDS, given_options
     from gpulab.io import OutputFolder, check_writable, given_path, writing_results
     from gpulab.plan import render
@@ -53,6 +54,7 @@ def run_plan(args) -> int:
     from gpulab.train import TrainConfig
 
     given = given_options(args, STEP_FIELDS)
+    check_named(given.get("model"))
     checked = TrainConfig(**given)  # every train option checked the way gpulab train checks it
     train = {**given, "model": checked.model, "batch_size": checked.batch_size}
     cfg = PlanConfig(train=train, devices_per_node=args.devices_per_node, nodes=args.nodes, link=args.link,
