@@ -236,10 +236,12 @@ def test_every_named_link_parses_and_explicit_figures_are_read():
     (["--model", "nosuchmodel"], ["nosuchmodel"]),
     (["--memory", "lots"], ["--memory lots", "80GiB", "16GB", "512MiB"]),
     (["--memory", "0GiB"], ["--memory 0GiB"]),
+    (["--model", "nosuch.mod:f", "--no-sweep", "--seconds", "0.1"], ["failed: --model nosuch.mod:f: cannot import"]),
 ])
 def test_bad_inputs_are_one_line_errors(argv, fragments, capsys, tmp_path):
     code, out, err = run_cli(["plan", "--devices", "cpu", "--out", str(tmp_path / "p"), *argv], capsys)
     assert_one_line_error(code, err, *fragments)
+    assert "gpulab.errors" not in err  # a measuring process's refusal reads as gpulab's own
     assert not (tmp_path / "p").exists()
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import socket
+import re
 import statistics
 import subprocess
 import sys
@@ -123,6 +124,10 @@ def child_pythonpath() -> str:
     return os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+# a measuring process's refusal, as its traceback's last line ends: the message is the news
+_USER_ERROR = re.compile(r"^(\[rank\d+\]:\s*)?gpulab\.errors\.UserError:\s*")
+
+
 def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
     """Wait for every process; on a failure or the deadline stop the rest. The first failure's last line."""
     deadline = time.monotonic() + timeout_s
@@ -135,7 +140,7 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
             break
         if p.returncode != 0 and failure is None:
             lines = [line for line in output.strip().splitlines() if line.strip()]
-            failure = lines[-1] if lines else f"exit code {p.returncode}"
+            failure = _USER_ERROR.sub("", lines[-1]) if lines else f"exit code {p.returncode}"
             break
     for p in procs:
         if p.poll() is None:
