@@ -337,3 +337,9 @@ def test_a_script_that_profiles_itself_runs_under_gpulab_profile_with_its_step_m
     assert code == 0 and "uses_the_api: done" in out, err[-2000:]
     assert report["steps"] == 10  # its p.step() marks, as in a session of its own
     assert not (tmp_path / "own").exists()
+
+
+def test_training_in_a_thread_of_its_own_is_recorded(tmp_path):
+    code, report = profile(tmp_path, "trains_in_a_thread.py")
+    assert code == 0 and report["steps"] == 60, report["findings"][0]
+    assert report["steps_found"] == "found from optimizer.step()"

@@ -7,6 +7,7 @@ to, and says whose thread is calling and when gpulab itself is at work.
     notices                    what probes tell one another (notices.py: each a Notice to listen to or send)
     emit(record)               a record for the events file (monitor/events.py is the format)
     here()                     is the caller the recorded (training) thread? Only its calls count
+    here_or_adopted()          the same, where the first thread to train becomes the recorded one
     span(name, category)       a span as a context manager, in the recorded thread only
     own_work()                 gpulab's own work (a window's profiler, its synchronize): no
                                probe takes it for the script's, no stack sample either
@@ -41,6 +42,15 @@ class Sink:
     def here(self) -> bool:
         """Is the caller the recorded (training) thread?"""
         return threading.get_ident() == self.ident
+
+    def here_or_adopted(self) -> bool:
+        """here(), after making the caller the recorded thread if it trains (it calls backward or
+        an optimizer's step) while the recorded one, the thread that imported torch, never has: a
+        script that trains in a thread of its own."""
+        caller = threading.get_ident()
+        if caller != self.ident and self.ident is not None and self.steps.backward_calls == self.steps.optimizer_steps == 0:
+            self.ident = caller
+        return caller == self.ident
 
     @property
     def steps_done(self) -> int:

@@ -56,7 +56,7 @@ class AutogradProbe(Probe):
 
         def make_wrapper(original):
             def wrapper(*args, **kwargs):
-                if self._in_backward or is_compiling() or not sink.here():
+                if self._in_backward or is_compiling() or not sink.here_or_adopted():
                     return original(*args, **kwargs)
                 steps.end_step_after_backward()  # a loop with neither a DataLoader nor a module call
                 self._in_backward = True
@@ -77,7 +77,7 @@ class AutogradProbe(Probe):
     # optimizer step (torch's step wrapper calls them), where they fold away as torch's own would.
 
     def _optimizer_step_begins(self, optimizer, args, kwargs) -> None:
-        if not torch.compiler.is_compiling() and self.sink.here():
+        if not torch.compiler.is_compiling() and self.sink.here_or_adopted():
             self._optimizer_tokens[id(optimizer)] = self.sink.steps.enter(f"{type(optimizer).__name__}.step", "compute")
 
     def _optimizer_step_ended(self, optimizer, args, kwargs) -> None:
