@@ -229,6 +229,7 @@ def test_every_named_link_parses_and_explicit_figures_are_read():
     (["--seconds", "inf"], ["--seconds inf"]),
     (["--seconds", "-5"], ["--seconds -5"]),
     (["--devices", "cpu*2"], ["--devices cpu*2", "--devices-per-node"]),
+    (["--devices-per-node", "1", "64", "--batch-size", "64"], ["--devices-per-node 64", "usable core"]),
     (["--devices", "cpuzzz"], ["cpuzzz"]),
     (["--memory", "0.5"], ["--memory 0.5"]),
     (["--memory", "16i"], ["--memory 16i"]),

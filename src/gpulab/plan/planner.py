@@ -182,6 +182,12 @@ def sweep_batches(batch: int) -> list[int]:
 
 def make_plan(cfg: PlanConfig, say=print) -> Plan:
     kind = device_kind(cfg.train)
+    most = max(2, usable_cores())  # 1 vs 2 devices is the default plan, on any machine
+    if kind == "cpu" and max(cfg.devices_per_node) > most:
+        # each device of a CPU plan is a process measured beside the others on these cores: more
+        # of them than cores measure the crowding, and start that many copies of torch at once
+        raise UserError(f"--devices-per-node {max(cfg.devices_per_node)}: a CPU plan runs a process per device on "
+                        f"this machine's {usable_cores()} usable core(s); plan for at most {most}")
     batch = cfg.train["batch_size"]
     profiles = Profiles(cfg, kind, say)
     one = profiles.get(batch, 1)
