@@ -168,7 +168,7 @@ MUTATIONS = [
              "        if not (math.isfinite(self.profile_seconds) and self.profile_seconds > 0):", "        if False:",
              ["tests/plan/test_plan.py::test_bad_inputs_are_one_line_errors"]),
     Mutation("gpulab plan ignores the K of --devices cpu*K", "src/gpulab/plan/planner.py",
-             "    if names_several(spec):", "    if False:",
+             "    if not _KIND.fullmatch(text):", "    if False:",
              ["tests/plan/test_plan.py::test_bad_inputs_are_one_line_errors"]),
     Mutation("gpulab plan ignores --rounds without --check", "src/gpulab/plan/cli.py",
              "    if not args.check:\n        for option", "    if False:\n        for option",

@@ -13,9 +13,9 @@ the cores (cores / ranks per machine), measured with that many copies running at
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
-from gpulab.devices import names_several, resolve
 from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.plan import collective, step
@@ -76,15 +76,29 @@ class PlanConfig:
             parse_link(self.device_link)
 
 
+# What --devices may name in a plan: a kind of device (gpulab.devices' grammar, less cpu*K and
+# lists, read from the text: the plan's parent imports no torch)
+_KIND = re.compile(r"auto|all|cpu|(cuda|gpu)(:\d+)?")
+
+
 def device_kind(train: dict) -> str:
     """'cuda' when the plan's devices are GPUs, else 'cpu'. --devices names the kind only: how many
     a machine has is --devices-per-node."""
     spec = train.get("devices")
     spec = "auto" if spec is None else spec
-    if names_several(spec):
+    text = spec.strip().lower().replace(" ", "")
+    if not _KIND.fullmatch(text):
         raise UserError(f"--devices {spec}: a plan names the kind of device (cpu, cuda or auto); say how many per "
                         "machine with --devices-per-node, e.g. --devices cpu --devices-per-node 1 2")
-    return resolve(spec)[0].type
+    if text == "cpu":
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if text not in ("auto", "all"):
+        raise UserError(f"--devices {spec}: torch sees no GPU here; plan for the CPU with --devices cpu")
+    return "cpu"
 
 
 class Profiles:
