@@ -18,7 +18,7 @@ import threading
 import time
 
 from gpulab.bytecode import use_own_cache_where_needed
-from gpulab.errors import UserError
+from gpulab.errors import Terminated, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -245,11 +245,7 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("gpulab: interrupted", file=sys.stderr)
         return 130
-    except BaseException as e:
-        from gpulab.parallel.failures import Terminated
-
-        if not isinstance(e, Terminated):
-            raise
+    except Terminated:
         return _fail(RuntimeError("stopped by SIGTERM"), 128 + 15, printed_here=True)
 
 

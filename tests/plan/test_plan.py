@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import signal
 import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
 from gpulab.io import OUTPUTS_RECORD
@@ -367,3 +372,22 @@ def test_the_memory_check_holds_its_verdict_by_running_it(tiny_data, tmp_path, s
     if shard == "none":  # the largest-batch verdict runs replicated either way
         fits, more = result["runs"]
         assert fits["fits"] and not more["fits"], result["runs"]
+
+
+def test_sigterm_stops_a_plan_in_one_line_and_leaves_no_process_or_temporary_folder(tiny_data, tmp_path):
+    """`timeout`, a scheduler or `kill` sends SIGTERM to gpulab alone: its measuring processes and
+    their temporary folder go with it."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    gpulab = subprocess.Popen([sys.executable, "-m", "gpulab", "plan", "--devices", "cpu", "--devices-per-node", "1",
+                               "--no-sweep", "--seconds", "30", "--batch-size", "32", "--out", str(tmp_path / "plan")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (list(tmp_path.glob("gpulab-plan-*")) and psutil.Process(gpulab.pid).children()):
+        assert time.monotonic() < deadline and gpulab.poll() is None, "the plan did not start measuring"
+        time.sleep(0.1)
+    children = psutil.Process(gpulab.pid).children(recursive=True)
+    gpulab.send_signal(signal.SIGTERM)
+    _, err = gpulab.communicate(timeout=60)
+    assert gpulab.returncode == 143 and err.strip() == "gpulab: error: stopped by SIGTERM", err[-2000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive and not list(tmp_path.glob("gpulab-plan-*")) and not (tmp_path / "plan").exists()

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpulab import bench
-from gpulab.errors import UserError
+from gpulab.errors import UserError, sigterm_raises
 
 BUSY_PCT = 25.0
 """Warn when other processes use more than this share of the CPU before a run."""
@@ -61,6 +61,11 @@ def output_names(names: list[str]) -> list[str]:
 
 
 def run_bench(args) -> int:
+    with sigterm_raises():  # its temporary folders and measuring processes go with it
+        return _run_bench(args)
+
+
+def _run_bench(args) -> int:
     from gpulab.bench.environment import contention_warning, environment
     from gpulab.bench.runner import Context, run_benchmark
     from gpulab.devices import resolve

@@ -165,7 +165,7 @@ def run_once(command: list[str], epochs: int, spec: str, data_dir: Path, out: Pa
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        except BaseException:  # its time is up, or gpulab is stopped (Terminated, Ctrl-C): so is the run
             proc.kill()
             proc.communicate()
             raise

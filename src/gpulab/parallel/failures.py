@@ -20,6 +20,7 @@ import sys
 import threading
 from datetime import timedelta
 
+from gpulab.errors import Terminated
 from gpulab.parallel.launch import exit_summary
 
 CHECK_IN_S = 2.0  # how long survivors of a failure wait for each other in the store
@@ -28,10 +29,6 @@ WATCHDOG_POLL_S = 0.5  # how often each rank's watchdog looks for a failure flag
 
 class PeerLost(RuntimeError):
     """A collective failed because another rank died, hung past the timeout or crashed."""
-
-
-class Terminated(BaseException):
-    """SIGTERM (from torchrun after another rank failed, or from a scheduler): stop cleanly."""
 
 
 class JobFailed(Exception):

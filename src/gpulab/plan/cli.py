@@ -6,7 +6,7 @@ import datetime
 import math
 from pathlib import Path
 
-from gpulab.errors import UserError
+from gpulab.errors import UserError, sigterm_raises
 
 
 def add_plan_parser(sub) -> None:
@@ -43,6 +43,11 @@ def add_plan_parser(sub) -> None:
 
 
 def run_plan(args) -> int:
+    with sigterm_raises():  # its temporary folders and measuring processes go with it
+        return _run_plan(args)
+
+
+def _run_plan(args) -> int:
     from rich.console import Console
 
     from gpulab.models import check_named

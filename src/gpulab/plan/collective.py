@@ -132,20 +132,22 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
     """Wait for every process; on a failure or the deadline stop the rest. The first failure's last line."""
     deadline = time.monotonic() + timeout_s
     failure = None
-    for p in procs:
-        try:
-            output, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            failure = failure or f"no result within {timeout_s:g} s"
-            break
-        if p.returncode != 0 and failure is None:
-            lines = [line for line in output.strip().splitlines() if line.strip()]
-            failure = _USER_ERROR.sub("", lines[-1]) if lines else f"exit code {p.returncode}"
-            break
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+    try:
+        for p in procs:
+            try:
+                output, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failure = failure or f"no result within {timeout_s:g} s"
+                break
+            if p.returncode != 0 and failure is None:
+                lines = [line for line in output.strip().splitlines() if line.strip()]
+                failure = _USER_ERROR.sub("", lines[-1]) if lines else f"exit code {p.returncode}"
+                break
+    finally:  # also when gpulab is stopped (Terminated, Ctrl-C): no measuring process outlives it
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     return failure
 
 

@@ -30,13 +30,13 @@ from gpulab import models
 from gpulab.compiler import CompileClock
 from gpulab.config import TrainConfig
 from gpulab.devices import synchronize
-from gpulab.errors import UserError
+from gpulab.errors import Terminated, UserError
 from gpulab.host import CoreWatch, seconds_since_start
 from gpulab.io import check_writable as check_folder_writable
 from gpulab.memory.peak import peak_memory, reset_peaks
 from gpulab.monitor import profile
 from gpulab.parallel import World
-from gpulab.parallel.failures import PeerLost, Terminated
+from gpulab.parallel.failures import PeerLost
 from gpulab.parallel.world import SharedError, from_environment
 from gpulab.train.build import Run, build
 from gpulab.train.display import banner, contention_line, epoch_line, progress_bar, result_line

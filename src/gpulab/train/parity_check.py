@@ -18,9 +18,10 @@ from rich.markup import escape
 
 from gpulab import data, models
 from gpulab.devices import format_devices
+from gpulab.errors import Terminated
 from gpulab.parallel.graphed import graph_lr
 from gpulab.parallel.parity import FLOAT64_TOLERANCE, max_difference, reference_training, reordered
-from gpulab.parallel.failures import PeerLost, Terminated
+from gpulab.parallel.failures import PeerLost
 from gpulab.parallel.world import World, from_environment
 from gpulab.config import TrainConfig
 from gpulab.parallel.sharded import Sharded
