@@ -8,6 +8,9 @@ from pathlib import Path
 
 from gpulab.errors import UserError, sigterm_raises
 
+CHECK_LINKS = "1000,200"  # Mbit/s of the 2-host check's links
+CHECK_ROUNDS = 3
+
 
 def add_plan_parser(sub) -> None:
     from gpulab.options import STEP_FIELDS, add_config_options
@@ -34,8 +37,8 @@ def add_plan_parser(sub) -> None:
                    help="also run what fits on this machine (1 process, 2 ranks, 2 agents, 2 tc-limited hosts) "
                    "and compare predicted with measured samples/s")
     p.add_argument("--check-links", default=None, metavar="MBIT,...",
-                   help="link rates of the 2-host check, Mbit/s (default 1000,200)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of the check (default 3; the median counts)")
+                   help=f"link rates of the 2-host check, Mbit/s (default {CHECK_LINKS})")
+    p.add_argument("--rounds", type=int, default=None, help=f"rounds of the check (default {CHECK_ROUNDS}; the median counts)")
     p.add_argument("--out", default=None, help="folder for plan.json and plan.png (default plans/<timestamp>-<model>); "
                    "files there that gpulab did not write are never replaced")
     p.add_argument("--force", action="store_true", help="replace files in the --out folder that gpulab did not write")
@@ -97,10 +100,6 @@ def _run_plan(args) -> int:
         render.write(plan, outputs, checked, memory_checked)
     console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
-
-
-CHECK_LINKS = "1000,200"  # Mbit/s of the 2-host check's links
-CHECK_ROUNDS = 3
 
 
 def check_options_used(args, cfg) -> None:

@@ -20,11 +20,11 @@ from gpulab.monitor.events import Recording, trainers
 
 # What a process says when it failed because another one did: gloo's and torch's words for a
 # peer that went away or never answered, and gpulab train's own failure protocol.
-_KILLED = 128 + 9  # a shell's exit status for SIGKILL, as gpulab reports a job's
 _LOST_PEER = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting|timed out|Timeout|"
     r"DistNetworkError|DistStoreError|PeerLost|JobFailed|stopped answering", re.IGNORECASE)
 _CRASH_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+_KILLED = 128 + 9  # a shell's exit status for SIGKILL, as gpulab reports a job's
 
 
 @dataclass
