@@ -18,6 +18,7 @@ import pytest
 
 from gpulab.cli import main
 from gpulab.io import OUTPUTS_RECORD
+from gpulab.monitor.analyze.findings import FIXES
 from tests.conftest import assert_one_line_error, disk_full_for, run_cli
 from tests.monitor.reports import read_report
 
@@ -98,10 +99,23 @@ def test_python_loop_between_steps_is_found_at_its_line(tmp_path, capfd):
     once_s, loops_s = map(float, re.search(r"a job of ([\d.]+) s once, the loop ([\d.]+) s", capfd.readouterr().out).groups())
     assert once_s > loops_s
     top = report["findings"][0]
-    assert top["cause"] == "low_device_utilization"
+    assert top["cause"] == "low_device_utilization" and top["fix"] == FIXES["low_device_utilization"]
     loop = planted_line("python_overhead.py")  # the `for` line; its body is the next line
     assert top["where"] in {f"{SCRIPTS / 'python_overhead.py'}:{n}" for n in (loop, loop + 1)} | {
         f"tests/monitor/scripts/python_overhead.py:{n}" for n in (loop, loop + 1)}
+
+
+def test_a_wait_between_steps_is_called_a_wait_at_its_line(tmp_path, capfd):
+    """A sleep after every step is time between the training calls, but no Python to speed up: the
+    finding names the sleep's line and the fix that takes the wait out of the loop."""
+    code, report, _ = profile(tmp_path, "sleeps_between_steps.py")
+    assert code == 0
+    slept_s, total_s = map(float, re.search(r"slept ([\d.]+) s of ([\d.]+) s", capfd.readouterr().out).groups())
+    assert slept_s > 0.5 * total_s
+    top = report["findings"][0]
+    assert top["cause"] == "low_device_utilization" and top["fix"] == FIXES["host_wait"]
+    assert "blocked" in top["evidence"]
+    assert top["where"].endswith(f"sleeps_between_steps.py:{planted_line('sleeps_between_steps.py')}")
 
 
 def test_failing_script_keeps_exit_code_and_output_and_leaves_a_partial_report(tmp_path, capfd):

@@ -83,6 +83,60 @@ def test_a_sleep_counts_in_wall_time():
     assert lines.get(line_of(sleeping, "planted: sleep"), 0.0) >= 0.8 * seconds
 
 
+def blocked_at(work, marker: str, s: StackSampler) -> tuple[float, float, float]:
+    """(seconds sampled at `work`'s `marker` line, of them blocked, the work's own seconds)."""
+    s.start()
+    try:
+        seconds = work()
+    finally:
+        s.stop()
+    where, snapshot = line_of(work, marker), s.snapshot()
+    return snapshot["lines"]["compute"].get(where, 0.0), snapshot["blocked"]["compute"].get(where, 0.0), seconds
+
+
+def test_a_sleep_is_told_from_a_busy_call_by_the_time_the_thread_was_blocked():
+    """A line where the thread sleeps is a wait; a C call that computes, however long, is not -
+    even when it waits for a core (a busy machine): that is the run queue, not a block."""
+    sampled_s, blocked_s, _ = blocked_at(sleeping, "planted: sleep", sampler())
+    assert blocked_s >= 0.8 * sampled_s > 0
+    sampled_s, blocked_s, _ = blocked_at(long_c_call, "planted: C call", sampler())
+    assert blocked_s <= 0.2 * sampled_s and sampled_s > 0
+
+
+def test_the_thread_sampler_tells_a_wait_too():
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)  # the script's: sampling falls back to a thread
+    recorded = threading.get_ident()
+    s = StackSampler(INTERVAL_S, lambda: recorded, lambda: "compute", lambda: 0)
+    s.start()
+    assert s.method == "thread"
+    s.stop()
+    sampled_s, blocked_s, _ = blocked_at(sleeping, "planted: sleep", s)
+    assert blocked_s >= 0.8 * sampled_s > 0
+
+
+def test_signal_pause_waits_for_the_scripts_signal_not_the_samplers():
+    """signal.pause() returns at the first handled signal: the sampler's SIGALRM must not end the
+    script's wait for its own (here SIGUSR1, 0.3 s later)."""
+    s = sampler()
+    patches = Patches()
+    hand_signal_back_on_request(patches.patch, lambda: s)
+    s.start()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    sender = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        t0 = time.perf_counter()
+        sender.start()
+        signal.pause()
+        waited = time.perf_counter() - t0
+        assert s.method == "thread"
+    finally:
+        sender.cancel()
+        s.stop()
+        patches.undo()
+        signal.signal(signal.SIGUSR1, previous)
+    assert waited >= 0.25
+
+
 def test_stop_disarms_the_timer_and_restores_the_default():
     s = sampler()
     s.start()

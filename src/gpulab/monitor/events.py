@@ -305,6 +305,7 @@ class Recording:
         self.sites: list[dict] = []
         self.hot: dict[str, dict[str, float]] = {}  # category -> user line -> seconds of stack samples
         self.hot_steps: dict[str, dict[str, int]] = {}  # category -> user line -> steps its samples fell in
+        self.hot_blocked: dict[str, dict[str, float]] = {}  # category -> user line -> seconds of it blocked
         self.hot_interval_s = 0.0
         self.span_seconds: dict[str, float] = {}
         self.facts: dict = {}
@@ -352,6 +353,7 @@ class Recording:
                 self.sites = r["sites"]
             elif kind == "hot":
                 self.hot, self.hot_steps, self.hot_interval_s = r["lines"], r["steps"], r["interval_s"]
+                self.hot_blocked = r.get("blocked", {})
             elif kind == "spans":
                 self.span_seconds = r["seconds"]
             elif kind == "facts":

@@ -39,6 +39,11 @@ FIXES = {
         "move per-step Python out of the loop: vectorize it with tensor indexing instead of Python "
         "loops, do logging and metrics every N steps, or move preprocessing into DataLoader workers"
     ),
+    "host_wait": (
+        "the training thread waits at that line instead of working: take the wait out of the loop (a "
+        "time.sleep, a blocking read, write or request, a lock another thread holds), or hand the work it "
+        "waits for to a background thread (logging, checkpoints, sending results) so the next step starts at once"
+    ),
     "cpu_only_build": (
         "install a CUDA build of torch (pip install torch --index-url "
         "https://download.pytorch.org/whl/cu126, matching `nvidia-smi`), then move the model and "
@@ -92,6 +97,14 @@ def hottest(rec: Recording, category: str) -> str | None:
     steps = rec.hot_steps.get(category) or {}
     every_step = {where: s for where, s in lines.items() if steps.get(where, 0) >= _steps_needed(rec)}
     return max(every_step, key=every_step.get) if every_step else None
+
+
+def blocked_share(rec: Recording, category: str, where: str | None) -> float:
+    """The share of `where`'s sampled time in `category` that the training thread was blocked -
+    asleep, in I/O, on a lock - rather than on a core or waiting for one (0: not known)."""
+    seconds = (rec.hot.get(category) or {}).get(where, 0.0)
+    blocked = (rec.hot_blocked.get(category) or {}).get(where, 0.0)
+    return blocked / seconds if seconds > 0 else 0.0
 
 
 def _steps_needed(rec: Recording) -> int:

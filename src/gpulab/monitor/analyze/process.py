@@ -16,7 +16,8 @@ has queued work. What a fix can save is therefore bounded:
     host_sync, h2d_copy     min(syncs or copies, idle)   removing the wait lets the host run ahead
     input_pipeline          min(data_wait, exposed)
     launch_overhead         min(compute, exposed)        when the kernel window shows many tiny kernels
-    low_device_utilization  min(other, exposed)          Python between the training calls
+    low_device_utilization  min(other, exposed)          Python between the training calls, or a wait
+                                                         there (its line's thread blocked: asleep, I/O, a lock)
 
 On the CPU the shares are the plain fractions of the step. A finding is reported when its share
 is at least MIN_SHARE; a fast input pipeline in a compute-bound loop therefore gets no
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 from gpulab.host import CORE_SLACK
 from gpulab.monitor.analyze.contention import CoreUse, contention_finding
 from gpulab.monitor.analyze.devices import kernel_window
-from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE, add_support, finding, hottest
+from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE, add_support, blocked_share, finding, hottest
 from gpulab.monitor.analyze.step_costs import PHASE_NAMES, StepCosts, shown_phases
 from gpulab.monitor.events import TRANSFORM_PREFIX, Recording
 
+WAITING = 0.5  # a line where the thread was blocked this share of its time waits rather than computes
 TINY_KERNEL_US = 20.0  # kernels this short cost about as much to launch as to run
 MANY_KERNELS_PER_STEP = 20
 
@@ -195,11 +197,14 @@ def _other_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     quarters = step.share_by_quarter("other")
     if min(quarters) < MIN_SHARE:
         return None
+    where = hottest(rec, "other")
+    blocked = blocked_share(rec, "other", where)
+    what = (f"waiting between the training calls: at that line the thread was blocked (asleep, in I/O or on a "
+            f"lock) {blocked:.0%} of its sampled time" if blocked >= WAITING else "Python between the training calls")
     evidence = (f"{step.other * 1e3:.1f} ms per step ({step.other / seconds:.0%}; {min(quarters):.0%}-{max(quarters):.0%} across "
-                f"the run's quarters) is Python between the training calls (outside data loading, forward, backward "
-                f"and the optimizer)")
+                f"the run's quarters) is {what} (outside data loading, forward, backward and the optimizer)")
     return finding("low_device_utilization", min(step.other, b.exposed) / seconds, evidence + b.idle_text(seconds),
-                    hottest(rec, "other"), "low_device_utilization")
+                    where, "host_wait" if blocked >= WAITING else "low_device_utilization")
 
 
 def _unexplained_idle(rec: Recording, step: StepCosts, b: _Budget, findings: list[dict]) -> list[dict]:

@@ -47,6 +47,7 @@ def _process_report(rec: Recording, samples: list[dict], gpus: list[dict], sampl
         "kernel_window": _fields(rec.kernels) if rec.kernels else None,
         "hot_lines": rec.hot,
         "hot_steps": rec.hot_steps,
+        "hot_blocked": rec.hot_blocked,
         "hot_line_interval_s": rec.hot_interval_s,
         "cuda": rec.cuda,
         "environment": {k: rec.start.get(k) for k in ENVIRONMENT_KEYS},

@@ -22,7 +22,12 @@ A sample is taken one of two ways:
   take: the recorded thread is not the main thread (Python runs handlers only there), the script
   has a SIGALRM handler or an alarm of its own, or it takes SIGALRM while recording - then the
   timer stops and SIGALRM's default is back before the script's own call goes through
-  (`hand_signal_back_on_request`), and the thread goes on from there.
+  (`hand_signal_back_on_request`), and the thread goes on from there. So does signal.pause(),
+  which returns at the first handled signal: the sampler's would end the script's wait.
+
+Each sample also says how much of the time it stands for the thread was blocked - asleep, in I/O,
+on a lock: neither on a core nor waiting on a run queue for one (the kernel's schedstat for the
+thread, ~10 us a read) - so a line where the loop waits is told from a line where it computes.
 
 The tally has one writer at a time (the handler, or the sampling thread) and is copied by the
 event writer's thread: each dict copy is atomic under the GIL, so no lock is taken - a handler
@@ -31,12 +36,14 @@ waiting for a lock the main thread holds would never return.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 
+from gpulab.host import schedstat
 from gpulab.monitor.record.frames import user_site
 from gpulab.monitor.record.interpreter import block_signals_in_this_thread
 from gpulab.monitor.record.probe import Probe
@@ -106,6 +113,8 @@ class StackSampler:
         self._own_work = own_work
         self._own_at_last_sample = 0.0
         self._seconds: dict[str, dict[str, float]] = {}  # category -> user line -> seconds
+        self._blocked: dict[str, dict[str, float]] = {}  # category -> user line -> seconds of them blocked
+        self._activity = Activity()
         self._steps: dict[str, dict[str, list[int]]] = {}  # category -> user line -> [steps sampled in, last step]
         self.method: str | None = None
         self._last_sample = 0.0
@@ -154,10 +163,13 @@ class StackSampler:
         hot = {c: {where: round(s, 4) for where, s in sorted(lines.items(), key=lambda x: -x[1])[:_TOP_LINES]}
                for c, lines in copied.items()}
         steps = {c: {where: self._steps[c][where][0] for where in lines} for c, lines in hot.items()}
-        return {"type": "hot", "interval_s": self.interval_s, "method": self.method, "lines": hot, "steps": steps}
+        blocked = {c: {where: round(self._blocked[c].get(where, 0.0), 4) for where in lines} for c, lines in hot.items()}
+        return {"type": "hot", "interval_s": self.interval_s, "method": self.method, "lines": hot, "steps": steps,
+                "blocked": blocked}
 
-    def _note(self, frame, seconds: float) -> None:
-        """One sample: `frame` stood for `seconds` of the category charged now."""
+    def _note(self, frame, seconds: float, blocked: float) -> None:
+        """One sample: `frame` stood for `seconds` of the category charged now, `blocked` of them
+        with the thread blocked."""
         category = self._category()
         if category is None:
             return
@@ -168,11 +180,14 @@ class StackSampler:
         if lines is None:
             lines = self._seconds[category] = {}
             self._steps[category] = {}
+            self._blocked[category] = {}
         # the step count first: a snapshot that sees the line finds its count
         seen, step = self._steps[category].setdefault(where, [0, -1]), self._step()
         if seen[1] != step:
             seen[0], seen[1] = seen[0] + 1, step
         lines[where] = lines.get(where, 0.0) + seconds
+        if blocked:
+            self._blocked[category][where] = self._blocked[category].get(where, 0.0) + blocked
 
     # ------------------------------------------------------------------ by signal
 
@@ -200,8 +215,9 @@ class StackSampler:
         # two steps, whose frames sit below the script's line that ended the step): not the script's
         seconds = (now - self._last_sample) - (own - self._own_at_last_sample)
         self._last_sample, self._own_at_last_sample = now, own
+        blocked = self._activity.blocked_share(threading.get_native_id(), now)
         if not under_way:
-            self._note(frame, seconds)
+            self._note(frame, seconds, seconds * blocked)
 
     @staticmethod
     def _pass_on(signum, frame) -> None:
@@ -230,12 +246,36 @@ class StackSampler:
         while not self._stop_thread.wait(self.interval_s):
             ident = self._ident()
             frame = sys._current_frames().get(ident) if ident is not None else None
-            if frame is not None and not self._own_work()[1]:
-                # one period each: weighing by the time since the last sample would add to the
-                # bias (a long wait for the GIL ends where the training thread lets it go); none
-                # while gpulab's own work runs
-                self._note(frame, self.interval_s)
+            if frame is not None:
+                blocked = self._activity.blocked_share(_native_id(ident), time.perf_counter())
+                if not self._own_work()[1]:
+                    # one period each: weighing by the time since the last sample would add to the
+                    # bias (a long wait for the GIL ends where the training thread lets it go); none
+                    # while gpulab's own work runs
+                    self._note(frame, self.interval_s, self.interval_s * blocked)
             del frame
+
+
+class Activity:
+    """The share of the time since the last call that a thread was blocked: neither on a core nor
+    waiting on a run queue for one (/proc's schedstat). 0 when not known: the first call for a
+    thread, a kernel without schedstat, a thread gone."""
+
+    def __init__(self):
+        self._last: tuple[int, int, float] | None = None  # (thread id, ns ran or queued, perf_counter)
+
+    def blocked_share(self, tid: int | None, now: float) -> float:
+        times = schedstat(os.getpid(), tid) if tid is not None else None
+        last, self._last = self._last, (tid, sum(times), now) if times is not None else None
+        if times is None or last is None or last[0] != tid or now <= last[2]:
+            return 0.0
+        active_s = (sum(times) - last[1]) / 1e9
+        return min(max(1.0 - active_s / (now - last[2]), 0.0), 1.0)
+
+
+def _native_id(ident: int) -> int | None:
+    """The kernel's id of the live thread whose threading ident is `ident`."""
+    return next((t.native_id for t in threading.enumerate() if t.ident == ident), None)
 
 
 def _signal_is_free_for(ident: int | None) -> bool:
@@ -249,8 +289,9 @@ def _signal_is_free_for(ident: int | None) -> bool:
 
 def hand_signal_back_on_request(patch, sampler: Callable[[], StackSampler | None]) -> None:
     """Patch (through `patch(owner, name, make_wrapper)`) the calls by which a script takes
-    SIGALRM - signal.signal(SIGALRM, ...), signal.alarm, signal.setitimer(ITIMER_REAL, ...) - so
-    that `sampler()` hands the signal back first (no hook exists for them)."""
+    SIGALRM - signal.signal(SIGALRM, ...), signal.alarm, signal.setitimer(ITIMER_REAL, ...) - and
+    signal.pause(), which any handled signal ends, so that `sampler()` hands the signal back first
+    (no hook exists for them)."""
     if _set_timer is None:
         return
 
@@ -269,3 +310,4 @@ def hand_signal_back_on_request(patch, sampler: Callable[[], StackSampler | None
     patch(signal, "signal", handing_back(lambda signalnum, *args, **kwargs: signalnum == _SIGALRM))
     patch(signal, "alarm", handing_back(lambda *args, **kwargs: True))
     patch(signal, "setitimer", handing_back(lambda which, *args, **kwargs: which == _ITIMER_REAL))
+    patch(signal, "pause", handing_back(lambda: True))
