@@ -195,6 +195,69 @@ def test_signals_end_the_job_and_keep_the_report(tmp_path, how, args, exit_code)
     assert not list((tmp_path / "prof").glob(".events-*"))
 
 
+# A shell's job control, as small as it gets: gpulab in a group of its own with the terminal;
+# when it stops, the shell takes the terminal back, waits a second and resumes it (`fg`).
+SHELL = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+gpulab = subprocess.Popen(sys.argv[1:], process_group=0)
+os.tcsetpgrp(0, gpulab.pid)
+_, status = os.waitpid(gpulab.pid, os.WUNTRACED)
+if os.WIFSTOPPED(status):
+    os.tcsetpgrp(0, os.getpgrp())
+    print("shell: gpulab stopped, the prompt is back", flush=True)
+    time.sleep(1.0)
+    os.tcsetpgrp(0, gpulab.pid)
+    os.killpg(gpulab.pid, signal.SIGCONT)
+    _, status = os.waitpid(gpulab.pid, 0)
+print("shell: gpulab exited", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_ctrl_z_at_a_terminal_stops_gpulab_with_the_job_and_fg_resumes_both(tmp_path):
+    """Ctrl-Z stops the job, which holds the terminal: gpulab must stop too, or the shell waits on
+    it with the terminal left to a stopped job (a frozen terminal). After `fg` the job trains on to
+    its last step and the report counts every step."""
+    pty = pytest.importorskip("pty")
+    import select
+
+    pids_file, steps = tmp_path / "pids", 1500
+    argv = [sys.executable, "-c", SHELL, sys.executable, "-m", "gpulab", "profile", "--out", str(tmp_path / "prof"), "--",
+            sys.executable, str(SCRIPTS / "signals.py"), str(pids_file), "--steps", str(steps)]
+    shell, terminal = pty.fork()
+    if shell == 0:  # the child: a session of its own, the terminal its controlling one
+        try:
+            os.execv(sys.executable, argv)
+        finally:
+            os._exit(127)
+    output, suspended = b"", False
+    deadline = time.monotonic() + 90
+    try:
+        while not re.search(rb"shell: gpulab exited -?\d+\r?\n", output) and time.monotonic() < deadline:
+            if not suspended and Path(f"{pids_file}.trained").exists():
+                os.write(terminal, b"\x1a")  # Ctrl-Z
+                suspended = True
+            if select.select([terminal], [], [], 0.1)[0]:
+                try:
+                    output += os.read(terminal, 65536)
+                except OSError:  # the session ended
+                    break
+    finally:
+        for p in [psutil.Process(shell), *psutil.Process(shell).children(recursive=True)] if psutil.pid_exists(shell) else []:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        os.waitpid(shell, 0)
+        os.close(terminal)
+    text = output.decode(errors="replace")
+    assert suspended and "shell: gpulab stopped, the prompt is back" in text, text[-3000:]
+    assert "shell: gpulab exited 0" in text, text[-3000:]
+    report = read_report(tmp_path / "prof")
+    assert report["exit_code"] == 0 and report["steps"] == steps
+    assert not report["stalls"]  # a second stopped by the user is no stall of the job's
+
+
 def test_a_script_s_sigterm_handler_that_calls_the_one_it_replaced_runs_as_without_gpulab(tmp_path):
     """Lightning's does: without gpulab the handler it replaced is SIG_DFL, which it does not call;
     under gpulab it finds the recording's, which must not end the process in its place."""

@@ -24,11 +24,14 @@ MAX_SHOWN = 5  # stalls named in the report (the longest)
 _WAIT = ("compute", "collective")  # where a rank waiting for another spends its stalled step
 
 
-def find_stalls(lanes: list[Recording], warmup_steps: int, snapshots: list[dict], origin: float) -> list[dict]:
+def find_stalls(lanes: list[Recording], warmup_steps: int, snapshots: list[dict], origin: float,
+                suspended: list[tuple[float, float]] = ()) -> list[dict]:
     """The job's stalls, longest first: long steps of the processes that trained, the ranks'
     overlapping ones taken as one stall, each with who stalled and where (from the hang watch's
-    snapshot taken during it, when there is one). `origin`: the job's time zero."""
-    long_steps = [(rec, s) for rec in trainers(lanes) for s in _long_steps(rec, warmup_steps)]
+    snapshot taken during it, when there is one). `origin`: the job's time zero; `suspended`: when
+    the user stopped the job (Ctrl-Z) - a step that spans such a time stood still by the user's will."""
+    long_steps = [(rec, s) for rec in trainers(lanes) for s in _long_steps(rec, warmup_steps)
+                  if not any(s["t0"] < until and s["t1"] > since for since, until in suspended)]
     stalls = []
     for group in _overlapping(long_steps):
         snapshot = next((x for x in snapshots if _during(x.get("since_t"), group)), None)

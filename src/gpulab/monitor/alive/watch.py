@@ -44,6 +44,7 @@ class HangWatch:
         self._next_poll = 0.0
         self._next_hang_check = 0.0  # a silence with no rank in a collective: look again later
         self._requests = 0
+        self._resumed_unix = 0.0  # the job went on after a stop at the terminal: no silence before it
 
     def poll(self) -> dict | None:
         """The hang, the first time it is found (then None: it is said once)."""
@@ -63,7 +64,7 @@ class HangWatch:
         latest = max(statuses, key=lambda s: s["progress_unix"])
         if self._stall is not None and latest["progress_unix"] > self._stall["since_unix"]:
             self._end_stall(latest)
-        idle = time.time() - latest["progress_unix"]
+        idle = time.time() - max(latest["progress_unix"], self._resumed_unix)
         if idle < stall_after:
             return None
         if self._stall is None:
@@ -83,6 +84,11 @@ class HangWatch:
         self.hang["lines"] = describe(self.hang)
         self._say(self.hang)
         return self.hang
+
+    def resumed(self) -> None:
+        """The job goes on after the user stopped it (Ctrl-Z, then fg or bg): the time it was
+        stopped is no silence of its own."""
+        self._resumed_unix = time.time()
 
     def finish(self) -> None:
         """The job ended: a silence still open ended with it (the job may go on and end between

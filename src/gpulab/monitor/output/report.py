@@ -59,11 +59,12 @@ def _process_report(rec: Recording, samples: list[dict], gpus: list[dict], sampl
 
 def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dict], gpus: list[dict], sampler: dict,
                  cfg: ProfileConfig, exit_code: int | None, hang: dict | None = None,
-                 stalls: list[dict] | None = None, stopped: bool = False) -> tuple[dict, list[Recording]]:
+                 stalls: list[dict] | None = None, stopped: bool = False,
+                 suspended: list[tuple[float, float]] = ()) -> tuple[dict, list[Recording]]:
     """The report of a job of one or more processes (an in-process session is a job of one), and
     the processes to draw (the diagnosed one first, then the other processes that trained).
     `hang`, `stalls`: what the parent's hang watch saw; `stopped`: gpulab stopped the job (a hang,
-    or the user's signal to gpulab).
+    or the user's signal to gpulab); `suspended`: when the user stopped the job at the terminal.
 
     That is the script's own process when it trained, else the child that trained most (a
     trainer started with multiprocessing): the parent's evaluation loop is not the verdict.
@@ -81,7 +82,7 @@ def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dic
     across = rank_findings(lanes, cfg.warmup_steps, until=failure["first"]["t"] if failure else None)
     if not any(f["cause"] == "out_of_memory" for f in report["findings"]):  # another process ran out
         across += [f for r in lanes if r is not shown and (f := oom_finding(r, who=_who(r, main_pid))) is not None]
-    found_stalls = find_stalls(lanes, cfg.warmup_steps, stalls or [], timeline.time_origin(lanes, samples))
+    found_stalls = find_stalls(lanes, cfg.warmup_steps, stalls or [], timeline.time_origin(lanes, samples), suspended)
     run_seconds = sum(step_seconds(s) for s in shown.steps)
     across += [stall_finding(s, run_seconds) for s in found_stalls]
     if across:

@@ -13,6 +13,10 @@ a rank blocked inside a collective never runs a Python signal handler, and torch
 30 s more. When the job's main process ends, whatever it left
 running is stopped the same way (SIGTERM, then SIGKILL). If gpulab itself is killed outright, the
 job stops itself (record/attach.py watches its parent).
+
+The terminal. At a terminal the job is its foreground group, as a shell makes a job: Ctrl-C and
+Ctrl-Z reach it directly. When Ctrl-Z stops it, gpulab stops too, so the shell gets the terminal
+back, and `fg` resumes both.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import psutil
 
 STOP_GRACE_S = 5.0  # from the first signal to SIGTERM for every process of the job
 KILL_GRACE_S = 2.0  # from that SIGTERM to SIGKILL: 7 s in all, inside `timeout -k 10` and Slurm's 30 s
+STOP_SEEN_LATE_S = 1.0  # a stop at the terminal is seen within a poll (0.2 s) and the tick's work after it
 LEFTOVER_GRACE_S = 2.0  # from SIGTERM to SIGKILL for what the job's main process left behind
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_CHILD_SUBREAPER = 36
@@ -56,6 +61,9 @@ class Job:
         self._term_at: float | None = None  # SIGTERM for every process of the job, then
         self._kill_at: float | None = None  # SIGKILL
         self._tty: int | None = None
+        # (perf_counter, perf_counter) of each time the job was stopped at the terminal and went on;
+        # the stop is seen up to a poll after it came, so each starts STOP_SEEN_LATE_S early
+        self.suspended: list[tuple[float, float]] = []
 
     def __enter__(self) -> "Job":
         self._children_before = {p.pid for p in self._me.children()}
@@ -80,9 +88,9 @@ class Job:
         self.proc = subprocess.Popen(argv, env=env, process_group=0)
         return self.proc
 
-    def wait(self, on_tick: Callable[[], None] = lambda: None) -> int:
+    def wait(self, on_tick: Callable[[], None] = lambda: None, on_resume: Callable[[], None] = lambda: None) -> int:
         """The job's exit status, shell-style (128 + N when killed by signal N); `on_tick` runs
-        about every 0.2 s meanwhile."""
+        about every 0.2 s meanwhile, `on_resume` when the job goes on after a stop at the terminal."""
         self._tty = _take_terminal_for(self.proc.pid)
         for signum in self._received:  # arrived before the job existed
             self._pass_on(signum)
@@ -91,9 +99,24 @@ class Job:
                 code = self.proc.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
+                if self._tty is not None and _stopped(self.proc.pid):
+                    self._stop_with_the_job()
+                    on_resume()
                 on_tick()
                 self._escalate(time.monotonic())
         return 128 - code if code < 0 else code
+
+    def _stop_with_the_job(self) -> None:
+        """The job holds the terminal and was stopped there (Ctrl-Z): stop gpulab too, as a shell's
+        job stops, so the shell takes the terminal back - else it waits on gpulab while the terminal
+        stays with the stopped job. On `fg` the job gets the terminal again; on `fg` or `bg` it goes on."""
+        seen = time.perf_counter()
+        _give_terminal_to(self._tty, os.getpgrp())
+        os.kill(os.getpid(), signal.SIGTSTP)  # its default action: gpulab stops here until SIGCONT
+        self.suspended.append((seen - STOP_SEEN_LATE_S, time.perf_counter()))
+        if _foreground(self._tty):
+            _give_terminal_to(self._tty, self.proc.pid)
+        _signal_group(self.proc.pid, signal.SIGCONT)
 
     def _on_signal(self, signum, frame) -> None:
         self._received.append(signum)
@@ -176,12 +199,27 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
+def _foreground(fd: int) -> bool:
+    """Is gpulab's group the terminal's foreground group?"""
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+
+
 def _take_terminal_for(pgid: int) -> int | None:
     """Make the job the terminal's foreground group, as a shell would, so that Ctrl-C reaches it
     directly and it can read stdin (breakpoint()); the fd to give the terminal back."""
     try:
         fd = sys.stdin.fileno()
-        if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
+        if not os.isatty(fd) or not _foreground(fd):
             return None
         _give_terminal_to(fd, pgid)
         return fd

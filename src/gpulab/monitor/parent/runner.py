@@ -63,7 +63,8 @@ def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig, fo
     from gpulab.monitor.output.report import build_report, print_report, write_outputs
 
     report, lanes = build_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code,
-                                     hang=job.hang, stalls=job.stalls, stopped=job.stopped)
+                                     hang=job.hang, stalls=job.stalls, stopped=job.stopped,
+                                     suspended=job.suspended)
     try:
         write_outputs(outputs, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
     except (OSError, OutputRefused) as e:
@@ -87,6 +88,7 @@ class JobRun:
     hang: dict | None  # alive/watch.py: where each process was blocked, when the job hung
     stalls: list[dict]  # alive/watch.py: where each process was while the job stood still, then went on
     stopped: bool  # gpulab stopped the job (the hang, or a signal to gpulab)
+    suspended: list[tuple[float, float]]  # when the user stopped the job at the terminal (Ctrl-Z), until it went on
 
 
 def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
@@ -110,7 +112,7 @@ def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
                     job.stop()
 
             try:
-                exit_code = job.wait(on_tick=watch)
+                exit_code = job.wait(on_tick=watch, on_resume=hangs.resumed)
             finally:
                 sampler.stop()
                 hangs.finish()
@@ -118,7 +120,7 @@ def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
     finally:
         shutil.rmtree(events, ignore_errors=True)
     return JobRun(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary(), hangs.hang,
-                  hangs.stalls, job.stopping)
+                  hangs.stalls, job.stopping, job.suspended)
 
 
 @contextmanager
