@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from gpulab.monitor.alive.stall import find_stalls
 from gpulab.monitor.analyze.diagnose import diagnose
-from gpulab.monitor.analyze.findings import MIN_SHARE
+from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE
 from gpulab.monitor.analyze.step_costs import select_steady
-from gpulab.monitor.events import CATEGORIES, Recording
+from gpulab.monitor.events import CATEGORIES, PASS_START_COUNT, PASSES_COUNT, Recording
 
 GPU = {"index": 0, "name": "Test GPU", "uuid": "GPU-1234", "memory_total_mib": 80000.0, "gpm": False}
 
@@ -86,13 +87,36 @@ def test_cpu_compute_bound_with_a_fast_pipeline_reports_nothing():
     assert report["findings"][0]["where"] is None
 
 
+def epochs_with_worker_starts(persistent: bool) -> Recording:
+    """4 epochs of 5 steps (20 ms data wait, 10 ms compute); each epoch's first step waits 3 s for
+    its loader's 4 workers to start (the first epoch's start is paid whatever the settings)."""
+    records = steps(20, data_wait=20, compute=10)
+    t = 100.0
+    for r in records:
+        if r["i"] % 5 == 0:
+            r["excl"]["data_wait"] = 3.0
+            r["counts"] = {PASS_START_COUNT: 3.0, PASSES_COUNT: 1}
+        r["t0"], r["t1"] = t, t + sum(r["excl"].values())
+        t = r["t1"]
+    loader = {"type": "loader", "where": "train.py:40", "dataset": "Images", "batch_size": 64, "num_workers": 4,
+              "pin_memory": True, "persistent_workers": persistent}
+    return recording(records, extra=[loader])
+
+
 def test_workers_that_restart_every_epoch_get_persistent_workers_advice():
-    loader = {"type": "loader", "where": "train.py:40", "dataset": "Images", "batch_size": 64,
-              "num_workers": 4, "pin_memory": True, "persistent_workers": False}
-    spans = {"type": "spans", "seconds": {"DataLoader.__iter__": 3.0, "next(DataLoader)": 1.0}}
-    report = diagnose(recording(steps(20, data_wait=20, compute=10), extra=[loader, spans]), [], [], 2)
-    assert report["findings"][0]["cause"] == "input_pipeline"
-    assert "persistent_workers=True" in report["findings"][0]["fix"]
+    report = diagnose(epochs_with_worker_starts(persistent=False), [], [], 2)
+    restart = next(f for f in report["findings"] if f["fix"] == FIXES["input_pipeline_restart"])
+    # 3 restarts of 3 s, less a batch's usual 20 ms each, over 16 x 30 ms + 4 x 3.01 s of training
+    assert restart["share"] == pytest.approx((3 * 2.98) / (16 * 0.03 + 4 * 3.01), abs=1e-3)
+    assert restart["share_of"] == "the training time" and restart["where"] == "train.py:40"
+    assert "3 passes" in restart["evidence"]
+    # the long steps are explained: no stall of the job's
+    assert find_stalls([epochs_with_worker_starts(persistent=False)], 2, [], 100.0) == []
+
+
+def test_persistent_workers_that_start_once_get_no_restart_advice():
+    report = diagnose(epochs_with_worker_starts(persistent=True), [], [], 2)
+    assert not any(f["fix"] == FIXES["input_pipeline_restart"] for f in report["findings"])
 
 
 def test_python_between_steps_on_cpu_is_low_device_utilization_at_the_hot_line():

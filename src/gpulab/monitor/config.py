@@ -9,6 +9,7 @@ from gpulab.errors import UserError
 
 TRY_STEPS = 30  # `gpulab profile --try`: steps measured per run, unless --steps says otherwise
 TRY_MAX_PAIRS = 5  # and pairs of runs at most (--max-pairs)
+WORKERS_PER_CORE = 4  # DataLoader workers beyond this many per core only compete for the cores (each is a process)
 
 
 @dataclass(kw_only=True)

@@ -31,6 +31,10 @@ CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "compile", "o
 EVENTS_PREFIX = "events-"
 TRANSFORM_PREFIX = "transform: "  # a step's count of seconds in one transform inside a DataLoader fetch
 DDP_WAIT_COUNT = "ddp_wait_s"  # a step's count of seconds DDP waited for its allreduce inside backward
+# A step's count of seconds spent starting passes over DataLoaders - each pass's iter() and its
+# first batch, where the workers start - and of the passes started:
+PASS_START_COUNT = "pass_start_s"
+PASSES_COUNT = "passes"
 
 
 class ProcessRecord(TypedDict):
@@ -115,6 +119,7 @@ class LongestStep(TypedDict):
     t0: float
     t1: float
     excl: dict[str, float]
+    counts: NotRequired[dict[str, float]]
 
 
 class BlockRecord(TypedDict):

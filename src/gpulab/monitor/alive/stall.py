@@ -16,7 +16,7 @@ import statistics
 from gpulab.monitor.alive.hang import line_of, process_name, rank_line
 from gpulab.monitor.analyze.findings import finding
 from gpulab.monitor.analyze.step_costs import PHASE_NAMES, step_seconds
-from gpulab.monitor.events import Recording, trainers
+from gpulab.monitor.events import PASS_START_COUNT, Recording, trainers
 
 STALL_FACTOR = 20.0  # a step this many times the median ...
 MIN_STALL_S = 1.0  # ... and at least this long is a stall
@@ -49,7 +49,10 @@ def _long_steps(rec: Recording, warmup_steps: int) -> list[dict]:
     median = statistics.median(step_seconds(s) for s in steps)
     limit = max(STALL_FACTOR * median, MIN_STALL_S)
     longest = [b["longest"] for b in rec.blocks if b.get("longest")]
-    return [s for s in steps + longest if step_seconds(s) >= limit]
+    # a step mostly spent starting a pass over a DataLoader (its workers) is long for a reason of its
+    # own too (analyze/process.py: restarts)
+    return [s for s in steps + longest if step_seconds(s) >= limit
+            and s.get("counts", {}).get(PASS_START_COUNT, 0.0) < 0.5 * step_seconds(s)]
 
 
 def _overlapping(long_steps: list[tuple[Recording, dict]]) -> list[list[tuple[Recording, dict]]]:

@@ -27,6 +27,7 @@ out.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gpulab.host import CORE_SLACK
@@ -34,7 +35,8 @@ from gpulab.monitor.analyze.contention import CoreUse, contention_finding
 from gpulab.monitor.analyze.devices import kernel_window
 from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE, add_support, blocked_share, finding, hottest
 from gpulab.monitor.analyze.step_costs import PHASE_NAMES, StepCosts, shown_phases
-from gpulab.monitor.events import TRANSFORM_PREFIX, Recording
+from gpulab.monitor.config import WORKERS_PER_CORE
+from gpulab.monitor.events import PASS_START_COUNT, PASSES_COUNT, TRANSFORM_PREFIX, Recording
 
 WAITING = 0.5  # a line where the thread was blocked this share of its time waits rather than computes
 TINY_KERNEL_US = 20.0  # kernels this short cost about as much to launch as to run
@@ -93,7 +95,7 @@ def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: 
               used: list[int], cores: CoreUse | None) -> list[dict]:
     """`cores`: how the job used its cores over the steady steps (the sampler's), None where not measured."""
     b = _budget(rec, step, busy, busy_source, on_cuda=bool(used))
-    candidates = [_input_finding(rec, step, b, cores), _other_finding(rec, step, b),
+    candidates = [_input_finding(rec, step, b, cores), _restart_finding(rec, step), _other_finding(rec, step, b),
                   contention_finding(cores, _torch_threads(rec), _workers(rec), b.idle / step.seconds if b.on_cuda else None)]
     if b.on_cuda:
         candidates += [_sync_finding(rec, step, b), _h2d_finding(rec, step, b), _launch_finding(rec, step, b)]
@@ -120,17 +122,25 @@ def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse |
     if transforms:
         evidence += "; per-sample transforms: " + ", ".join(
             f"{t['name']} {t['share']:.0%} of the step" + (f" at {t['where']}" if t["where"] else "") for t in transforms)
-    restart = rec.span_seconds.get("DataLoader.__iter__", 0.0)
-    waited = restart + rec.span_seconds.get("next(DataLoader)", 0.0)
     workers = loader["num_workers"] if loader else 0
+    needed = _workers_to_keep_up(step, workers)
+    most = WORKERS_PER_CORE * (cores.cores if cores else rec.start.get("cpu_count") or 1)
     spare = _spare_cores(rec, b.on_cuda, workers, cores)
-    if loader and workers > 0 and not loader["persistent_workers"] and waited and restart > 0.3 * waited:
-        fix = FIXES["input_pipeline_restart"]
-        evidence += f"; {restart / waited:.0%} of it in starting the worker processes"
+    waits = _fetching_waits(rec) if workers == 0 else None
+    if waits:
+        n = min(needed, most)
+        enough = (f"{n} keep up with the rest of the step ({(seconds - step.data_wait) * 1e3:.1f} ms)" if n == needed else
+                  f"{n}, {WORKERS_PER_CORE} a core, come closest ({needed} would keep up with the rest of the step, "
+                  f"{(seconds - step.data_wait) * 1e3:.1f} ms)")
+        fix = (f"load batches in parallel: DataLoader(num_workers={n}, persistent_workers=True) - {waits}, so "
+               f"workers need little CPU and {enough}; torch may warn of more workers than cores: these wait, they do "
+               f"not compute; check it: gpulab profile --try num_workers={n} --steps 30 -- ...; ")
+        fix += FIXES["input_pipeline_cheaper"]
     elif spare >= 1 and not (cores and cores.contended):
         measured = f" (the job kept {cores.job_cores:.1f} of its {cores.cores} cores busy)" if cores else ""
-        fix = (f"load batches in parallel: DataLoader(num_workers={workers + spare}, persistent_workers=True) - "
-               f"{spare} core(s) are spare{measured}; check it: gpulab profile --try num_workers={workers + spare} "
+        n = min(workers + spare, needed)
+        fix = (f"load batches in parallel: DataLoader(num_workers={n}, persistent_workers=True) - "
+               f"{spare} core(s) are spare{measured}; check it: gpulab profile --try num_workers={n} "
                f"--steps 30 -- ...; ")
         fix += FIXES["input_pipeline_cheaper"]
     else:
@@ -145,6 +155,55 @@ def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse |
         fix = (f"apply {transforms[0]['name']} once per batch (on the device), not per sample in __getitem__; " + fix)
     where = hottest(rec, "data_wait") or (loader or {}).get("where")
     return finding("input_pipeline", min(step.data_wait, b.exposed) / seconds, evidence + b.idle_text(seconds), where, fix=fix)
+
+
+def _fetching_waits(rec: Recording) -> str | None:
+    """Why the training thread's own fetches (no workers) mostly wait - sleeps, reads, a request -
+    rather than compute, in words: its hottest line in the data wait was blocked (stacks.py); None
+    when it computes or nothing says. Workers' fetches are not sampled: their waits are not known."""
+    where = hottest(rec, "data_wait")
+    blocked = blocked_share(rec, "data_wait", where)
+    return f"the fetch was blocked (asleep, in I/O) {blocked:.0%} of its time at {where}" if blocked >= WAITING else None
+
+
+def _workers_to_keep_up(step: StepCosts, workers: int) -> int:
+    """Workers that make a batch as fast as the rest of the step uses one (more than `workers`):
+    each takes as long for a batch as the loop's thread does now without workers (the data wait),
+    or as `workers` of them take per step each now."""
+    rest = step.seconds - step.data_wait
+    per_batch = step.data_wait if workers == 0 else workers * step.seconds
+    needed = math.ceil(round(per_batch / max(rest, 1e-9), 6))  # 4.0000001 is 4
+    return max(needed, workers + 1)
+
+
+def _restart_finding(rec: Recording, step: StepCosts) -> dict | None:
+    """Worker processes started again at every pass over a DataLoader (no persistent_workers): what
+    the passes took to start beyond a batch's usual wait, as a share of the whole training time (the
+    steady steps leave these long steps out). Each loader with workers starts them once, whatever
+    its settings: those first passes do not count."""
+    restarting = [loader for loader in rec.loaders if loader["num_workers"] and not loader["persistent_workers"]]
+    if not restarting:
+        return None
+    unavoidable = sum(1 for loader in rec.loaders if loader["num_workers"])
+    records = rec.steps + rec.blocks
+    start_s = passes = 0.0
+    for r in records:
+        n = r["counts"].get(PASSES_COUNT, 0)
+        if n and unavoidable > 0:  # a first pass of a loader
+            unavoidable -= n
+            continue
+        start_s, passes = start_s + r["counts"].get(PASS_START_COUNT, 0.0), passes + n
+    excess = start_s - passes * step.data_wait
+    training = sum(sum(r["excl"].values()) for r in records)
+    if passes < 1 or excess <= 0 or training <= 0:
+        return None
+    loader = max(restarting, key=lambda x: x.get("steps_fed", 0))
+    evidence = (f"{passes:.0f} passes over the DataLoader after the first each took {excess / passes:.2f} s to start beyond "
+                f"a batch's usual wait ({excess:.1f} s, {excess / training:.0%} of the training time): its "
+                f"{loader['num_workers']} worker processes start again at every pass (persistent_workers=False)")
+    f = finding("input_pipeline", excess / training, evidence, loader.get("where"), "input_pipeline_restart")
+    f["share_of"] = "the training time"
+    return f
 
 
 def _spare_cores(rec: Recording, on_cuda: bool, workers: int, cores: CoreUse | None) -> int:

@@ -24,7 +24,7 @@ from rich.console import Console
 from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.io import OutputFolder, check_writable, json_bytes, writing_results
-from gpulab.monitor.config import ProfileConfig
+from gpulab.monitor.config import WORKERS_PER_CORE, ProfileConfig
 from gpulab.monitor.analyze.step_costs import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
 from gpulab.monitor.parent.runner import (default_out_dir, removed_if_left_empty, run_job, split_python_command,
@@ -32,7 +32,6 @@ from gpulab.monitor.parent.runner import (default_out_dir, removed_if_left_empty
 
 TRYABLE = {"num_workers": int, "prefetch_factor": int, "pin_memory": bool, "persistent_workers": bool, "threads": int}
 WORKER_SETTINGS = ("prefetch_factor", "persistent_workers")  # DataLoader ignores them without workers
-WORKERS_PER_CORE = 4  # beyond this, workers only compete for the cores (and each is a process)
 
 MIN_PAIRS = 2
 # The ratios of the latest pairs (up to STABLE_WINDOW of them) agree when their range is at most

@@ -53,7 +53,8 @@ class StepBlocks:
         block["durations"][key] = block["durations"].get(key, 0) + 1
         longest = block["longest"]
         if longest is None or seconds > longest["t1"] - longest["t0"]:
-            block["longest"] = {"i": step["i"], "t0": step["t0"], "t1": step["t1"], "excl": dict(step["excl"])}
+            block["longest"] = {"i": step["i"], "t0": step["t0"], "t1": step["t1"], "excl": dict(step["excl"]),
+                                "counts": dict(step["counts"])}
         if block["n"] >= BLOCK_STEPS and block["t1"] - block["t0"] >= BLOCK_S:
             return self.close()
         return None

@@ -8,6 +8,10 @@ Patches (torch.utils.data has no hooks):
     _BaseDataLoaderIter.__next__ a fetch: a data wait; the loop is back; which loader fed the step
 Notices sent: batch_fetched (the memory window's inputs).
 
+A pass's start - iter() and its first batch, which waits for worker processes to start (for
+spawned ones, to import torch) - is also counted apart in the step it falls in (PASS_START_COUNT):
+DataLoaders without persistent_workers pay it every epoch.
+
 Frameworks make this harder than it looks. Lightning iterates the validation loader first (its
 sanity check) and calls every loader from inside `trainer.fit(...)`; under DDP it re-creates the
 user's loaders with a DistributedSampler. Accelerate (and HF Trainer through it) iterates a
@@ -23,13 +27,14 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import time
 import weakref
 from types import FrameType
 
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from gpulab.monitor.events import LoaderRecord, LoaderUseRecord
+from gpulab.monitor.events import PASS_START_COUNT, PASSES_COUNT, LoaderRecord, LoaderUseRecord
 from gpulab.monitor.record.frames import format_site, is_user_file, user_site
 from gpulab.monitor.record.probe import Probe, timed
 
@@ -50,10 +55,14 @@ class LoaderProbe(Probe):
             sink.steps.end_step_after_backward()
             loaders.fetching(iterator)
 
+        def fetched(batch):
+            loaders.fetched(sink.steps.count)
+            batch_fetched(batch)
+
         self.patches.patch(DataLoader, "__init__", self._building)
         self.patches.patch(DataLoader, "__iter__", self._iterating)
         self.patches.patch(_BaseDataLoaderIter, "__next__",
-                           timed(sink, "data_wait", "next(DataLoader)", next_batch, after=batch_fetched))
+                           timed(sink, "data_wait", "next(DataLoader)", next_batch, after=fetched))
         self.listen(self.sink.notices.step_ended, lambda steps_done: loaders.step_ended())
 
     def new_lane(self) -> None:
@@ -93,7 +102,10 @@ class LoaderProbe(Probe):
             if not sink.here():
                 return original(loader)
             sink.steps.end_step_after_backward()
+            t0 = time.perf_counter()
             iterator = timed_iter(loader)
+            sink.steps.count(PASS_START_COUNT, time.perf_counter() - t0)
+            sink.steps.count(PASSES_COUNT)
             loaders.iterated(loader, iterator, sys._getframe(1))
             return iterator
 
@@ -116,6 +128,8 @@ class Loaders:
         self._iterators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # iterator -> place
         self._steps_fed: list[int] = []
         self._last: int | None = None  # the loader of the latest fetch in this step
+        self._unfetched: "weakref.WeakSet" = weakref.WeakSet()  # iterators whose first batch is still to come
+        self._first_fetch_since: float | None = None  # perf_counter when a pass's first fetch began
 
     def built(self, loader, caller: FrameType) -> None:
         """DataLoader.__init__ returned (`caller`: the frame that called it)."""
@@ -153,12 +167,23 @@ class Loaders:
             self._emit(record)
         try:
             self._iterators[iterator] = index
+            self._unfetched.add(iterator)
         except TypeError:  # a subclass's iterator that takes no weak reference: its steps go uncounted
             pass
 
     def fetching(self, iterator) -> None:
         """next() on a DataLoader's iterator (after the step it ends, if any, was counted)."""
         self._last = self._iterators.get(iterator)
+        first = iterator in self._unfetched
+        if first:
+            self._unfetched.discard(iterator)
+        self._first_fetch_since = time.perf_counter() if first else None
+
+    def fetched(self, count) -> None:
+        """next() returned a batch: the first of its pass adds its wait to the pass's start."""
+        if self._first_fetch_since is not None:
+            count(PASS_START_COUNT, time.perf_counter() - self._first_fetch_since)
+            self._first_fetch_since = None
 
     def step_ended(self) -> None:
         """The step trained on the latest batch fetched in it."""
