@@ -122,6 +122,21 @@ def test_workers_started_again_every_epoch_are_named_with_their_share_of_the_tra
     assert restart["where"].endswith(f"workers_restart.py:{planted_line('workers_restart.py', 'iter(loader)')}")
 
 
+def test_a_loop_waiting_on_a_prefetching_thread_s_dataloader_is_input_bound(tmp_path, capfd):
+    """The loop waits at its queue while a thread of the script's iterates the DataLoader: what it
+    waits for is the input pipeline, so the fix feeds that DataLoader - not "move the wait to a
+    background thread", where it already is."""
+    code, report, _ = profile(tmp_path, "prefetch_thread.py")
+    assert code == 0
+    waited_s, total_s = map(float, re.search(r"waited ([\d.]+) s of ([\d.]+) s", capfd.readouterr().out).groups())
+    top = report["findings"][0]
+    assert top["cause"] == "input_pipeline" and "iterated in another thread" in top["evidence"]
+    assert top["share"] == pytest.approx(waited_s / total_s, abs=0.15)
+    assert top["where"].endswith(f"prefetch_thread.py:{planted_line('prefetch_thread.py')}")
+    assert top["fix"].startswith("feed that DataLoader faster: give it workers (DataLoader(num_workers=")
+    assert [loader["elsewhere"] for loader in report["data_loaders"]] == [True]
+
+
 def test_a_wait_between_steps_is_called_a_wait_at_its_line(tmp_path, capfd):
     """A sleep after every step is time between the training calls, but no Python to speed up: the
     finding names the sleep's line and the fix that takes the wait out of the loop."""

@@ -91,6 +91,7 @@ class LoaderRecord(TypedDict):
     num_workers: int
     pin_memory: bool
     persistent_workers: bool
+    elsewhere: NotRequired[bool]  # iterated in a thread other than the training thread (a prefetcher)
     steps_fed: NotRequired[int]  # added when read (loader_use): steps whose last batch came from it
 
 

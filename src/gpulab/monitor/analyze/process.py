@@ -262,8 +262,27 @@ def _other_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
             f"lock) {blocked:.0%} of its sampled time" if blocked >= WAITING else "Python between the training calls")
     evidence = (f"{step.other * 1e3:.1f} ms per step ({step.other / seconds:.0%}; {min(quarters):.0%}-{max(quarters):.0%} across "
                 f"the run's quarters) is {what} (outside data loading, forward, backward and the optimizer)")
-    return finding("low_device_utilization", min(step.other, b.exposed) / seconds, evidence + b.idle_text(seconds),
+    share = min(step.other, b.exposed) / seconds
+    prefetcher = next((loader for loader in rec.loaders if loader.get("elsewhere")), None)
+    if blocked >= WAITING and prefetcher is not None:
+        return _prefetched_finding(rec, step, prefetcher, share, evidence + b.idle_text(seconds), where)
+    return finding("low_device_utilization", share, evidence + b.idle_text(seconds),
                     where, "host_wait" if blocked >= WAITING else "low_device_utilization")
+
+
+def _prefetched_finding(rec: Recording, step: StepCosts, loader: dict, share: float, evidence: str,
+                        where: str | None) -> dict:
+    """The loop waits at a line of its own while a DataLoader is iterated in another thread (a
+    prefetching thread that fills a queue): the batches are what it waits for."""
+    evidence += (f"; meanwhile DataLoader(batch_size={loader['batch_size']}, num_workers={loader['num_workers']}) "
+                 + (f"built at {loader['built']} " if loader.get("built") else "")
+                 + f"was iterated in another thread (at {loader['where']}): the loop waits for its batches")
+    rest = step.seconds - step.other
+    n = min(math.ceil(round(step.other / max(rest, 1e-9), 6)) + loader["num_workers"],
+            WORKERS_PER_CORE * (rec.start.get("cpu_count") or 1))
+    fix = (f"feed that DataLoader faster: give it workers (DataLoader(num_workers={n}, persistent_workers=True); check "
+           f"it: gpulab profile --try num_workers={n} --steps 30 -- ...); " + FIXES["input_pipeline_cheaper"])
+    return finding("input_pipeline", share, evidence, where, fix=fix)
 
 
 def _unexplained_idle(rec: Recording, step: StepCosts, b: _Budget, findings: list[dict]) -> list[dict]:

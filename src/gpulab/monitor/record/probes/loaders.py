@@ -99,8 +99,10 @@ class LoaderProbe(Probe):
         timed_iter = timed(sink, "data_wait", "DataLoader.__iter__")(original)
 
         def __iter__(loader):
-            if not sink.here():
-                return original(loader)
+            if not sink.here():  # not timed; noted: the training thread may wait on a queue it feeds
+                iterator = original(loader)
+                loaders.iterated(loader, iterator, sys._getframe(1), elsewhere=sink.ident is not None)
+                return iterator
             sink.steps.end_step_after_backward()
             t0 = time.perf_counter()
             iterator = timed_iter(loader)
@@ -147,8 +149,9 @@ class Loaders:
         same_batches = [site for other, site in same_data if batch_size(other) == batch_size(loader)]
         return next(iter(same_batches or [site for _, site in same_data]), None)
 
-    def iterated(self, loader, iterator, caller: FrameType) -> None:
-        """DataLoader.__iter__ returned `iterator` to `caller`."""
+    def iterated(self, loader, iterator, caller: FrameType, elsewhere: bool = False) -> None:
+        """DataLoader.__iter__ returned `iterator` to `caller` (`elsewhere`: in a thread other than
+        the training thread)."""
         record: LoaderRecord = {
             "type": "loader",
             "where": user_site(caller),
@@ -158,6 +161,7 @@ class Loaders:
             "num_workers": loader.num_workers,
             "pin_memory": bool(loader.pin_memory),
             "persistent_workers": bool(loader.persistent_workers),
+            "elsewhere": elsewhere,
         }
         key = tuple(record.values())
         index = self._index.get(key)
