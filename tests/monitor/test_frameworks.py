@@ -219,6 +219,25 @@ def test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the
     assert "drop_last=True" in found["fix"] and report["compile"]["compiles"] >= 2
 
 
+@needs("lightning")
+def test_lightning_s_validation_every_few_batches_is_named_with_its_share(tmp_path, capfd):
+    # val_check_interval=5 over 40 batches, 20 validation batches each time: the script's own hooks
+    # (on_validation_start/end) time it; the report's share of the training time must match, and
+    # validation_step - which runs in no steady step - place no steady cost.
+    script = FRAMEWORKS / "lightning_validates_often.py"
+    code, out = profile(tmp_path, script)
+    assert code == 0
+    validated_s, total_s = map(float, re.search(r"validated ([\d.]+) s of ([\d.]+) s", capfd.readouterr().out).groups())
+    report = read_report(out)
+    found = finding(report, "evaluation")
+    assert found["share"] == pytest.approx(validated_s / total_s, abs=0.15)
+    assert "9 passes" in found["evidence"]  # 8 validations and Lightning's sanity check
+    assert found["where"].endswith(f"{script.name}:{marked_line(script, 'trainer.fit(')}")
+    assert "val_check_interval" in found["fix"]
+    step_line = site(script, "a metric of its own")
+    assert not any((f["where"] or "").endswith(step_line) for f in report["findings"])
+
+
 @pytest.mark.slow
 @needs("lightning")
 def test_lightning_ddp_ranks_and_its_training_loader(tmp_path, capfd):

@@ -24,7 +24,8 @@ from tests.monitor.reports import read_report
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPORT_KEYS = {"steps", "step_time_s", "phases", "devices", "findings"}
-CAUSES = {"input_pipeline", "host_sync", "launch_overhead", "h2d_copy", "cpu_only_torch", "low_device_utilization", "none"}
+CAUSES = {"input_pipeline", "host_sync", "launch_overhead", "h2d_copy", "cpu_only_torch", "low_device_utilization",
+          "evaluation", "none"}
 
 
 def planted_line(script: str, marker: str = "# planted:") -> int:
@@ -135,6 +136,24 @@ def test_a_loop_waiting_on_a_prefetching_thread_s_dataloader_is_input_bound(tmp_
     assert top["where"].endswith(f"prefetch_thread.py:{planted_line('prefetch_thread.py')}")
     assert top["fix"].startswith("feed that DataLoader faster: give it workers (DataLoader(num_workers=")
     assert [loader["elsewhere"] for loader in report["data_loaders"]] == [True]
+
+
+def test_an_evaluation_every_few_steps_is_named_with_its_share_of_the_training(tmp_path, capfd):
+    """Passes over a DataLoader that feeds no step are evaluations: their share of the whole
+    training, measured by the script's own clock, at the line that iterates that loader; and the
+    samples of the long steps they fall in place no steady cost at their lines."""
+    code, report, _ = profile(tmp_path, "evaluates_often.py")
+    assert code == 0
+    evaluated_s, total_s = map(float, re.search(r"evaluated ([\d.]+) s of ([\d.]+) s", capfd.readouterr().out).groups())
+    evaluation, = [f for f in report["findings"] if f["cause"] == "evaluation"]
+    assert evaluation["share"] == pytest.approx(evaluated_s / total_s, abs=0.15)
+    assert evaluation["share_of"] == "the training time" and "8 passes" in evaluation["evidence"]
+    assert evaluation["where"].endswith(f"evaluates_often.py:{planted_line('evaluates_often.py')}")
+    assert evaluation["fix"] == FIXES["evaluation"]
+    # (the evaluation after the last step is the run's tail: its samples count once)
+    evaluation_lines = tuple(f"evaluates_often.py:{planted_line('evaluates_often.py') + n}" for n in (1, 2))
+    assert all(n <= 1 for where, n in report["hot_steps"].get("other", {}).items() if where.endswith(evaluation_lines))
+    assert not any((f["where"] or "").endswith(evaluation_lines) for f in report["findings"])
 
 
 def test_a_wait_between_steps_is_called_a_wait_at_its_line(tmp_path, capfd):

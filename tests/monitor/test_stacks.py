@@ -36,7 +36,7 @@ def sigalrm_as_found():
 
 
 def sampler() -> StackSampler:
-    return StackSampler(INTERVAL_S, threading.get_ident, lambda: "compute", lambda: 0)
+    return StackSampler(INTERVAL_S, threading.get_ident, lambda: "compute")
 
 
 def line_of(function, marker: str) -> str:
@@ -106,7 +106,7 @@ def test_a_sleep_is_told_from_a_busy_call_by_the_time_the_thread_was_blocked():
 def test_the_thread_sampler_tells_a_wait_too():
     signal.signal(signal.SIGALRM, lambda signum, frame: None)  # the script's: sampling falls back to a thread
     recorded = threading.get_ident()
-    s = StackSampler(INTERVAL_S, lambda: recorded, lambda: "compute", lambda: 0)
+    s = StackSampler(INTERVAL_S, lambda: recorded, lambda: "compute")
     s.start()
     assert s.method == "thread"
     s.stop()
@@ -170,7 +170,7 @@ def test_a_thread_other_than_the_main_one_is_sampled_by_thread():
     methods = []
 
     def record():
-        s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "compute", lambda: 0)
+        s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "compute")
         s.start()
         methods.append(s.method)
         s.stop()
@@ -292,7 +292,7 @@ def test_gpulab_s_own_work_between_steps_is_never_the_script_s_line(monkeypatch)
     clock = iter([10.0, 10.3, 10.5])
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     own = {"done": 0.0, "under_way": False}
-    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other", lambda: 0, lambda: (own["done"], own["under_way"]))
+    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other", lambda: (own["done"], own["under_way"]))
     s.method, s._last_sample, s._own_at_last_sample = "signal", 9.9, 0.0
     frame = (lambda: sys._getframe())()  # a finished frame: its line stays put
     own["done"], own["under_way"] = 0.05, True  # the window's work began 0.05 s ago
@@ -300,23 +300,41 @@ def test_gpulab_s_own_work_between_steps_is_never_the_script_s_line(monkeypatch)
     own["done"], own["under_way"] = 0.3, False  # it ended after 0.3 s in all
     s._on_signal(signal.SIGALRM, frame)  # at 10.3: 0.3 s since the last sample, 0.25 s of it gpulab's
     s._on_signal(signal.SIGALRM, frame)  # at 10.5: the script's own 0.2 s
+    s.step_ended(0.6)
     (seconds,) = s.snapshot()["lines"]["other"].values()
     assert seconds == pytest.approx(0.05 + 0.2)
 
 
 def test_each_line_counts_the_steps_its_samples_fell_in():
     """A line sampled through 4 steps counts 4; one sampled within a single step counts 1."""
-    step = {"i": 0}
-    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other", lambda: step["i"])
+    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other")
     s.start()
     try:
-        for i in range(4):
-            step["i"] = i
+        for _ in range(4):
             time.sleep(0.05)  # planted: every step
-        step["i"] = 4
+            s.step_ended(0.05)
         time.sleep(0.1)  # planted: once
     finally:
         s.stop()
     steps = s.snapshot()["steps"]["other"]
     every, once = (line_of(test_each_line_counts_the_steps_its_samples_fell_in, m) for m in ("every step", "planted: once"))
     assert steps[every] == 4 and steps[once] == 1
+
+
+def test_the_samples_of_an_outlier_step_place_no_line():
+    """A step 10x the recent median (an evaluation, a checkpoint) is left out of the steady
+    statistics: its samples must not make its line the hottest of the steady steps' costs."""
+    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other")
+    s.start()
+    try:
+        for _ in range(5):
+            time.sleep(0.03)  # planted: every step
+            s.step_ended(0.03)
+        time.sleep(0.5)  # planted: an evaluation
+        s.step_ended(0.5)
+    finally:
+        s.stop()
+    lines = s.snapshot()["lines"]["other"]
+    every, once = (line_of(test_the_samples_of_an_outlier_step_place_no_line, m)
+                   for m in ("planted: every step", "planted: an evaluation"))
+    assert lines[every] > 0.1 and once not in lines

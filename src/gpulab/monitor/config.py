@@ -9,6 +9,9 @@ from gpulab.errors import UserError
 
 TRY_STEPS = 30  # `gpulab profile --try`: steps measured per run, unless --steps says otherwise
 TRY_MAX_PAIRS = 5  # and pairs of runs at most (--max-pairs)
+# A step this many times the median is no step of the loop's (an evaluation, a checkpoint, an
+# epoch's start): the steady statistics leave it out, and its stack samples place no steady cost.
+OUTLIER_FACTOR = 10.0
 WORKERS_PER_CORE = 4  # DataLoader workers beyond this many per core only compete for the cores (each is a process)
 
 

@@ -93,13 +93,17 @@ class LoaderRecord(TypedDict):
     persistent_workers: bool
     elsewhere: NotRequired[bool]  # iterated in a thread other than the training thread (a prefetcher)
     steps_fed: NotRequired[int]  # added when read (loader_use): steps whose last batch came from it
+    passes: NotRequired[int]  # added when read: passes over it (iter() calls) in the training thread
+    pass_seconds: NotRequired[float]  # added when read: their seconds, each from iter() to its latest batch
 
 
 class LoaderUseRecord(TypedDict):
     """Per loader record, in their order: the steps whose last batch before the step ended came
-    from it, i.e. the batches the steps trained on (a whole-run tally)."""
+    from it, i.e. the batches the steps trained on; its passes and their seconds (a whole-run tally)."""
     type: Literal["loader_use"]
     steps_fed: list[int]
+    passes: NotRequired[list[int]]
+    pass_seconds: NotRequired[list[float]]
 
 
 class StepRecord(TypedDict):
@@ -324,7 +328,7 @@ class Recording:
         self.tally: tuple[int, float] | None = None  # (steps, t of the last) from tally-<pid>.bin
         self.crash: str | None = None  # faulthandler's report of a fatal signal
         self.ranks_here: int | None = None  # ranks recorded on this machine (read_lanes counts them)
-        steps_fed: list[int] = []
+        loader_use: dict = {}
         folded: list[dict] = []
         for r in records:
             kind = r.get("type")
@@ -354,7 +358,7 @@ class Recording:
             elif kind == "loader":
                 self.loaders.append(r)
             elif kind == "loader_use":
-                steps_fed = r["steps_fed"]
+                loader_use = r
             elif kind == "sites":  # snapshots: the last one is the whole run
                 self.sites = r["sites"]
             elif kind == "hot":
@@ -370,8 +374,9 @@ class Recording:
                 self.memory = r
             elif kind == "oom":
                 self.oom = r
-        for loader, n in zip(self.loaders, steps_fed):
-            loader["steps_fed"] = n
+        for key in ("steps_fed", "passes", "pass_seconds"):
+            for loader, n in zip(self.loaders, loader_use.get(key, [])):
+                loader[key] = n
 
     def _add_block(self, block: dict) -> None:
         self.blocks.append(block)

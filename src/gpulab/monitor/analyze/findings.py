@@ -44,6 +44,11 @@ FIXES = {
         "time.sleep, a blocking read, write or request, a lock another thread holds), or hand the work it "
         "waits for to a background thread (logging, checkpoints, sending results) so the next step starts at once"
     ),
+    "evaluation": (
+        "evaluate less often or on less: Lightning - val_check_interval / check_val_every_n_epoch and "
+        "limit_val_batches; HF Trainer - a larger eval_steps or eval_strategy='epoch', a smaller eval set; a loop "
+        "of your own - every N epochs, on a subset, under torch.inference_mode() with a larger batch"
+    ),
     "cpu_only_build": (
         "install a CUDA build of torch (pip install torch --index-url "
         "https://download.pytorch.org/whl/cu126, matching `nvidia-smi`), then move the model and "
@@ -118,6 +123,8 @@ def add_support(rec: Recording, step: StepCosts, f: dict) -> None:
     site = next((s for s in rec.sites if s["where"] == where), None) if where else None
     if site:
         parts.append(f"{site['count']} calls seen at that line")
+    elif f.get("share_of") and any(loader.get("where") == where for loader in rec.loaders):
+        parts.append("the line that iterated that DataLoader")  # a whole-run finding, from the loader's record
     elif where:
         seen, total = max(((lines.get(where, 0), sum(lines.values())) for lines in rec.hot.values()), default=(0, 0))
         if seen:

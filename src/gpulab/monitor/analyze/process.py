@@ -95,7 +95,8 @@ def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: 
               used: list[int], cores: CoreUse | None) -> list[dict]:
     """`cores`: how the job used its cores over the steady steps (the sampler's), None where not measured."""
     b = _budget(rec, step, busy, busy_source, on_cuda=bool(used))
-    candidates = [_input_finding(rec, step, b, cores), _restart_finding(rec, step), _other_finding(rec, step, b),
+    candidates = [_input_finding(rec, step, b, cores), _restart_finding(rec, step), _evaluation_finding(rec),
+                  _other_finding(rec, step, b),
                   contention_finding(cores, _torch_threads(rec), _workers(rec), b.idle / step.seconds if b.on_cuda else None)]
     if b.on_cuda:
         candidates += [_sync_finding(rec, step, b), _h2d_finding(rec, step, b), _launch_finding(rec, step, b)]
@@ -202,6 +203,28 @@ def _restart_finding(rec: Recording, step: StepCosts) -> dict | None:
                 f"a batch's usual wait ({excess:.1f} s, {excess / training:.0%} of the training time): its "
                 f"{loader['num_workers']} worker processes start again at every pass (persistent_workers=False)")
     f = finding("input_pipeline", excess / training, evidence, loader.get("where"), "input_pipeline_restart")
+    f["share_of"] = "the training time"
+    return f
+
+
+def _evaluation_finding(rec: Recording) -> dict | None:
+    """Passes over DataLoaders that fed no training step - evaluations - as a share of the whole
+    run's training time (the steps they fall in, or after the last one): the steady steps leave the
+    long ones out and count the short ones' forward as compute, so neither says what they cost."""
+    evaluated = [loader for loader in rec.loaders if not loader.get("steps_fed") and loader.get("pass_seconds")]
+    if not evaluated or not any(loader.get("steps_fed") for loader in rec.loaders):
+        return None
+    seconds = sum(loader["pass_seconds"] for loader in evaluated)
+    passes = sum(loader.get("passes", 0) for loader in evaluated)
+    training = sum(sum(r["excl"].values()) for r in rec.steps + rec.blocks) + sum((rec.tail or {}).get("excl", {}).values())
+    if training <= 0 or passes < 1:
+        return None
+    loader = max(evaluated, key=lambda x: x["pass_seconds"])
+    evidence = (f"{passes} passes over DataLoaders that fed no training step took {seconds:.2f} s "
+                f"({seconds / passes * 1e3:.0f} ms each, {min(seconds / training, 1.0):.0%} of the training time): "
+                f"evaluation; the most over DataLoader(batch_size={loader['batch_size']}, num_workers="
+                f"{loader['num_workers']})" + (f" built at {loader['built']}" if loader.get("built") else ""))
+    f = finding("evaluation", seconds / training, evidence, loader.get("where"), "evaluation")
     f["share_of"] = "the training time"
     return f
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 
+from gpulab.monitor.config import OUTLIER_FACTOR
 from gpulab.monitor.events import BINS_PER_OCTAVE, CATEGORIES, Recording
 
 PHASE_NAMES = {
@@ -23,7 +24,6 @@ PHASE_NAMES = {
     "compile": "compiling", "other": "other Python",
 }
 
-OUTLIER_FACTOR = 10.0  # a step 10x the median is an epoch boundary (evaluation, checkpoint), not a step
 
 
 def step_seconds(step: dict) -> float:

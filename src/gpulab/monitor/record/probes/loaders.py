@@ -108,7 +108,7 @@ class LoaderProbe(Probe):
             iterator = timed_iter(loader)
             sink.steps.count(PASS_START_COUNT, time.perf_counter() - t0)
             sink.steps.count(PASSES_COUNT)
-            loaders.iterated(loader, iterator, sys._getframe(1))
+            loaders.iterated(loader, iterator, sys._getframe(1), started=t0)
             return iterator
 
         return __iter__
@@ -132,6 +132,12 @@ class Loaders:
         self._last: int | None = None  # the loader of the latest fetch in this step
         self._unfetched: "weakref.WeakSet" = weakref.WeakSet()  # iterators whose first batch is still to come
         self._first_fetch_since: float | None = None  # perf_counter when a pass's first fetch began
+        # Per loader, its passes, and the seconds from each of its iter() and fetches to the next
+        # loader call or step end: what the loop did with its batches (for a loader that feeds no
+        # step, an evaluation); `_working_on`: (the loader, since) whose seconds run now.
+        self._passes: list[int] = []
+        self._pass_seconds: list[float] = []
+        self._working_on: tuple[int, float] | None = None
 
     def built(self, loader, caller: FrameType) -> None:
         """DataLoader.__init__ returned (`caller`: the frame that called it)."""
@@ -149,9 +155,9 @@ class Loaders:
         same_batches = [site for other, site in same_data if batch_size(other) == batch_size(loader)]
         return next(iter(same_batches or [site for _, site in same_data]), None)
 
-    def iterated(self, loader, iterator, caller: FrameType, elsewhere: bool = False) -> None:
-        """DataLoader.__iter__ returned `iterator` to `caller` (`elsewhere`: in a thread other than
-        the training thread)."""
+    def iterated(self, loader, iterator, caller: FrameType, elsewhere: bool = False, started: float | None = None) -> None:
+        """DataLoader.__iter__, called at `started` (None: not timed), returned `iterator` to
+        `caller` (`elsewhere`: in a thread other than the training thread)."""
         record: LoaderRecord = {
             "type": "loader",
             "where": user_site(caller),
@@ -168,12 +174,24 @@ class Loaders:
         if index is None:
             index = self._index[key] = len(self._steps_fed)
             self._steps_fed.append(0)
+            self._passes.append(0)
+            self._pass_seconds.append(0.0)
             self._emit(record)
+        if started is not None:
+            self._passes[index] += 1
+            self._work_on(index, started)
         try:
             self._iterators[iterator] = index
             self._unfetched.add(iterator)
         except TypeError:  # a subclass's iterator that takes no weak reference: its steps go uncounted
             pass
+
+    def _work_on(self, index: int | None, now: float) -> None:
+        """From `now` the loop works on loader `index`'s batches (None: on none of them)."""
+        if self._working_on is not None:
+            was, since = self._working_on
+            self._pass_seconds[was] += max(0.0, now - since)
+        self._working_on = (index, now) if index is not None else None
 
     def fetching(self, iterator) -> None:
         """next() on a DataLoader's iterator (after the step it ends, if any, was counted)."""
@@ -181,7 +199,10 @@ class Loaders:
         first = iterator in self._unfetched
         if first:
             self._unfetched.discard(iterator)
-        self._first_fetch_since = time.perf_counter() if first else None
+        now = time.perf_counter()
+        self._first_fetch_since = now if first else None
+        if self._last is not None:
+            self._work_on(self._last, now)
 
     def fetched(self, count) -> None:
         """next() returned a batch: the first of its pass adds its wait to the pass's start."""
@@ -194,9 +215,11 @@ class Loaders:
         if self._last is not None:
             self._steps_fed[self._last] += 1
             self._last = None
+        self._work_on(None, time.perf_counter())
 
     def snapshot(self) -> LoaderUseRecord:
-        return {"type": "loader_use", "steps_fed": list(self._steps_fed)}
+        return {"type": "loader_use", "steps_fed": list(self._steps_fed), "passes": list(self._passes),
+                "pass_seconds": [round(s, 6) for s in self._pass_seconds]}
 
 
 def batch_size(loader) -> int | None:

@@ -2,7 +2,10 @@
 each weighing the wall time it stands for, tallied under the category charged at that moment
 (the sink's charged_category()): the hottest user line of each category. Each line also counts
 the steps its samples fell in: a cost paid every step belongs at a line that runs in many of
-them, not at one that ran once and long (analyze/findings.hottest).
+them, not at one that ran once and long (analyze/findings.hottest). A step's samples are held
+until it ends, and those of a step OUTLIER_FACTOR times the recent median (an evaluation, a
+checkpoint, an epoch's start: the steps the steady statistics leave out) are dropped: the lines
+place the steady steps' costs.
 
 A sample is taken one of two ways:
 
@@ -38,12 +41,15 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from gpulab.host import schedstat
+from gpulab.monitor.config import OUTLIER_FACTOR
 from gpulab.monitor.record.frames import user_site
 from gpulab.monitor.record.interpreter import block_signals_in_this_thread
 from gpulab.monitor.record.probe import Probe
@@ -53,6 +59,7 @@ from gpulab.monitor.record.probe import Probe
 # the Python that holds the GIL; 1 ms keeps that bias under its 20 ms period.
 _THREAD_SWITCH_INTERVAL_S = 0.001
 _TOP_LINES = 20  # per category, in the snapshot
+_RECENT_STEPS = 31  # the median an outlier step is judged by: of this many steps before it
 
 # The unpatched calls: while recording, the script's calls go through hand_signal_back_on_request.
 _set_handler, _get_handler = signal.signal, signal.getsignal
@@ -74,11 +81,21 @@ class StackProbe(Probe):
             # the script taking SIGALRM later stops the signal sampler first (then a forked lane's)
             hand_signal_back_on_request(self.patches.patch, lambda: self._sampler)
             self._start_sampler()
+            self.listen(self.sink.notices.step_ended, self._step_ended)
+
+    def _step_ended(self, steps_done: int) -> None:
+        now = time.perf_counter()
+        if self._sampler is not None:
+            self._sampler.step_ended(now - self._step_ended_at)
+        self._step_ended_at = now
 
     def _start_sampler(self) -> None:
         self._sampler = StackSampler(self._interval_s, lambda: self.sink.ident, self.sink.steps.charged_category,
-                                     lambda: self.sink.steps_done, self.sink.own_work_seconds)
+                                     self.sink.own_work_seconds)
         self._sampler.start()
+        self._step_ended_at = time.perf_counter()
+
+
 
     def after_fork(self) -> None:
         if self._sampler is not None:
@@ -100,22 +117,24 @@ class StackProbe(Probe):
 
 class StackSampler:
     """`ident()`: the recorded thread (None: none); `category()`: the category charged now (None:
-    nothing charged yet, or the span stack changed while it was read); `step()`: the step under
-    way. `method`: "signal" or "thread" once started."""
+    nothing charged yet, or the span stack changed while it was read); step_ended(seconds) at the
+    end of each step. `method`: "signal" or "thread" once started."""
 
     def __init__(self, interval_s: float, ident: Callable[[], int | None], category: Callable[[], str | None],
-                 step: Callable[[], int], own_work: Callable[[], tuple[float, bool]] = lambda: (0.0, False)):
+                 own_work: Callable[[], tuple[float, bool]] = lambda: (0.0, False)):
         self.interval_s = interval_s
         self._ident = ident
         self._category = category
-        self._step = step
         # gpulab's own work in the recorded thread (the sink's own_work_seconds): never the script's time
         self._own_work = own_work
         self._own_at_last_sample = 0.0
         self._seconds: dict[str, dict[str, float]] = {}  # category -> user line -> seconds
         self._blocked: dict[str, dict[str, float]] = {}  # category -> user line -> seconds of them blocked
         self._activity = Activity()
-        self._steps: dict[str, dict[str, list[int]]] = {}  # category -> user line -> [steps sampled in, last step]
+        self._steps: dict[str, dict[str, int]] = {}  # category -> user line -> steps sampled in
+        # this step's samples, until it ends: (category, user line) -> [seconds, seconds blocked]
+        self._held: dict[tuple[str, str], list[float]] = {}
+        self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)  # the latest steps' seconds
         self.method: str | None = None
         self._last_sample = 0.0
         self._thread: threading.Thread | None = None
@@ -129,7 +148,8 @@ class StackSampler:
             self._start_thread()
 
     def stop(self) -> None:
-        """Disarm the timer or end the thread; the handler found at the start is restored."""
+        """Disarm the timer or end the thread; the handler found at the start is restored; the
+        samples since the last step (the run's tail) count."""
         if self.method == "signal":
             _set_timer(_ITIMER_REAL, 0)
         elif self.method == "thread":
@@ -139,6 +159,7 @@ class StackSampler:
             self._restore_switch_interval()
         self._give_handler_back()
         self.method = None
+        self._tally_held()
 
     def forget_in_child(self) -> None:
         """In a forked child: neither the timer nor the thread came along (POSIX); give back what
@@ -162,32 +183,50 @@ class StackSampler:
         copied = {c: dict(lines) for c, lines in list(self._seconds.items())}  # atomic copies (module doc)
         hot = {c: {where: round(s, 4) for where, s in sorted(lines.items(), key=lambda x: -x[1])[:_TOP_LINES]}
                for c, lines in copied.items()}
-        steps = {c: {where: self._steps[c][where][0] for where in lines} for c, lines in hot.items()}
+        steps = {c: {where: self._steps[c][where] for where in lines} for c, lines in hot.items()}
         blocked = {c: {where: round(self._blocked[c].get(where, 0.0), 4) for where in lines} for c, lines in hot.items()}
         return {"type": "hot", "interval_s": self.interval_s, "method": self.method, "lines": hot, "steps": steps,
                 "blocked": blocked}
 
     def _note(self, frame, seconds: float, blocked: float) -> None:
         """One sample: `frame` stood for `seconds` of the category charged now, `blocked` of them
-        with the thread blocked."""
+        with the thread blocked; held until the step ends."""
         category = self._category()
         if category is None:
             return
         where = user_site(frame)
         if where is None:
             return
-        lines = self._seconds.get(category)
-        if lines is None:
-            lines = self._seconds[category] = {}
-            self._steps[category] = {}
-            self._blocked[category] = {}
-        # the step count first: a snapshot that sees the line finds its count
-        seen, step = self._steps[category].setdefault(where, [0, -1]), self._step()
-        if seen[1] != step:
-            seen[0], seen[1] = seen[0] + 1, step
-        lines[where] = lines.get(where, 0.0) + seconds
-        if blocked:
-            self._blocked[category][where] = self._blocked[category].get(where, 0.0) + blocked
+        held = self._held.setdefault((category, where), [0.0, 0.0])
+        held[0] += seconds
+        held[1] += blocked
+
+    def step_ended(self, seconds: float) -> None:
+        """The step of `seconds` ended: its samples count, unless it was an outlier."""
+        recent = self._recent
+        outlier = len(recent) >= 3 and seconds > OUTLIER_FACTOR * statistics.median(recent) if self._held else False
+        recent.append(seconds)
+        self._tally_held(keep=not outlier)
+
+    def _tally_held(self, keep: bool = True) -> None:
+        # The dict is replaced before it is read: a sample landing meanwhile (the signal handler
+        # between two bytecodes, or the sampling thread) goes into the new one, never into the one
+        # being read.
+        held = self._held
+        self._held = {}
+        if not keep:
+            return
+        for (category, where), (seconds, blocked) in list(held.items()):
+            lines = self._seconds.get(category)
+            if lines is None:
+                lines = self._seconds[category] = {}
+                self._steps[category] = {}
+                self._blocked[category] = {}
+            # the step count first: a snapshot that sees the line finds its count
+            self._steps[category][where] = self._steps[category].get(where, 0) + 1
+            lines[where] = lines.get(where, 0.0) + seconds
+            if blocked:
+                self._blocked[category][where] = self._blocked[category].get(where, 0.0) + blocked
 
     # ------------------------------------------------------------------ by signal
 
