@@ -139,6 +139,14 @@ def no_data(tmp_path, monkeypatch):
     monkeypatch.setattr(fashion_mnist, "_download", no_download)
 
 
+def test_resume_of_an_empty_path_is_refused_not_a_new_run(tmp_path, capsys, monkeypatch):
+    """`--resume "$RUN"` with RUN never set trained a new 10-epoch run into runs/."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(["train", "--resume", ""], capsys)
+    assert_one_line_error(code, err, "--resume '': an empty path; give the run directory to continue")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_resume_of_a_dir_without_checkpoint(no_data, tmp_path, capsys):
     """Says so before loading (let alone downloading) any data."""
     run_dir = tmp_path / "run"

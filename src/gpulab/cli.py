@@ -60,6 +60,8 @@ def run_train(args) -> int:
 
     given = given_options(args, train_fields())
     check_named(given.get("model"))
+    if args.resume == "":  # a shell variable never set: not "start a new run"
+        raise SharedError("--resume '': an empty path; give the run directory to continue")
     if args.resume:
         # where the data is now; a new total; the run's own model, trusted
         others = [f for f in given if f not in ("data_dir", "epochs", "model")]

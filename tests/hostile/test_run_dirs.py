@@ -361,6 +361,18 @@ def test_a_run_claimed_through_a_linked_lock_is_refused_at_the_lock(tmp_path):
     assert victim.read_text() == "DATA\n"
 
 
+def test_a_hard_linked_lock_never_writes_the_file_it_shares(run_copy, tmp_path, capsys):
+    """A hard link is no symbolic link: O_NOFOLLOW lets it through, and the lock's "pid N on host"
+    landed in the file outside the run (a helper's finding)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("DATA\n")
+    (run_copy / LOCK).unlink()
+    os.link(victim, run_copy / LOCK)
+    code, _, err = run_cli(["train", "--resume", str(run_copy), "--epochs", "2"], capsys)
+    assert_one_line_error(code, err, f"--resume {run_copy}", f"{LOCK} is a link")
+    assert victim.read_text() == "DATA\n"
+
+
 def test_a_folder_that_only_looks_like_a_run_is_not_one(tmp_path, tiny_data, capsys):
     project = tmp_path / "finetune"
     (project / "checkpoint-epoch1.dcp").mkdir(parents=True)
@@ -447,6 +459,21 @@ def test_a_fifo_in_a_run_never_hangs(run_copy, tmp_path, name):
     assert result.returncode == 2 and len(lines) == 1 and "not a regular file" in lines[0], result.stderr
 
 
+@pytest.mark.parametrize("plant", ["fifo", "endless"])
+def test_metrics_json_that_is_no_file_is_rewritten_never_read_without_end(run_copy, tmp_path, plant):
+    """metrics.json is read on --resume to see whether it is behind the checkpoint: a FIFO there
+    hung the run forever, a link to /dev/zero read without end; either is passed over, and the
+    metrics are written again from the checkpoint (a new file in place of the link)."""
+    (run_copy / "metrics.json").unlink()
+    if plant == "fifo":
+        os.mkfifo(run_copy / "metrics.json")
+    else:
+        (run_copy / "metrics.json").symlink_to("/dev/zero")
+    result = gpulab_subprocess(["train", "--resume", str(run_copy), "--epochs", "2"], tmp_path, timeout=scaled(120))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [row["epoch"] for row in json.loads((run_copy / "metrics.json").read_text())] == [1, 2]
+
+
 def test_config_json_linked_to_an_endless_file_is_one_line(run_copy, capsys):
     (run_copy / "config.json").unlink()
     (run_copy / "config.json").symlink_to("/dev/zero")
@@ -473,6 +500,20 @@ def test_a_config_json_that_is_not_one_is_one_line(run_copy, tmp_path, capsys, c
     for argv in readers(run_copy, tmp_path):
         code, _, err = run_cli(argv, capsys)
         assert_one_line_error(code, err, words)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("epoch", "1"), ("epoch", 1.5), ("epoch", -1), ("epoch", True), ("epoch", 2), ("history", [1]),
+    ("history", [{"train_loss": 1.0}]), ("history", [{"epoch": "1"}]), ("history", [{"epoch": 1, "loss": torch.ones(1)}]),
+])
+def test_a_checkpoint_with_values_gpulab_never_saves_is_one_line(run_copy, tmp_path, capsys, field, value):
+    """Right keys, wrong values (an epoch that is text, a history of numbers): each was a traceback
+    somewhere in the resume, or trained "epoch 0" with a negative learning rate."""
+    checkpoint = torch.load(run_copy / CHECKPOINT, weights_only=True)
+    checkpoint[field] = value
+    torch.save(checkpoint, run_copy / CHECKPOINT)
+    code, _, err = run_cli(["train", "--resume", str(run_copy), "--epochs", "2"], capsys)
+    assert_one_line_error(code, err, f"{CHECKPOINT} is not a gpulab checkpoint")
 
 
 @pytest.mark.parametrize("field, value, expected", [

@@ -190,11 +190,47 @@ def test_a_run_interrupted_before_its_first_checkpoint_starts_over_in_place(tiny
     assert train(config(out))["epoch"] == 1
 
 
-def test_a_run_that_failed_at_its_first_step_starts_over_in_place(tiny_data, tmp_path):
+def test_a_run_that_failed_at_its_first_step_starts_over_in_place(tiny_data, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+
+    def fail():
+        raise RuntimeError("planted: the first step fails")
+
+    during_first_epoch(monkeypatch, fail)  # once: the run after it trains
+    with pytest.raises(RuntimeError, match="planted"):
+        train(config(out, devices="cpu*2"))
+    assert train(config(out, devices="cpu*2"))["epoch"] == 1
+
+
+def test_an_allreduce_that_cannot_run_here_is_refused_before_the_run_is_written(tiny_data, tmp_path):
+    """--allreduce nccl on CPUs was refused at the first step, the run's folder already written."""
     out = tmp_path / "run"
     with pytest.raises(UserError, match="nccl"):
         train(config(out, devices="cpu*2", allreduce="nccl"))
-    assert train(config(out, devices="cpu*2", allreduce="ring"))["epoch"] == 1
+    assert not out.exists()
+
+
+def test_sigterm_to_a_lone_run_says_how_to_go_on_as_ctrl_c_does(tiny_data, tmp_path):
+    """A scheduler's or `timeout`'s SIGTERM ended a one-process run without a word (exit 143):
+    it now stops as Ctrl-C does - the line that says how to go on - and exits 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    gpulab = subprocess.Popen([sys.executable, "-m", "gpulab", "train", "--devices", "cpu", "--epochs", "500",
+                               "--batch-size", "32", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    deadline = time.monotonic() + 120
+    while not (out / CHECKPOINT).exists():
+        assert gpulab.poll() is None and time.monotonic() < deadline, gpulab.communicate()[1][-2000:]
+        time.sleep(0.05)
+    gpulab.send_signal(signal.SIGTERM)
+    stdout, stderr = gpulab.communicate(timeout=60)
+    assert gpulab.returncode == 143, stderr[-2000:]
+    assert re.search(rf"interrupted after epoch \d+: continue with gpulab train --resume {re.escape(str(out))}", stdout)
+    assert stderr.strip().splitlines() == ["gpulab: error: stopped by SIGTERM"]
 
 
 def test_restarting_in_place_clears_the_old_runs_outputs(tiny_data, tmp_path):

@@ -54,10 +54,16 @@ def nccl_usable(tensors: list[torch.Tensor]) -> bool:
         return False
 
 
+NCCL_NEEDS = ("allreduce 'nccl' needs every tensor on its own CUDA GPU with NCCL available: use --allreduce ring or "
+              "naive here")
+
+
 def choose(tensors: list[torch.Tensor], algorithm: str = "auto") -> str:
     """The algorithm `auto` resolves to for these tensors (NCCL, else ring, else naive)."""
     if algorithm not in ALGORITHMS:
         raise UserError(f"unknown allreduce algorithm '{algorithm}': choose one of {', '.join(ALGORITHMS)}")
+    if algorithm == "nccl" and len(tensors) > 1 and not nccl_usable(tensors):
+        raise UserError(NCCL_NEEDS)
     if algorithm != "auto":
         return algorithm
     if len(tensors) > 1 and nccl_usable(tensors):
@@ -81,10 +87,7 @@ def allreduce(tensors: list[torch.Tensor], algorithm: str = "auto") -> str:
         _ring(tensors)
     else:
         if not nccl_usable(tensors):
-            raise UserError(
-                "allreduce 'nccl' needs every tensor on its own CUDA GPU with NCCL available: "
-                "use --allreduce ring or naive here"
-            )
+            raise UserError(NCCL_NEEDS)
         import torch.cuda.nccl as nccl
 
         nccl.all_reduce(tensors)

@@ -115,9 +115,11 @@ def launch(nproc: int, nnodes: int = 1, node_rank: int = 0, master: str | None =
 
 
 def exit_code(error) -> int:
-    """2 when every rank that failed refused bad input (gpulab train's exit code for it, the line
-    that says why printed once), as one process of gpulab train would; else 1."""
-    return 2 if {failure.exitcode for failure in error.failures.values()} == {2} else 1
+    """2 when the ranks that failed of their own refused bad input (gpulab train's exit code for
+    it, the line that says why printed once), as one process of gpulab train would - the others
+    stopped by torchrun's SIGTERM once the first failed, some while on their own way out; else 1."""
+    codes = {failure.exitcode for failure in error.failures.values()}
+    return 2 if 2 in codes and codes <= {2, -signal.SIGTERM} else 1
 
 
 def failure_summary(error) -> str:
@@ -128,5 +130,7 @@ def failure_summary(error) -> str:
     message = first.message.get("message", "") if isinstance(first.message, dict) else ""
     line = f"rank {rank} {how}" + (f" ({message})" if message else "")
     if len(error.failures) > 1:
-        line += f"; {len(error.failures)} ranks stopped in all (the others' lines above say why)"
+        own = any(f.exitcode != -signal.SIGTERM for r, f in error.failures.items() if r != rank)
+        line += (f"; {len(error.failures)} ranks stopped in all "
+                 + ("(the others' lines above say why)" if own else "(torchrun stopped the others)"))
     return line

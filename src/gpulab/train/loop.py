@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -30,7 +31,7 @@ from gpulab import models
 from gpulab.compiler import CompileClock
 from gpulab.config import TrainConfig
 from gpulab.devices import synchronize
-from gpulab.errors import Terminated, UserError
+from gpulab.errors import Terminated, UserError, sigterm_raises
 from gpulab.host import CoreWatch, seconds_since_start
 from gpulab.io import check_writable as check_folder_writable
 from gpulab.memory.peak import peak_memory, reset_peaks
@@ -88,14 +89,21 @@ def train(
     console = console or Console(highlight=False, soft_wrap=True)
     if not world.is_main:
         console = Console(quiet=True)
+    # A lone process stops on SIGTERM (a scheduler, `timeout`) as on Ctrl-C: the epoch being
+    # written is saved and the line says how to go on - unless a handler of the caller's is in
+    # place; torchrun's ranks have their own protocol.
+    alone = (sigterm_raises() if world.world_size == 1 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+             else nullcontext())
     try:
-        with claims():  # the run directory is this run's until it ends, however it ends
+        with alone, claims():  # the run directory is this run's until it ends, however it ends
             run, run_dir, history, start_epoch = start(world, cfg, resume, console, train_data, test_data, own,
                                                        data_dir, epochs, trust)
             if start_epoch >= run.cfg.epochs:
                 return history[-1]
             return fit(run, run_dir, history, start_epoch, console, on_epoch_end)
     except (PeerLost, Terminated) as e:  # before training began (the loop reports its own)
+        if world.world_size == 1:
+            raise
         raise world.failure(e, "set-up", "Nothing was trained yet") from None
     finally:
         world.close()
@@ -159,6 +167,10 @@ def fit(run: Run, run_dir: RunDir, history: list[dict], start_epoch: int, consol
             console.print(escape(interrupted_line(run_dir, run.saved_epoch, world)))
             raise
         except (PeerLost, Terminated) as e:  # another rank failed: say which, where, and how to go on
+            if isinstance(e, Terminated) and world.world_size == 1:  # SIGTERM to a lone process: as Ctrl-C
+                run_dir.writes.wait()
+                console.print(escape(interrupted_line(run_dir, run.saved_epoch, world)))
+                raise
             hint = resume_hint(run_dir, run.saved_epoch, run.unconfirmed_epoch, world)
             raise world.failure(e, f"{run.position}", hint) from None
         except BaseException as e:

@@ -63,6 +63,7 @@ RUN_FILES = ("config.json", CHECKPOINT, *RESULTS)
 """Every file a run writes in its folder (its lock apart)."""
 PROFILE = "profile"  # where --profile writes its report, timeline and trace
 CONFIG_MAX_BYTES = 1 << 20  # a run's config.json is under 1 KiB: anything near this is not one
+METRICS_MAX_BYTES = 1 << 26  # ~1 KiB an epoch: 64 MiB is some 60,000 epochs
 
 # The run directories claimed inside the innermost `claims()` block, released when it ends.
 _claimed: contextvars.ContextVar[list | None] = contextvars.ContextVar("gpulab_claimed_run_dirs", default=None)
@@ -113,13 +114,17 @@ def has_lock_file(path: Path) -> bool:
 
 
 def open_lock(path: Path, create: bool) -> int:
-    """The lock file's descriptor. Never through a link (its target would be overwritten with
-    "pid N on host"), never waiting on a FIFO; anything but a regular file is an OSError."""
+    """The lock file's descriptor. Never through a link, symbolic or hard (its target, or the file
+    it shares, would be overwritten with "pid N on host"), never waiting on a FIFO; anything but a
+    regular file of one name is an OSError."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
     fd = os.open(path / LOCK, flags, 0o644)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path / LOCK))
+        linked = stat.S_ISREG(st.st_mode)
+        raise OSError(errno.ELOOP if linked else errno.EINVAL, "a hard link" if linked else "not a regular file",
+                      str(path / LOCK))
     return fd
 
 
@@ -406,16 +411,18 @@ class RunDir:
         return self._curves
 
     def metrics_epochs(self) -> list | None:
-        """The epochs metrics.json lists (None when it is missing or unreadable)."""
+        """The epochs metrics.json lists (None when it is missing or unreadable: read as a file from
+        elsewhere, a regular file of bounded size, never a link or a FIFO)."""
         try:
-            return [row["epoch"] for row in json.loads((self.path / "metrics.json").read_text())]
+            rows = json.loads(read_regular_file(self.path / "metrics.json", METRICS_MAX_BYTES))
+            return [row["epoch"] for row in rows]
         except (OSError, ValueError, TypeError, KeyError):
             return None
 
     def _title(self) -> str:
         """The run's folder, with its model and devices when config.json says them."""
         try:
-            config = json.loads((self.path / "config.json").read_text())
+            config = json.loads(read_regular_file(self.path / "config.json", CONFIG_MAX_BYTES))
             return f"{self.path.name}: {config['model']} on {config['devices']}"
         except (OSError, ValueError, TypeError, KeyError):
             return self.path.name
@@ -472,8 +479,8 @@ class RunDir:
                             "it would run that code") from None
         except Exception as e:  # truncated or foreign file: torch raises several types, OSError among them
             raise UserError(f"{self.label}: {CHECKPOINT} is unreadable ({type(e).__name__}); it is damaged") from None
-        if not isinstance(checkpoint, dict) or not {"strategy", "history", "epoch"} <= checkpoint.keys():
-            raise UserError(f"{self.label}: {CHECKPOINT} is not a gpulab checkpoint")
+        if not _is_gpulab_checkpoint(checkpoint):
+            raise UserError(f"{self.label}: {CHECKPOINT} is not a gpulab checkpoint (it was made or altered elsewhere)")
         self._check_shards_name(checkpoint["strategy"])
         return checkpoint
 
@@ -488,6 +495,27 @@ class RunDir:
                 and not folder.is_symlink()):
             raise UserError(f"{self.label}: {CHECKPOINT} names the shards {str(shards)[:100]!r}, which is not one of "
                             "this run's checkpoint-epoch<N>.dcp folders: it was altered or the folder is gone")
+
+
+def _is_gpulab_checkpoint(checkpoint) -> bool:
+    """What gpulab saves: the strategy's state, the epochs done, and one row of plain values per
+    epoch (metrics.json's), numbered 1 to that count."""
+    if not isinstance(checkpoint, dict) or not {"strategy", "history", "epoch"} <= checkpoint.keys():
+        return False
+    epoch, history = checkpoint["epoch"], checkpoint["history"]
+    if type(epoch) is not int or not isinstance(history, list) or len(history) != epoch:
+        return False
+    return all(isinstance(row, dict) and row.get("epoch") == i and type(row["epoch"]) is int and _plain(row)
+               for i, row in enumerate(history, 1))
+
+
+def _plain(value) -> bool:
+    """JSON's values only (metrics.json is written from the history)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (str, int, float))
 
 
 def read_sharded_model(folder: Path, template: dict, trust: bool) -> dict:
