@@ -593,6 +593,22 @@ def test_fsdp_refuses_what_it_cannot_do_in_one_line(refused, name, words):
     assert not out.exists()
 
 
+def test_a_rank_stuck_in_its_own_code_is_named_where_it_is(tiny_data, tmp_path):
+    """Rank 1 hangs outside any collective (in its own code: here the plant's sleep after its 3rd
+    step); rank 0's collective times out. Rank 1 still answers the check-in (its watchdog does), so
+    it was never named: rank 0 said only that a collective failed. It now names rank 1 and where."""
+    paused = tmp_path / "paused"
+    job = subprocess.Popen(torchrun_cmd(2, [*ARGS, "--timeout", "5", "--out", str(tmp_path / "run")]), cwd=tmp_path,
+                           env=env_for(tiny_data, (1, 3, paused)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    _, err = job.communicate(timeout=scaled(120))
+    assert paused.exists() and job.returncode != 0
+    lines = [line for line in error_lines(err) if "[rank 0]" in line]
+    assert len(lines) == 1 and re.search(
+        rf"{WHERE}: rank 1 never reached the collective: it is stuck at sitecustomize\.py:\d+ in _pause, outside torch "
+        r"and gpulab \(the collective failed: ", lines[0]), err[-2000:]
+
+
 def test_fsdp_outside_torchrun_is_refused_in_one_line(tiny_data, tmp_path, capsys):
     assert main(["train", "--shard", "fsdp", "--out", str(tmp_path / "run")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()

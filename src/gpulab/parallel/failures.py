@@ -9,7 +9,9 @@ each of them stops with one line.
 - A rank that fails on its own leaves its reason in the job's store (`report`).
 - A survivor raises a flag in the store and every live rank checks in, answered by a small
   watchdog thread so that a rank blocked inside a collective still counts as alive; whoever does
-  not check in is the rank that failed, and the message names it (`failure`: a JobFailed).
+  not check in is the rank that failed, and the message names it (`failure`: a JobFailed). The
+  watchdog also says where its rank's main thread is: a rank alive but stuck outside torch and
+  gpulab (a hang in its own code) is the one a timed-out collective waited for.
 """
 
 from __future__ import annotations
@@ -53,6 +55,22 @@ def is_communication_error(e: BaseException) -> bool:
     return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo" in str(e))
 
 
+def main_thread_outside() -> str | None:
+    """Where the main thread is ("at train.py:41 in forward"), when its innermost Python frame is
+    neither torch's nor gpulab's - its own code, the standard library - else None: inside a
+    collective, a step, anything a timeout elsewhere may be waiting on."""
+    import torch
+
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return None
+    path = os.path.abspath(frame.f_code.co_filename)
+    ours = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if any(path.startswith(root + os.sep) for root in ours):
+        return None
+    return f"at {os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
 def one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".strip()
@@ -70,6 +88,7 @@ class FailureProtocol:
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
+        self.outside: dict[int, str] = {}  # the check-in's ranks stuck outside torch and gpulab: where
         self.step_timeout_s: float | None = None
         """--timeout, once the training group has it: named when a collective timed out."""
         self.stopping = False  # True once a failure is being reported or the World closes: SIGTERM waits
@@ -128,12 +147,16 @@ class FailureProtocol:
         # Failed: ranks that left a reason, and ranks that did not answer the check-in.
         failed = sorted(set(reasons) | ({r for r in range(self.world_size) if r not in alive} if alive else set()))
         alive = [r for r in alive if r not in reasons]
+        stuck = {r: where for r, where in self.outside.items() if r in alive}
         if failed:
             named = "; ".join(
                 f"rank {r} failed: {reasons[r]}" if r in reasons else f"rank {r} stopped answering"
                 for r in failed
             )
             cause = f"{named} ({exit_summary()} shows how it exited)"
+        elif stuck and isinstance(error, PeerLost):  # the collective waited for a rank busy elsewhere
+            cause = "; ".join(f"rank {r} never reached the collective: it is stuck {where}, outside torch and gpulab"
+                              for r, where in sorted(stuck.items())) + f" (the collective failed: {one_line(error)})"
         elif isinstance(error, Terminated):
             cause = "stopped by SIGTERM (from the launcher, after another rank failed, or from a job scheduler)"
         else:
@@ -161,7 +184,7 @@ class FailureProtocol:
         while not self.stop_watchdog.wait(WATCHDOG_POLL_S):
             try:
                 if store.check([flag]):
-                    store.set(self.prefix + f"alive/{self.rank}", b"1")
+                    store.set(self.prefix + f"alive/{self.rank}", (main_thread_outside() or "").encode())
                     return
             except Exception:
                 return  # the store is gone: nobody is left to ask
@@ -180,6 +203,8 @@ class FailureProtocol:
             except dist.DistStoreError:
                 pass  # someone is missing: find out who below
             alive = [r for r in range(self.world_size) if self.store.check([keys[r]])]
+            self.outside = {r: where for r in alive if (where := self.store.get(keys[r]).decode(errors="replace"))
+                            and r != self.rank and where != "1"}
             reasons = {}
             for r in range(self.world_size):
                 if self.store.check([self.prefix + f"failed/{r}"]):
