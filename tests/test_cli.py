@@ -139,6 +139,22 @@ def no_data(tmp_path, monkeypatch):
     monkeypatch.setattr(fashion_mnist, "_download", no_download)
 
 
+@pytest.mark.parametrize("options, words", [
+    (["--sync", "ddp"], "--sync ddp: for torchrun ranks, and this is one process"),
+    (["--backend", "gloo"], "--backend gloo: for torchrun ranks"),
+    (["--timeout", "30"], "--timeout 30: for torchrun ranks"),
+    (["--check-parity", "--out", "x", "--epochs", "3"], "--check-parity checks a few steps against plain PyTorch and "
+                                                        "writes no run: drop --out, --epochs"),
+])
+def test_options_that_would_do_nothing_here_are_refused_not_recorded(tiny_data, tmp_path, capsys, monkeypatch, options,
+                                                                      words):
+    """In one process --sync ddp was accepted and written to config.json as if it had acted."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(["train", "--devices", "cpu", "--epochs", "1", *options], capsys)
+    assert_one_line_error(code, err, words)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "x").exists()
+
+
 def test_resume_of_an_empty_path_is_refused_not_a_new_run(tmp_path, capsys, monkeypatch):
     """`--resume "$RUN"` with RUN never set trained a new 10-epoch run into runs/."""
     monkeypatch.chdir(tmp_path)

@@ -84,3 +84,10 @@ def test_git_commit_names_this_checkout_and_marks_a_dirty_one(tmp_path, monkeypa
 
     monkeypatch.setattr(io.subprocess, "run", run)
     assert io.git_commit() == head + "+dirty"
+
+
+@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "free space"), (errno.EISDIR, "move what is in the way (x) aside"),
+                                         (errno.EACCES, "make the folder writable"), (errno.EIO, "fix what the error names")])
+def test_a_failed_write_s_remedy_follows_its_cause(code, words):
+    """A folder in metrics.json's place was told to "free space"."""
+    assert io.remedy(OSError(code, os.strerror(code), "x")) == words

@@ -84,6 +84,10 @@ def run_train(args) -> int:
     if args.check_parity:
         from gpulab.train.parity_check import check_parity
 
+        unused = [f"--{name}" for name in ("out", "epochs", "profile") if name in given]
+        if unused:  # it trains a few steps, writes nothing: these would be silently ignored
+            raise SharedError(f"--check-parity checks a few steps against plain PyTorch and writes no run: drop "
+                              f"{', '.join(unused)}")
         return check_parity(cfg)
     train(cfg)
     return 0

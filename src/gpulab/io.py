@@ -140,6 +140,17 @@ def check_writable(out: Path, option: str = "--out") -> None:
         raise UserError(f"{option} {out}: {parent} is not writable; choose another directory")
 
 
+def remedy(error: OSError) -> str:
+    """What to do about a failed write, in a few words, by its cause."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space"
+    if error.errno in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
+        return f"move what is in the way ({error.filename or 'a folder where a file goes'}) aside"
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make the folder writable"
+    return "fix what the error names"
+
+
 def given_path(text: str | os.PathLike | None, option: str = "--out", what: str = "a folder") -> Path | None:
     """The path an option gave, or None when it was not given. An empty one (a shell variable that
     was never set) is an error: taken for the default, it would write where the user did not say."""

@@ -151,6 +151,23 @@ def check_peak_lr(cfg: TrainConfig, peak_lr: float, replicas: int) -> None:
                     f"in: use --lr {largest * lr / peak_lr:.3g} or less")
 
 
+def check_options_apply(cfg: TrainConfig, world: World) -> None:
+    """A new run's options that act only under torchrun, or only in one process, given where they
+    do nothing: refused rather than recorded in config.json as if they had acted."""
+    defaults = TrainConfig()
+    if world.world_size == 1:
+        given = [f"--{name} {value}" for name, value in (("sync", cfg.sync), ("backend", cfg.backend),
+                                                          ("timeout", f"{cfg.timeout:g}"))
+                 if getattr(cfg, name) != getattr(defaults, name)]
+        if given:
+            raise UserError(f"{', '.join(given)}: for torchrun ranks, and this is one process: start it with gpulab "
+                            "launch -n K (or torchrun), or drop it (in one process --devices cpu*K or cuda:0,cuda:1 "
+                            "replicates the model, and --allreduce says how their gradients meet)")
+    elif cfg.allreduce != defaults.allreduce:
+        raise UserError(f"--allreduce {cfg.allreduce}: for several devices in one process; torchrun ranks exchange "
+                        "gradients over --backend: drop --allreduce")
+
+
 def check_sharding(cfg: TrainConfig, world: World) -> None:
     """--shard fsdp shards over torchrun ranks, one device each, with FSDP's own gradient exchange."""
     if world.world_size == 1:

@@ -33,13 +33,13 @@ from gpulab.config import TrainConfig
 from gpulab.devices import synchronize
 from gpulab.errors import Terminated, UserError, sigterm_raises
 from gpulab.host import CoreWatch, seconds_since_start
-from gpulab.io import check_writable as check_folder_writable
+from gpulab.io import check_writable as check_folder_writable, remedy
 from gpulab.memory.peak import peak_memory, reset_peaks
 from gpulab.monitor import profile
 from gpulab.parallel import World
 from gpulab.parallel.failures import PeerLost
 from gpulab.parallel.world import SharedError, from_environment
-from gpulab.train.build import Run, build
+from gpulab.train.build import Run, build, check_options_apply
 from gpulab.train.display import banner, contention_line, epoch_line, progress_bar, result_line
 from gpulab.train.recipe import lr_at
 from gpulab.train.resume import (extension_line, interrupted_line, restore, resume_command, resume_hint, saved_config,
@@ -118,6 +118,7 @@ def start(world: World, cfg, resume, console: Console, train_data, test_data, ow
         cfg, checkpoint, saved_epochs = saved_config(world, run_dir, data_dir, epochs)
     else:
         cfg = config_of_new_run(cfg or TrainConfig(), train_data, own["model"], data_dir)
+        world.all_or_none(lambda: check_options_apply(cfg, world))
         run_dir = RunDir(world.share("run-dir", lambda: str(new_run_dir(cfg))), unique=not cfg.out)
     run = build(cfg, world, train_data, test_data, **own)  # validates devices and data before anything is written
     world.all_or_none(lambda: check_data_sizes(run))
@@ -386,7 +387,7 @@ def checkpoint_state(run: Run, run_dir: RunDir, epoch: int) -> dict:
         run.strategy.save_shards(folder)
     except OSError as e:
         raise UserError(f"could not write epoch {epoch}'s shard to {folder} ({e.strerror or e}); the checkpoint "
-                        f"before it is intact: free space, then {resume_command(run_dir, run.world)}") from None
+                        f"before it is intact: {remedy(e)}, then {resume_command(run_dir, run.world)}") from None
     return {"shards": folder.name}
 
 
@@ -398,16 +399,17 @@ def save_epoch(run_dir: RunDir, state: dict, history: list[dict], world: World, 
         run_dir.save_checkpoint({"strategy": state, "history": history, "epoch": epoch})
     except OSError as e:
         if len(history) > 1:
-            kept = (f"the checkpoint of epoch {history[-2]['epoch']} is intact: free space, then "
+            kept = (f"the checkpoint of epoch {history[-2]['epoch']} is intact: {remedy(e)}, then "
                     f"{resume_command(run_dir, world)}")
         else:
-            kept = f"no checkpoint was saved yet: free space, then start over with {start_over_command(run_dir, world)}"
+            kept = (f"no checkpoint was saved yet: {remedy(e)}, then start over with "
+                    f"{start_over_command(run_dir, world)}")
         raise UserError(f"could not write epoch {epoch}'s checkpoint to {run_dir.path} ({e.strerror or e}); {kept}") from None
     try:
         run_dir.write_metrics(history, last)
     except OSError as e:
         raise UserError(f"epoch {epoch}'s checkpoint is saved in {run_dir.path} but its metrics could not be written "
-                        f"({e.strerror or e}): free space, then {resume_command(run_dir, world)}") from None
+                        f"({e.strerror or e}): {remedy(e)}, then {resume_command(run_dir, world)}") from None
 
 
 def new_run_dir(cfg: TrainConfig) -> Path:

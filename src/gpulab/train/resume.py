@@ -7,6 +7,7 @@ from __future__ import annotations
 from gpulab.config import TrainConfig
 from gpulab.devices import names_several
 from gpulab.errors import UserError
+from gpulab.io import remedy
 from gpulab.parallel import World
 from gpulab.parallel.launch import launcher
 from gpulab.parallel.world import SharedError
@@ -57,8 +58,8 @@ def restore(run: Run, run_dir: RunDir, checkpoint: dict | None, config_changed: 
             if history and run_dir.metrics_epochs() != [r["epoch"] for r in history]:
                 run_dir.write_metrics(history)
         except OSError as e:
-            raise UserError(f"--resume {run_dir.path}: cannot write there ({e.strerror or e}); free space or "
-                            "fix the folder's permissions, then resume again") from None
+            raise UserError(f"--resume {run_dir.path}: cannot write there ({e.strerror or e}); {remedy(e)}, then "
+                            "resume again") from None
     run.saved_epoch = checkpoint["epoch"]
     return history, checkpoint["epoch"]
 
