@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,20 @@ def fix_malloc_thresholds() -> bool:
     except (OSError, AttributeError, TypeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies
+PR_SET_CHILD_SUBREAPER = 36  # prctl: orphaned descendants become this process's children
+
+
+def prctl(option: int, value: int) -> bool:
+    """Linux's prctl(option, value); False where it is not Linux or the call fails."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 # ----------------------------------------------------------------------------- cores

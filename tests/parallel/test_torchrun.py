@@ -534,6 +534,23 @@ def test_under_launch_a_dead_rank_stops_the_others_and_is_named_in_launch_s_word
     assert torch.load(run / CHECKPOINT, weights_only=False)["epoch"] >= 1  # intact
 
 
+def test_ranks_stop_when_gpulab_launch_is_killed_outright(tiny_data, tmp_path):
+    """SIGKILL to gpulab launch (torchrun's agent runs in it): its ranks trained on to the end,
+    unsupervised. Each now gets SIGTERM when its parent dies, and stops as torchrun's stop makes it."""
+    paused = tmp_path / "paused"
+    job = subprocess.Popen([sys.executable, "-m", "gpulab", "launch", "-n", "2", "--", *ARGS, "--out", str(tmp_path / "run")],
+                           cwd=tmp_path, env=env_for(tiny_data, (1, 3, paused)), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(paused, job)
+    ranks = [worker_with_rank(job, r) for r in (0, 1)]
+    job.kill()
+    job.communicate(timeout=scaled(30))
+    _, alive = psutil.wait_procs(ranks, timeout=scaled(20))
+    for p in alive:
+        p.kill()
+    assert not alive, f"ranks {[p.pid for p in alive]} outlived gpulab launch"
+
+
 # ----------------------------------------------------------------------------- --shard fsdp
 
 

@@ -23,6 +23,7 @@ import threading
 from datetime import timedelta
 
 from gpulab.errors import Terminated
+from gpulab.host import PR_SET_PDEATHSIG, prctl
 from gpulab.parallel.launch import exit_summary
 
 CHECK_IN_S = 2.0  # how long survivors of a failure wait for each other in the store
@@ -97,6 +98,9 @@ class FailureProtocol:
         self.previous_unraisablehook = None
         if threading.current_thread() is threading.main_thread():
             self.previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+            # Its agent (torchrun, in-process in gpulab launch) killed outright would leave this rank
+            # training on unsupervised: its death is a SIGTERM here, as torchrun's own stop is.
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
             self.previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, self._on_unraisable
         self.stop_watchdog = threading.Event()
         self.watchdog = threading.Thread(target=self._watchdog, name="gpulab-watchdog", daemon=True)

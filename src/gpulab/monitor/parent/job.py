@@ -21,7 +21,6 @@ back, and `fg` resumes both.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -31,20 +30,18 @@ from collections.abc import Callable
 
 import psutil
 
+from gpulab.host import PR_SET_CHILD_SUBREAPER, prctl
+
 STOP_GRACE_S = 5.0  # from the first signal to SIGTERM for every process of the job
 KILL_GRACE_S = 2.0  # from that SIGTERM to SIGKILL: 7 s in all, inside `timeout -k 10` and Slurm's 30 s
 STOP_SEEN_LATE_S = 1.0  # a stop at the terminal is seen within a poll (0.2 s) and the tick's work after it
 LEFTOVER_GRACE_S = 2.0  # from SIGTERM to SIGKILL for what the job's main process left behind
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _set_subreaper(on: bool) -> bool:
     """Make orphaned descendants this process's children (Linux prctl); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    return prctl(PR_SET_CHILD_SUBREAPER, int(on))
 
 
 class Job:
