@@ -261,3 +261,25 @@ def _leaves(x) -> list:
 
 def test_resolve_accepts_torchs_name_for_the_cpu():
     assert devices.resolve("cpu:0") == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("index, error", [(-1, ValueError), ("0", TypeError), (True, TypeError), (0.0, TypeError)])
+def test_a_gpu_index_that_is_no_whole_number_from_0_is_refused(index, error):
+    """try_gpu(-1) was torch's 'Invalid device string', try_gpu("0") a TypeError about '<', and
+    gpu("0") quietly cuda:0."""
+    with pytest.raises(error, match="a GPU index is a whole number from 0"):
+        devices.gpu(index)
+    with pytest.raises(error, match="a GPU index is a whole number from 0"):
+        devices.try_gpu(index)
+
+
+def test_copy_to_and_place_keep_a_dict_s_own_kind():
+    """A defaultdict was rebuilt by calling its type on the items: TypeError."""
+    from collections import defaultdict
+
+    batch = defaultdict(list, {"x": torch.ones(2)})
+    copied = devices.copy_to(batch, devices.cpu())
+    assert type(copied) is defaultdict and copied.default_factory is list and copied["x"] is not batch["x"]
+    assert torch.equal(copied["x"], batch["x"]) and copied["missing"] == []
+    ordered = OrderedDict(b=torch.ones(1), a=torch.zeros(1))
+    assert list(devices.copy_to(ordered, devices.cpu())) == ["b", "a"] and devices.place(ordered, devices.cpu()) is ordered

@@ -12,6 +12,7 @@ times, so data-parallel logic can be exercised and tested on a machine without G
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -28,7 +29,7 @@ def cpu() -> torch.device:
 
 
 def gpu(i: int = 0) -> torch.device:
-    return torch.device(f"cuda:{i}")
+    return torch.device("cuda", _gpu_index(i))
 
 
 def num_gpus() -> int:
@@ -37,7 +38,16 @@ def num_gpus() -> int:
 
 def try_gpu(i: int = 0) -> torch.device:
     """GPU `i` if it exists, else the CPU."""
-    return gpu(i) if i < num_gpus() else cpu()
+    return gpu(i) if _gpu_index(i) < num_gpus() else cpu()
+
+
+def _gpu_index(i) -> int:
+    """A GPU's index: a whole number from 0 (not a string, a bool or a float)."""
+    if isinstance(i, bool) or not isinstance(i, int):
+        raise TypeError(f"a GPU index is a whole number from 0, not {i!r} ({type(i).__name__})")
+    if i < 0:
+        raise ValueError(f"a GPU index is a whole number from 0, not {i}")
+    return i
 
 
 def try_all_gpus() -> list[torch.device]:
@@ -206,6 +216,10 @@ def _map(fn, x: Any, keep_unchanged: bool = False) -> Any:
         items = {k: _map(fn, v, keep_unchanged) for k, v in x.items()}
         if keep_unchanged and all(items[k] is v for k, v in x.items()):
             return x
+        if isinstance(x, dict):  # its own kind, whatever its constructor takes (a defaultdict's factory)
+            rebuilt = copy.copy(x)
+            rebuilt.update(items)
+            return rebuilt
         return type(x)(items)
     if isinstance(x, list | tuple):
         values = [_map(fn, v, keep_unchanged) for v in x]

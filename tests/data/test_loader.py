@@ -161,3 +161,12 @@ def test_host_loader_shuffled_covers_every_sample_once():
     host.set_epoch(1)  # a plain RandomSampler has no set_epoch: must be a no-op, not an error
     ids = [int(i) for X, _ in host for i in (X[:, 0, 0, 0] * 255).round().long()]
     assert sorted(ids) == list(range(45))
+
+
+@pytest.mark.parametrize("rank, world_size", [(5, 3), (-1, 2), (2, 2)])
+def test_a_rank_outside_its_world_is_refused(rank, world_size):
+    """GlobalBatches(10, 4, rank=5, world_size=3) gave one sample of the next batch, then none."""
+    from gpulab.data import GlobalBatches
+
+    with pytest.raises(ValueError, match=f"rank {rank} of a world of {world_size}"):
+        GlobalBatches(10, 4, rank=rank, world_size=world_size)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gpulab.cli import main
+from gpulab.errors import UserError
 from gpulab.devices import resolve
 from gpulab.models import LeNet
 from gpulab.parallel import DataParallel
@@ -84,6 +85,47 @@ def test_parity_float64(k, batch_size, optimizer, model):
     # Plain PyTorch normalizes over the whole batch: with BatchNorm that is sync BN.
     dp = data_parallel(net, data, loss_fn, OPTIMIZERS[optimizer], k, sync_bn=model == "batchnorm")
     assert max_diff(reference, dp) <= 1e-9
+
+
+def bn_variant(kind: str) -> nn.Module:
+    """A small net whose BatchNorm is each kind --sync-bn must synchronize as torch's BatchNorm
+    computes it on the whole batch."""
+    flat = {"1d": lambda: nn.BatchNorm1d(32), "1d momentum None": lambda: nn.BatchNorm1d(32, momentum=None)}
+    if kind in flat:
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), flat[kind](), nn.ReLU(), nn.Linear(32, 10))
+    if kind == "3d":
+        return nn.Sequential(nn.Unflatten(1, (1, 1)), nn.Conv3d(1, 4, (1, 3, 3)), nn.BatchNorm3d(4), nn.ReLU(),
+                             nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 10))
+    bn = {"2d momentum None": lambda: nn.BatchNorm2d(6, momentum=None),
+          "2d untracked": lambda: nn.BatchNorm2d(6, track_running_stats=False)}[kind]
+    return nn.Sequential(nn.Conv2d(1, 6, 5), bn(), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(24, 10))
+
+
+@pytest.mark.parametrize("kind", ["1d", "1d momentum None", "3d", "2d momentum None", "2d untracked"])
+def test_sync_bn_of_every_batchnorm_kind_is_plain_pytorch(kind):
+    """--sync-bn synchronized nn.BatchNorm2d only (a BatchNorm1d stayed per replica, silently),
+    used momentum 0.1 where momentum=None asks for a cumulative average, and failed without
+    running statistics: weights and running statistics now equal plain PyTorch's for each."""
+    torch.manual_seed(0)
+    net = bn_variant(kind).double()
+    data = batches(24)
+    loss_fn = nn.functional.cross_entropy
+    reference = plain_pytorch(net, data, loss_fn, OPTIMIZERS["sgd-momentum"])
+    dp = data_parallel(net, data, loss_fn, OPTIMIZERS["sgd-momentum"], 2, sync_bn=True)
+    assert max_diff(reference, dp) <= 1e-9
+    states = reference.state_dict(), dp.replicas[0].state_dict()
+    assert states[0].keys() == states[1].keys()
+    assert max((states[0][k].double() - states[1][k].double()).abs().max().item() for k in states[0]) <= 1e-9
+
+
+def test_sync_bn_refuses_a_batchnorm_of_its_own_kind():
+    class MyNorm(nn.BatchNorm2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    net = nn.Sequential(nn.Conv2d(1, 6, 5), MyNorm(6), nn.Flatten(), nn.Linear(6 * 24 * 24, 10)).double()
+    with pytest.raises(UserError, match="--sync-bn: MyNorm is a BatchNorm of its own kind"):
+        data_parallel(net, batches(24, 1), nn.functional.cross_entropy, OPTIMIZERS["sgd-momentum"], 2, sync_bn=True)
 
 
 @pytest.mark.parametrize("k", [2, 3])

@@ -112,6 +112,74 @@ def test_a_loss_that_does_not_reduce_or_outputs_without_the_batch_are_one_line_e
         train(config(tmp_path, batch_size=16), train_data=train_set, test_data=test_set, model=model(), loss_fn=loss_fn())
 
 
+@pytest.mark.parametrize("devices", ["cpu", "cpu*2"])
+def test_your_model_object_ends_trained_as_plain_pytorch_leaves_it(tmp_path, devices):
+    """train(model=m) trained copies and left m as it was (the weights only in checkpoint.pt): m
+    now ends with the weights the run trained, as plain PyTorch's loop leaves its model."""
+    train_set, test_set = regression_data()
+    ours = mlp()
+    before = copy.deepcopy(ours.state_dict())
+    train(config(tmp_path, devices=devices), train_data=train_set, test_data=test_set, model=ours,
+          loss_fn=nn.MSELoss(), optimizer=adam)
+    trained = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["strategy"]["model"]
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
+        assert not torch.equal(value, before[name])
+
+
+@pytest.mark.parametrize("optimizer, message", [
+    (lambda model: torch.optim.SGD(model.parameters(), lr=0.1), "not a SGD already built on the model's parameters"),
+    (lambda model: (lambda params: None), "the optimizer factory returned NoneType, not a torch.optim.Optimizer"),
+    (lambda model: "adam", "not a str"),
+])
+def test_an_optimizer_that_is_no_factory_is_one_line(tmp_path, optimizer, message):
+    """An optimizer instance was a traceback ('SGD' object is not callable); a factory returning None
+    failed at the first step, the run's folder written."""
+    train_set, test_set = regression_data()
+    model = mlp()
+    with pytest.raises(UserError, match=re.escape(message)):
+        train(config(tmp_path), train_data=train_set, test_data=test_set, model=model, loss_fn=nn.MSELoss(),
+              optimizer=optimizer(model))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dataloader_whose_last_batch_cannot_be_split_is_refused_before_training(tmp_path):
+    """129 samples in batches of 64 over 2 devices: the last batch of 1 failed after 2 steps, saying
+    'use a batch size >= 2' where it was 64."""
+    train_set, test_set = regression_data()
+    X, y = train_set.tensors
+    loader = torch.utils.data.DataLoader(TensorDataset(X[:129], y[:129]), batch_size=64)
+    with pytest.raises(UserError, match=re.escape("train_data's last batch holds 1 sample(s) (129 in batches of 64), "
+                                                  "fewer than the 2 parts") + ".*drop_last=True"):
+        train(config(tmp_path, devices="cpu*2"), train_data=loader, test_data=test_set, model=mlp(), loss_fn=nn.MSELoss())
+    assert not (tmp_path / "run").exists()
+    dropped = torch.utils.data.DataLoader(TensorDataset(X[:129], y[:129]), batch_size=64, drop_last=True)
+    assert train(config(tmp_path, devices="cpu*2"), train_data=dropped, test_data=test_set, model=mlp(),
+                 loss_fn=nn.MSELoss())["epoch"] == 1
+
+
+class Fields(torch.utils.data.Dataset):
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        x, y = torch.randn(8), torch.randn(2)
+        return {"dict": {"x": x, "y": y}, "triple": (x, y, i), "alone": x}[self.kind]
+
+
+@pytest.mark.parametrize("kind, words", [("dict", "a dict with keys x, y"), ("triple", "a tuple of 3"),
+                                         ("alone", "a Tensor")])
+def test_samples_that_are_no_input_label_pair_are_one_line(tmp_path, kind, words):
+    """A Dataset of dicts was a KeyError traceback, one of triples 'too many values to unpack'."""
+    _, test_set = regression_data()
+    with pytest.raises(UserError, match=re.escape(words) + ".*return \\(x, y\\)"):
+        train(config(tmp_path), train_data=Fields(kind), test_data=test_set, model=mlp(), loss_fn=nn.MSELoss())
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_model_with_nothing_to_train_is_refused(tmp_path):
     train_set, test_set = regression_data()
     frozen = mlp().requires_grad_(False)

@@ -575,7 +575,15 @@ def test_the_divergence_rule():
     assert divergence({"train_loss": 79.0, "test_loss": 79.0}, [first]) is None  # just under 100 x 0.8
     assert divergence({"train_loss": float("nan"), "test_loss": 1.0}, [first]) == "the training loss became nan"
     assert divergence({"train_loss": 1.0, "test_loss": float("nan")}, []) == "the test loss became nan"
-    assert divergence({"train_loss": -5.0, "test_loss": -4.0}, [{"train_loss": -1.0}]) is None  # a negative loss
+    assert divergence({"train_loss": -5.0, "test_loss": -4.0}, [{"train_loss": -1.0, "test_loss": -1.0}]) is None
+    # a fine-tuned regressor whose test targets are noisier than its training targets: no accuracy,
+    # a test loss 400x the training loss from the first epoch on, and nothing diverged
+    tuned = {"train_loss": 0.0001, "test_loss": 0.04, "train_acc": None}
+    assert divergence(tuned, []) is None and divergence({**tuned, "test_loss": 0.043}, [tuned]) is None
+    assert divergence({**tuned, "test_loss": 5.0}, [tuned]).startswith("the test loss became 5, over 100x the first "
+                                                                       "epoch's losses (0.04)")
+    # classes: the first epoch's test loss is judged by its training loss
+    assert divergence({"train_loss": 2.0, "test_loss": 6e16, "train_acc": 0.3}, []).startswith("the test loss became 6e+16")
 
 
 # ----------------------------------------------------------------------------- 9. see test_io.py (fsync)

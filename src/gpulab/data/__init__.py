@@ -4,6 +4,6 @@ one rule (GlobalBatches) for which samples each step and each rank uses; a user'
 from gpulab.data.fashion_mnist import CLASSES, Split, load
 from gpulab.data.loader import DeviceLoader, HostLoader, ImageDataset
 from gpulab.data.sampling import GlobalBatches
-from gpulab.data.user import sample_shape, user_loader
+from gpulab.data.user import check_pairs, sample_shape, user_loader
 
-__all__ = ["CLASSES", "DeviceLoader", "GlobalBatches", "HostLoader", "ImageDataset", "Split", "load", "sample_shape", "user_loader"]
+__all__ = ["CLASSES", "DeviceLoader", "GlobalBatches", "HostLoader", "ImageDataset", "Split", "check_pairs", "load", "sample_shape", "user_loader"]

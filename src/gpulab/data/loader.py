@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from gpulab.data.fashion_mnist import Split
 from gpulab.data.sampling import GlobalBatches
+from gpulab.errors import UserError
 
 # Fashion-MNIST training-set statistics of pixel/255, measured once on the full train split.
 FASHION_MEAN = 0.2860
@@ -98,9 +99,21 @@ class HostLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         memory_format = torch.channels_last if self.channels_last else torch.preserve_format
-        for X, y in self.batches:
+        for batch in self.batches:
+            X, y = input_and_labels(batch)
             X = X.to(self.device, non_blocking=True, memory_format=memory_format)
             yield X, y.to(self.device, non_blocking=True)
+
+
+def input_and_labels(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of the caller's data as the (inputs, labels) pair gpulab trains on, or one line
+    saying what it is instead (a dict of fields, a triple, inputs alone)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+        return batch[0], batch[1]
+    what = (f"a dict with keys {', '.join(map(str, list(batch)[:5]))}" if isinstance(batch, dict) else
+            f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}")
+    raise UserError(f"train_data/test_data must give (inputs, labels) pairs of tensors; one was {what}: return "
+                    "(x, y) from the Dataset's __getitem__, or pass a DataLoader whose collate_fn makes that pair")
 
 
 class ImageDataset(Dataset):

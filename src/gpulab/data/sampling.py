@@ -38,6 +38,8 @@ class GlobalBatches:
     ):
         if batch_size < 1:
             raise UserError(f"batch size {batch_size}: must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} of a world of {world_size}: a rank runs from 0 to world_size - 1")
         if drop_last and num_samples < batch_size:
             raise UserError(
                 f"the training set has {num_samples} samples, fewer than one batch of {batch_size}: "

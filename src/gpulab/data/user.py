@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from gpulab.data.fashion_mnist import Split
-from gpulab.data.loader import HostLoader
+from gpulab.data.loader import HostLoader, input_and_labels
 from gpulab.data.sampling import GlobalBatches
 from gpulab.errors import UserError
 
@@ -35,6 +35,19 @@ def user_loader(source, batch_size: int, device: torch.device, train: bool, seed
     return HostLoader(DataLoader(dataset, batch_sampler=batches, **options), device, channels_last=channels_last)
 
 
+def check_pairs(source) -> None:
+    """Before anything is written: a Dataset's first sample (one a DataLoader collates as it is) is
+    an (input, label) pair, else one line (input_and_labels says the same of a batch)."""
+    loader = isinstance(source, torch.utils.data.DataLoader)
+    dataset = source.dataset if loader else source
+    if (loader and source.collate_fn is not torch.utils.data.default_collate) or isinstance(
+            dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return
+    sample = dataset[0]
+    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        input_and_labels(sample)  # raises the one line
+
+
 def sample_shape(source) -> tuple[int, ...] | None:
     """One input's shape (no batch dimension), from the first sample; None when it cannot be read
     without consuming the user's iterator."""
@@ -43,4 +56,7 @@ def sample_shape(source) -> tuple[int, ...] | None:
     dataset = source if isinstance(source, torch.utils.data.Dataset) else getattr(source, "dataset", None)
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or len(dataset) == 0:
         return None
-    return tuple(torch.as_tensor(dataset[0][0]).shape)
+    sample = dataset[0]
+    if not (isinstance(sample, (tuple, list)) and len(sample) >= 1):  # a dict, say, that a collate_fn pairs up
+        return None
+    return tuple(torch.as_tensor(sample[0]).shape)

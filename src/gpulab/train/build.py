@@ -129,13 +129,33 @@ def check_inputs(cfg: TrainConfig, world: World, batch_size: int, peak_lr: float
     if cfg.data == "custom" and train_data is None:
         raise UserError("this run trains on the caller's own data: pass train_data and test_data to train()")
     if train_data is not None:
+        data.check_pairs(train_data)
+        data.check_pairs(test_data)
         check_image_shape(train_data, cfg.model)
+    if isinstance(train_data, torch.utils.data.DataLoader) and world.world_size == 1:
+        check_last_batch(train_data, replicas * cfg.accumulate)
     if cfg.shard == "fsdp":
         check_sharding(cfg, world)
     if cfg.sync_bn and world.world_size > 1 and cfg.sync == "ddp":
         raise UserError("--sync-bn with --sync ddp is not supported (gpulab's sync BN runs with --sync gpulab): drop one")
     if cfg.recipe_spec.init == "textbook" and cfg.model != "lenet":
         raise UserError("--recipe textbook initialises the textbook's LeNet only: use --model lenet")
+
+
+def check_last_batch(loader: torch.utils.data.DataLoader, parts: int) -> None:
+    """A DataLoader used as it is (one process) must give each of the `parts` its batches are split
+    into (devices x micro-batches) a sample - its last, partial batch too."""
+    if loader.drop_last or loader.batch_size is None or parts <= 1:
+        return
+    try:
+        n = len(loader.sampler)
+    except TypeError:
+        return
+    last = n % loader.batch_size
+    if 0 < last < parts:
+        raise UserError(f"train_data's last batch holds {last} sample(s) ({n} in batches of {loader.batch_size}), "
+                        f"fewer than the {parts} parts each batch is split into (devices x micro-batches): pass "
+                        "DataLoader(..., drop_last=True)")
 
 
 def check_peak_lr(cfg: TrainConfig, peak_lr: float, replicas: int) -> None:
@@ -202,6 +222,27 @@ def make_strategy(cfg: TrainConfig, world: World, model: torch.nn.Module, device
     return DataParallel(model, devices, optimizer=optimizer, allreduce=cfg.allreduce, sync_bn=cfg.sync_bn)
 
 
+def checked_factory(factory):
+    """The caller's optimizer factory, whose every result is checked: gpulab builds one optimizer
+    per replica, on that replica's parameters, so an optimizer already built (on the caller's
+    model) cannot serve, and a factory must return one."""
+    example = "optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
+    if isinstance(factory, torch.optim.Optimizer):
+        raise UserError(f"optimizer= takes a factory params -> Optimizer, not a {type(factory).__name__} already "
+                        f"built on the model's parameters (gpulab builds one per replica): {example}")
+    if not callable(factory):
+        raise UserError(f"optimizer= takes a factory params -> Optimizer, not a {type(factory).__name__}: {example}")
+
+    def make(params):
+        made = factory(params)
+        if not isinstance(made, torch.optim.Optimizer):
+            raise UserError(f"the optimizer factory returned {type(made).__name__}, not a torch.optim.Optimizer: "
+                            f"{example}")
+        return made
+
+    return make
+
+
 def check_own_model(model: torch.nn.Module) -> None:
     models.check_trainable(model, "the model passed to train()")
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
@@ -235,6 +276,8 @@ def build(cfg: TrainConfig, world: World | None = None, train_data=None, test_da
     if model is not None:
         check_own_model(model)
         cfg = dataclasses.replace(cfg, model=models.OBJECT)  # the run's config must not claim LeNet
+    if optimizer is not None:
+        optimizer = checked_factory(optimizer)
     world.agree(options_to_agree_on(cfg), "gpulab train options")
     # Every check that needs no data runs before the first collective, on every rank together.
     devices = world.all_or_none(lambda: choose_devices(cfg, world))

@@ -81,8 +81,8 @@ def train(
     Under torchrun (WORLD_SIZE > 1) this is one rank of the job: only rank 0 prints and writes.
     `train_data`/`test_data` (a Dataset or DataLoader each) replace Fashion-MNIST; `model` (an
     nn.Module), `loss_fn(outputs, labels) -> mean loss` and `optimizer` (params -> Optimizer)
-    replace the built-in ones (see build()); a resumed run needs the same objects again. Returns
-    the final epoch's metrics row.
+    replace the built-in ones (see build()); a resumed run needs the same objects again. `model`
+    ends with the trained weights. Returns the final epoch's metrics row.
     """
     world = from_environment()
     own = {"model": model, "loss_fn": loss_fn, "optimizer": optimizer}
@@ -98,9 +98,11 @@ def train(
         with alone, claims():  # the run directory is this run's until it ends, however it ends
             run, run_dir, history, start_epoch = start(world, cfg, resume, console, train_data, test_data, own,
                                                        data_dir, epochs, trust)
-            if start_epoch >= run.cfg.epochs:
-                return history[-1]
-            return fit(run, run_dir, history, start_epoch, console, on_epoch_end)
+            row = history[-1] if start_epoch >= run.cfg.epochs else fit(run, run_dir, history, start_epoch, console,
+                                                                         on_epoch_end)
+            if model is not None:  # the caller's model ends trained, as plain PyTorch leaves it
+                model.load_state_dict(run.strategy.state_dict()["model"])
+            return row
     except (PeerLost, Terminated) as e:  # before training began (the loop reports its own)
         if world.world_size == 1:
             raise
@@ -318,19 +320,28 @@ def divergence(row: dict, history: list[dict]) -> str | None:
     """Why this epoch diverged (so it must not be kept as good), or None.
 
     The rule: an epoch is good when its training loss and its test loss are both finite and
-    neither exceeds DIVERGENCE_FACTOR (100) x the run's first-epoch training loss; for the first
-    epoch that is its own training loss. The first epoch's mean loss lies between the untrained
-    model's and what it learnt, and a healthy run stays below it (overfitting raises the test loss
-    a few times, not a hundred), so 100x means the run exploded. A reference <= 0 (a loss of the
-    user's that can be negative) leaves only the finiteness rule."""
-    reference = history[0]["train_loss"] if history else row["train_loss"]
+    neither exceeds DIVERGENCE_FACTOR (100) x its reference. The first epoch's mean loss lies
+    between the untrained model's and what it learnt, and a healthy run stays below it
+    (overfitting raises the test loss a few times, not a hundred), so 100x means the run exploded.
+    The training loss's reference is the first epoch's training loss. The test loss's is the larger
+    of the first epoch's two losses - a test set may sit far from the training set (a fine-tuned
+    regressor's noisier targets: 400x its training loss from the start) - and in the first epoch,
+    its training loss where the two are the same measure (class scores, with accuracy), else none.
+    A reference <= 0 (a loss of the user's that can be negative) leaves only the finiteness rule."""
+    first = history[0] if history else row
+    classes = row.get("train_acc") is not None
+    references = {
+        "train_loss": first["train_loss"],
+        "test_loss": max(first["train_loss"], first["test_loss"]) if history else (
+            first["train_loss"] if classes else math.nan),
+    }
     for key, name in (("train_loss", "training loss"), ("test_loss", "test loss")):
-        value = row[key]
+        value, reference = row[key], references[key]
         if not math.isfinite(value):
             return f"the {name} became {value}"
         if math.isfinite(reference) and reference > 0 and value > DIVERGENCE_FACTOR * reference:
-            return (f"the {name} became {value:.4g}, over {DIVERGENCE_FACTOR:g}x the first epoch's training loss "
-                    f"({reference:.4g})")
+            of = "training loss" if key == "train_loss" or not history else "losses"
+            return f"the {name} became {value:.4g}, over {DIVERGENCE_FACTOR:g}x the first epoch's {of} ({reference:.4g})"
     return None
 
 
