@@ -94,3 +94,65 @@ def test_gradients_added_to_in_place_are_counted_once():
     n = sum(p.numel() * 4 for p in model.parameters())
     assert memory["sizes"]["gradients"] == n
     assert memory["at_peak"]["gradients"] == n
+
+
+def measured(model: nn.Module, optimizer, step) -> dict:
+    """One step measured as the profiler measures it (the step before it seen by the profiler)."""
+    step(), step()
+    probe = StepMemoryProbe(CPU)
+    probe.prepare()
+    step()
+    probe.begin([model], [optimizer])
+    step(note_batch=probe.note_inputs)
+    return probe.end()
+
+
+MIB = 2**20
+
+
+def test_a_gradient_made_at_the_peak_is_a_gradient_not_a_temporary():
+    """Two Linear(1024, 1024), plain SGD, zero_grad(set_to_none) after the step: backward's peak is
+    the allocation of the first layer's weight gradient (4 MiB, the second's already there), which
+    backward hands over only afterwards - it was counted as a temporary (a helper's finding: 64 MiB
+    of a 4096-wide layer's gradient called temporaries)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    X = torch.randn(256, 1024)
+
+    def step(note_batch=None):
+        if note_batch:
+            note_batch((X,))
+        model(X).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    at_peak = measured(model, optimizer, step)["at_peak"]
+    assert at_peak["gradients"] == 8 * MIB and at_peak["parameters"] == 8 * MIB and at_peak["inputs"] == 1 * MIB
+    assert at_peak["temporaries"] < 1.1 * MIB  # an activation's gradient (1 MiB), none of the weights'
+
+
+def test_inputs_are_the_batch_while_it_lives_never_a_model_s_output_handed_on():
+    """Two micro-batches, each a fresh batch (the first freed before the second's backward), and a
+    model made of two modules called in turn (the first one's output is no batch): at the peak the
+    inputs are one batch, 1 MiB of X and 1 MiB of y."""
+    torch.manual_seed(0)
+    enc, head = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()), nn.Linear(1024, 1024)
+    optimizer = torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=1e-3)
+
+    def step(note_batch=None):
+        for _ in range(2):
+            X, y = torch.randn(256, 1024), torch.randn(256, 1024)
+            if note_batch:
+                note_batch((X, y))
+                note_batch((X,))  # as the profiler notes each outermost module call's arguments
+            h = enc(X)
+            if note_batch:
+                note_batch((h,))
+            (nn.functional.mse_loss(head(h), y) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    memory = measured(enc, optimizer, step)
+    assert memory["at_peak"]["inputs"] == 2 * MIB
+    assert memory["sizes"]["inputs"] == 4 * MIB  # both micro-batches, over the step

@@ -51,6 +51,11 @@ class Allocations:
                 found = i
         return found
 
+    def allocated_at(self, ptr: int, t_ns: int) -> int | None:
+        """When the allocation at `ptr` live at t_ns was made, if it was made while recording."""
+        i = self._allocated_before(ptr, t_ns)
+        return self._at[ptr][i][0] if i is not None else None
+
     def size_at(self, ptr: int, t_ns: int) -> int | None:
         """The size of the allocation at `ptr` live at t_ns, if it was made while recording."""
         i = self._allocated_before(ptr, t_ns)

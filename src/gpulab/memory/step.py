@@ -87,12 +87,17 @@ class _Noted:
         self.by_key[key] = (nbytes, t_ns)
         return True
 
-    def timeline(self, allocations: Allocations, to_perf: Callable[[int], float], until_ns: int) -> _Timeline:
-        """Each storage from when it was noted (or the step's start) to its free, if it came in the step."""
+    def timeline(self, allocations: Allocations, to_perf: Callable[[int], float], since_ns: int,
+                 until_ns: int) -> _Timeline:
+        """Each storage from its allocation (the step's start, for one made before it; when noted,
+        where the allocator's records do not say) to its free, if that came in the step. From its
+        allocation, not from when it was noted: a gradient is noted when backward hands it over,
+        after the allocation that may be the step's peak."""
         timeline = _Timeline()
         for (_, ptr), (nbytes, t_ns) in self.by_key.items():
             nbytes = allocations.size_at(ptr, t_ns) or nbytes
-            timeline.add(nbytes, to_perf(t_ns))
+            allocated_ns = allocations.allocated_at(ptr, t_ns)
+            timeline.add(nbytes, to_perf(max(allocated_ns, since_ns) if allocated_ns is not None else t_ns))
             freed_ns = allocations.freed_after(ptr, t_ns)
             if freed_ns is not None and freed_ns <= until_ns:
                 timeline.add(-nbytes, to_perf(freed_ns))
@@ -153,7 +158,7 @@ class StepMemoryProbe:
         self.begin_ns = time.time_ns()
         self.params = Storages(self.device).add_all(parameters_and_buffers(self.modules))
         self.inputs = Storages(self.device)
-        self.inputs_timeline = _Timeline()
+        self._inputs = _Noted()
         self.batch: int | None = None
         self._grads_at_start = Storages(self.device).add_all(gradients(self.modules, self.optimizers))
         self._grads_made = _Noted()
@@ -170,13 +175,16 @@ class StepMemoryProbe:
         self._undo.append(lambda: hooks.__exit__(None, None, None))
 
     def note_inputs(self, batch) -> None:
-        """The step's batch (a tensor, or a nested list/tuple/dict of them)."""
+        """The step's batch (a tensor, or a nested list/tuple/dict of them). A tensor autograd made
+        (a model's output handed to the next model, a recomputed checkpoint's) is no batch."""
         if not self._begun:
             return
         for t in tensors_in(batch):
-            added = self.inputs.add(t)
-            if added:
-                self.inputs_timeline.add(added)
+            if t.grad_fn is not None or t.requires_grad:
+                continue
+            if self.inputs.add(t):
+                span = storage_span(t)
+                self._inputs.note(span[0], span[1], time.time_ns())
                 if self.batch is None and t.dim():
                     self.batch = t.shape[0]
 
@@ -194,7 +202,8 @@ class StepMemoryProbe:
             peak = max(peak, torch.cuda.max_memory_allocated(self.device))  # the allocator's own count wins
             reserved = torch.cuda.memory_reserved(self.device)
         grads = self._gradients(allocations, end_ns)
-        activations = self._saved.timeline(allocations, self._to_perf, end_ns)
+        activations = self._saved.timeline(allocations, self._to_perf, self.begin_ns, end_ns)
+        inputs = self._inputs.timeline(allocations, self._to_perf, self.begin_ns, end_ns)
         optimizer_bytes = Storages(self.device).add_all(t for t in optimizer_state(self.optimizers) if t not in self.params).nbytes
         at_t = peak_t if peak_t is not None else self.t_end
         parts = {
@@ -202,9 +211,9 @@ class StepMemoryProbe:
             "gradients": grads.at(at_t),
             "optimizer_state": optimizer_bytes,
             "activations": activations.at(at_t),
-            "inputs": self.inputs_timeline.at(at_t),
+            "inputs": inputs.at(at_t),
         }
-        kept_after = self.params.nbytes + optimizer_bytes + grads.at(self.t_end) + self.inputs_timeline.at(self.t_end)
+        kept_after = self.params.nbytes + optimizer_bytes + grads.at(self.t_end) + inputs.at(self.t_end)
         parts["other_kept"] = max(0, live_end - kept_after - activations.at(self.t_end))
         parts["temporaries"] = max(0, peak - sum(parts.values()))
         sizes = {
@@ -305,7 +314,7 @@ class StepMemoryProbe:
             there = key in freed_at_start and (freed_at_start[key] is None or freed_at_start[key] > t_ns)
             if not there:
                 made.note(key, nbytes, t_ns)
-        timeline.changes += made.timeline(allocations, self._to_perf, end_ns).changes
+        timeline.changes += made.timeline(allocations, self._to_perf, self.begin_ns, end_ns).changes
         return timeline
 
     def _curve(self, allocations: Allocations, end_ns: int) -> list[list[float]]:
