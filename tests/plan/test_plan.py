@@ -391,3 +391,23 @@ def test_sigterm_stops_a_plan_in_one_line_and_leaves_no_process_or_temporary_fol
     assert gpulab.returncode == 143 and err.strip() == "gpulab: error: stopped by SIGTERM", err[-2000:]
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive and not list(tmp_path.glob("gpulab-plan-*")) and not (tmp_path / "plan").exists()
+
+
+def test_a_speedup_above_the_device_count_says_what_the_measurements_did():
+    """2 devices at 2.4x the speed of one (measured under load): no word said it was more than
+    two devices can give."""
+    from gpulab.plan.planner import Plan
+    from gpulab.plan.predict import Prediction
+    from gpulab.plan.render import verdict
+
+    one = Prediction(devices=1, nodes=1, global_batch=256, per_device_batch=256, compute_s=0.024, communication_s=0.0,
+                     exposed_s=0.0, link="none")
+    two = Prediction(devices=2, nodes=1, global_batch=256, per_device_batch=128, compute_s=0.0095,
+                     communication_s=0.001, exposed_s=0.0005, link="loopback")
+    plan = Plan(config=None, kind="cpu", one_device=one, rows=[one, two], speedups=[1.0, 2.4], sweep={}, links={},
+                profiles=[])
+    (line,) = verdict(plan)
+    assert "2.40x the speed of one at batch 256 - it pays (more than 2x: 128 samples measured 9.5 ms, under 1/2 of " \
+           "one device's 24.0 ms" in line and "noise in the measurements" in line
+    plan.speedups = [1.0, 1.9]
+    assert "more than" not in verdict(plan)[0]

@@ -124,6 +124,11 @@ def verdict(plan: Plan) -> list[str]:
             head = f"{what}: {speedup:.2f}x the speed of one at batch {row.global_batch} - it pays"
         else:
             head = f"{what}: {speedup:.2f}x the speed of one at batch {row.global_batch} - too small to pay"
+        if speedup > row.devices:  # more than k devices can give: say what the measurements did
+            head += (f" (more than {row.devices}x: {row.per_device_batch} samples measured {ms(row.compute_s)} ms, under "
+                     f"1/{row.devices} of one device's {ms(plan.one_device.compute_s)} ms for {row.global_batch} - a "
+                     "smaller batch's better use of the caches, or noise in the measurements: rerun with more "
+                     "--seconds, or measure it with --check)")
         why = (f"communication not hidden by backward is {row.communication_share:.0%} of the step"
                f" ({ms(row.exposed_s)} of {ms(row.step_s)} ms)")
         ideal = plan.one_device.compute_s / row.devices
