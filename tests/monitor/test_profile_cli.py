@@ -169,6 +169,18 @@ def test_a_wait_between_steps_is_called_a_wait_at_its_line(tmp_path, capfd):
     assert top["where"].endswith(f"sleeps_between_steps.py:{planted_line('sleeps_between_steps.py')}")
 
 
+def test_a_script_that_fails_before_its_first_step_is_told_why_first(tmp_path, capfd):
+    """A spawned DataLoader worker died before the first batch (no __main__ guard): the report was
+    'input_pipeline 100%... an inference-only run' with worker advice; the failure comes first now,
+    with the guard that fixes it."""
+    code, report, _ = profile(tmp_path, "spawned_worker_dies.py")
+    assert code == 1 and report["steps"] == 0
+    top = report["findings"][0]
+    assert top["cause"] == "failure" and "DataLoader worker" in top["evidence"] and "after 0 steps" in top["evidence"]
+    assert top["where"].endswith(f"spawned_worker_dies.py:{planted_line('spawned_worker_dies.py')}")
+    assert "if __name__ == '__main__':" in top["fix"]
+
+
 def test_failing_script_keeps_exit_code_and_output_and_leaves_a_partial_report(tmp_path, capfd):
     code, report, _ = profile(tmp_path, "failing.py")
     captured = capfd.readouterr()

@@ -97,11 +97,14 @@ def job_failure(lanes: list[Recording], stopped_by_gpulab: bool, main_pid: int |
     """The job's first failure and how every other process ended; None when no process failed,
     or when the job exited 0: then whatever a child did (a Pool's workers are ended by SIGTERM,
     a child's error may be handled), the script carried on. The processes that trained count: a
-    launcher's failure (torchrun's ChildFailedError) and a DataLoader worker's follow from theirs.
+    launcher's failure (torchrun's ChildFailedError) and a DataLoader worker's follow from theirs;
+    where none trained, the script's own process.
     `exit_code`: the job's, which is its main process's (`main_pid`)."""
     if exit_code == 0:
         return None
-    endings = [ending(r, stopped_by_gpulab, exit_code if r.pid == main_pid else None) for r in trainers(lanes)]
+    # A job where nothing trained failed before its first step: its own process is what failed.
+    judged = trainers(lanes) or [r for r in lanes if r.pid == main_pid and r.recorded]
+    endings = [ending(r, stopped_by_gpulab, exit_code if r.pid == main_pid else None) for r in judged]
     failed = [e for e in endings if e.failed]
     if not failed:
         return None
@@ -128,18 +131,28 @@ _FIXES = {
 
 def failure_finding(failure: dict) -> dict:
     first = failure["first"]
-    evidence = f"{first['who']} (pid {first['pid']}) failed first, after {first['steps']} steps: {first['message']}"
+    who = first["who"] + (f" (pid {first['pid']})" if first["rank"] is not None else "")  # else it is "pid N"
+    evidence = f"{who} failed first, after {first['steps']} steps: {first['message']}"
     if first["where"]:
         evidence += f" (at {first['where']})"
     then = [f"{e['who']} after {e['steps']} steps: {e['message'] or 'ended normally'}" for e in failure["others"]]
     if then:
         evidence += "; then " + "; ".join(then)
-    f = finding("failure", 1.0, evidence, first["where"], fix=_FIXES[first["how"]].format(who=first["who"]))
+    fix = _FIXES[first["how"]].format(who=first["who"])
+    if "DataLoader worker" in (first["message"] or ""):
+        fix = _WORKER_DIED + fix
+    f = finding("failure", 1.0, evidence, first["where"], fix=fix)
     f["share_of"] = "the run (it ended it)"
     if first["rank"] is not None:
         f["rank"] = first["rank"]
     return f
 
+
+_WORKER_DIED = (
+    "a DataLoader worker died (its own traceback is in the output above): with multiprocessing_context='spawn' "
+    "or 'forkserver' - the default on macOS and Windows - each worker imports the script, so its training must "
+    "sit under `if __name__ == '__main__':`; "
+)
 
 _MESSAGE_CHARS = 240
 

@@ -101,7 +101,8 @@ def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dic
     if failure is not None:
         report["failure"] = failure
         report["error"] = failure["first"]["message"]
-        if len(trained) > 1 and not any(f["cause"] == "out_of_memory" for f in report["findings"]):
+        # several processes: which failed first; none that trained: the steps' shares say nothing
+        if (len(trained) > 1 or not trained) and not any(f["cause"] == "out_of_memory" for f in report["findings"]):
             report["findings"] = [failure_finding(failure)] + [f for f in report["findings"] if f["cause"] != "none"]
     if hang is not None:
         report["hang"] = hang
