@@ -95,11 +95,16 @@ def _phase(frames: list[types.FrameType], names: dict[int, str]) -> tuple[str | 
             return module, f"forward of {module}"
         if isinstance(owner, torch.optim.Optimizer):
             return None, f"optimizer step ({type(owner).__name__})"
-        if code.co_name in ("backward", "grad", "_engine_run_backward") and "torch" in code.co_filename:
+        if _runs_backward(frame):
             return None, "backward"
         if isinstance(owner, torch.utils.data.dataloader._BaseDataLoaderIter):
             return None, "loading data"
     return None, "outside forward, backward and the optimizer"
+
+
+def _runs_backward(frame: types.FrameType) -> bool:
+    code = frame.f_code
+    return code.co_name in ("backward", "grad", "_engine_run_backward") and "torch" in code.co_filename
 
 
 def _count_in_use(oom: OutOfMemory, device: torch.device, frames, modules, optimizers) -> None:
@@ -108,7 +113,10 @@ def _count_in_use(oom: OutOfMemory, device: torch.device, frames, modules, optim
     opt = Storages(device).add_all(t for t in optimizer_state(optimizers) if t not in params)
     kept = [params, grads, opt]
     inputs, activations, dtypes = Storages(device), Storages(device), []
-    local = [t for frame in frames for value in frame.f_locals.values() for t in tensors_in(value)]
+    # Frames inside backward (a tensor hook, a custom Function's backward) hold the gradients
+    # flowing through it - no batch, no activation: they count as "other".
+    backward = next((i for i, frame in enumerate(frames) if _runs_backward(frame)), len(frames))
+    local = [t for frame in frames[:backward + 1] for value in frame.f_locals.values() for t in tensors_in(value)]
     for t in local:
         if any(t in k for k in kept):
             continue
