@@ -82,20 +82,6 @@ def test_the_split_matches_plain_pytorch_and_nothing_is_left_on_the_tensors():
     assert reachable_from([vars(probe)], CPU).nbytes == 0  # and the probe keeps none of them
 
 
-def test_gradients_added_to_in_place_are_counted_once():
-    model, optimizer, step = training(set_to_none=False)  # zero_grad() zeroes, backward adds in place
-    step(), step()
-    probe = StepMemoryProbe(CPU)
-    probe.prepare()
-    step()
-    probe.begin([model], [optimizer])
-    step(note_batch=probe.note_inputs)
-    memory = probe.end()
-    n = sum(p.numel() * 4 for p in model.parameters())
-    assert memory["sizes"]["gradients"] == n
-    assert memory["at_peak"]["gradients"] == n
-
-
 def measured(model: nn.Module, optimizer, step) -> dict:
     """One step measured as the profiler measures it (the step before it seen by the profiler)."""
     step(), step()
@@ -105,6 +91,14 @@ def measured(model: nn.Module, optimizer, step) -> dict:
     probe.begin([model], [optimizer])
     step(note_batch=probe.note_inputs)
     return probe.end()
+
+
+def test_gradients_added_to_in_place_are_counted_once():
+    model, optimizer, step = training(set_to_none=False)  # zero_grad() zeroes, backward adds in place
+    memory = measured(model, optimizer, step)
+    n = sum(p.numel() * 4 for p in model.parameters())
+    assert memory["sizes"]["gradients"] == n
+    assert memory["at_peak"]["gradients"] == n
 
 
 MIB = 2**20
