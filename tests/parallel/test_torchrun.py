@@ -546,9 +546,21 @@ def test_ranks_stop_when_gpulab_launch_is_killed_outright(tiny_data, tmp_path):
     job.kill()
     job.communicate(timeout=scaled(30))
     _, alive = psutil.wait_procs(ranks, timeout=scaled(20))
-    for p in alive:
+    for p in alive + planted_ranks(paused):  # whatever the outcome, no rank outlives the test
         p.kill()
     assert not alive, f"ranks {[p.pid for p in alive]} outlived gpulab launch"
+
+
+def planted_ranks(marker: Path) -> list[psutil.Process]:
+    """The processes started with the pause planted at `marker` (env_for), wherever they are now."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if str(marker) in p.environ().get("GPULAB_TEST_PAUSE", ""):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
 
 
 # ----------------------------------------------------------------------------- --shard fsdp
