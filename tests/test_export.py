@@ -343,6 +343,28 @@ def test_damaged_checkpoint(tiny_run, tmp_path, capsys):
     assert not (run_dir / "model.onnx").exists()
 
 
+@pytest.mark.parametrize("plant, said", [
+    ("wrong shape", "size mismatch for fc2.weight"),
+    ("nan", "the checkpoint's fc2.weight holds NaN or infinite values"),
+    ("folder", "its checkpoint.pt is a directory, not a file"),
+])
+def test_a_checkpoint_that_cannot_be_exported_says_why(tiny_run, tmp_path, capsys, plant, said):
+    """Weights of the wrong shape said only torch's header line; NaN weights were called a failed
+    verification of the export; a folder named checkpoint.pt, no checkpoint at all."""
+    run_dir = copy_of_run(tiny_run, tmp_path)
+    if plant == "folder":
+        (run_dir / CHECKPOINT).unlink()
+        (run_dir / CHECKPOINT).mkdir()
+    else:
+        checkpoint = torch.load(run_dir / CHECKPOINT, weights_only=True)
+        weights = checkpoint["strategy"]["model"]
+        weights["fc2.weight"] = torch.zeros(3, 3) if plant == "wrong shape" else torch.full_like(weights["fc2.weight"], float("nan"))
+        torch.save(checkpoint, run_dir / CHECKPOINT)
+    code, _, err = run(["export", str(run_dir)], capsys)
+    assert_one_line_error(code, err, said)
+    assert not (run_dir / "model.onnx").exists()
+
+
 def test_out_is_an_existing_directory(tiny_run, tmp_path, capsys):
     code, _, err = run(["export", str(tiny_run[0]), "--out", str(tmp_path)], capsys)
     assert_one_line_error(code, err, f"--out {tmp_path} is a directory", "give a file name")
@@ -356,6 +378,17 @@ def test_out_over_a_file_of_the_run_is_refused_even_with_force(tiny_run, capsys,
     code, _, err = run(["export", str(run_dir), "--out", str(run_dir / name), "--force"], capsys)
     assert_one_line_error(code, err, f"{run_dir / taken} is a file of the run in {run_dir}, never replaced by an export")
     assert (run_dir / taken).read_bytes() == before
+
+
+@pytest.mark.parametrize("name", [".gpulab-outputs.json", ".gpulab-outputs"])
+def test_out_named_like_gpulab_s_record_is_refused(tiny_run, tmp_path, capsys, name):
+    """The model (or its report) went where gpulab's record of its writes goes, and the record over
+    it: 'wrote ...', exit 0, and no model (a helper's finding)."""
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    code, _, err = run(["export", str(tiny_run[0]), "--out", str(folder / name)], capsys)
+    assert_one_line_error(code, err, ".gpulab-outputs.json is the name of gpulab's record of what it wrote there")
+    assert list(folder.iterdir()) == []
 
 
 def test_out_in_a_missing_folder(tiny_run, tmp_path, capsys):

@@ -143,8 +143,15 @@ def load_model(cfg, weights: dict, run_dir: Path, model: torch.nn.Module | None 
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:  # the weights belong to another model (or another version of it)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # torch's message is a header ("Error(s) in loading state_dict for LeNet:") and a line per key
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+        first = lines[1] if lines[0].endswith(":") and len(lines) > 1 else lines[0]
         raise UserError(f"{run_dir}: the checkpoint's weights do not fit model {cfg.model} ({first})") from None
+    unfinite = next((name for name, value in model.state_dict().items()
+                     if value.is_floating_point() and not torch.isfinite(value).all()), None)
+    if unfinite is not None:  # gpulab train keeps no diverged epoch: this checkpoint was altered
+        raise UserError(f"{run_dir}: the checkpoint's {unfinite} holds NaN or infinite values, so the model's "
+                        "outputs are not numbers: export a checkpoint of a run that did not diverge")
     return model.float().eval()
 
 

@@ -195,7 +195,11 @@ class OutputFolder:
 
     def check(self, names: Iterable[str]) -> None:
         """Refuse in one line, before any work: the folder itself when it is not one gpulab may
-        write into, or any of `names` (or the record) that exists and is not gpulab's to replace."""
+        write into, or any of `names` (or the record) that exists and is not gpulab's to replace -
+        and a name that is the record's own: the result would be written over by the record."""
+        if OUTPUTS_RECORD in names:
+            raise OutputRefused(f"{self.label}: {OUTPUTS_RECORD} is the name of gpulab's record of what it wrote "
+                                f"there, never a result's; {self.fix}")
         if not self._folder_exists():
             return  # created by the write: nothing in it to replace
         record = self._record()

@@ -722,6 +722,24 @@ def test_fsdp_in_bf16_keeps_batchnorm_in_fp32(make_dataset, tmp_path):
     fsdp_in_bf16(make_dataset(tmp_path / "four", num_train=4, num_test=4), tmp_path, batch_size=4)
 
 
+def test_fsdp_in_bf16_takes_a_batchnorm_that_is_a_unit_of_its_own(make_dataset, tmp_path):
+    """A model whose top-level children include BatchNorm: the bf16 policy shards each BatchNorm on
+    its own in fp32, and then the units - that same BatchNorm again: 'fully_shard has already been
+    applied' (a helper's finding, a Sequential of Conv2d, BatchNorm2d, ...)."""
+    (tmp_path / "bnmodel.py").write_text(
+        "from torch import nn\n\n"
+        "def small():\n"
+        "    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(2),\n"
+        "                         nn.Flatten(), nn.Linear(16, 10))\n")
+    data = make_dataset(tmp_path / "four", num_train=8, num_test=4)
+    env = {**env_for(data), "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run(torchrun_cmd(2, ["--model", "bnmodel:small", "--precision", "bf16", "--shard", "fsdp",
+                                             "--epochs", "1", "--batch-size", "4", "--out", str(tmp_path / "run")]),
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(180))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["epoch"] for r in metrics(tmp_path / "run")] == [1]
+
+
 @pytest.mark.slow
 def test_fsdp_in_bf16_keeps_batchnorm_in_fp32_for_an_epoch(tiny_data, tmp_path):
     """The same over 16 steps of 32 (512 images) and 256 evaluated: 3 minutes and more on 2 cores

@@ -89,13 +89,16 @@ class Sharded(RankStrategy):
         mesh = DeviceMesh.from_group(world.group, device.type)
         policy = mixed_precision(param_dtype)
         self.units = shard_units(self.module)
+        fp32 = []
         if param_dtype is not None:
             # BatchNorm in fp32: its running statistics are buffers, which the policy leaves in fp32,
             # and batch_norm refuses bf16 weights beside fp32 statistics (autocast runs it in fp32 too)
-            for bn in (m for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+            fp32 = [m for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+            for bn in fp32:
                 fully_shard(bn, mesh=mesh, mp_policy=mixed_precision(None))
         for unit in self.units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
+            if not any(unit is bn for bn in fp32):  # a BatchNorm that is a unit of its own is sharded once
+                fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(self.module, mesh=mesh, mp_policy=policy)
         self.param_dtype = param_dtype
         self.loss_scale = world.world_size  # FSDP averages gradients over ranks; gpulab sums them

@@ -47,7 +47,7 @@ import torch
 from gpulab import models
 from gpulab.config import TrainConfig
 from gpulab.errors import UserError
-from gpulab.io import (OutputFolder, atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable,
+from gpulab.io import (OutputFolder, atomic_write_bytes, atomic_write_json, check_writable as check_folder_writable, file_kind,
                        open_regular_file, read_regular_file)
 from gpulab.parallel.shard_files import read_shards
 from gpulab.train.background import Background
@@ -446,6 +446,12 @@ class RunDir:
         return (self.path / CHECKPOINT).is_file()
 
     def _no_checkpoint(self) -> UserError:
+        path = self.path / CHECKPOINT
+        if os.path.lexists(path):  # something in its place that is no file
+            mode = os.lstat(path).st_mode
+            kind = "a link" if stat.S_ISLNK(mode) else f"a {file_kind(mode)}"
+            return UserError(f"{self.label}: its {CHECKPOINT} is {kind}, not a file; a gpulab checkpoint is a regular "
+                             "file: this folder was altered or is no gpulab run")
         who = holder(self.path)
         if who:  # still in its first epoch
             return UserError(f"{self.label}: no {CHECKPOINT} there yet; the run is still in its first epoch ({who}): "
