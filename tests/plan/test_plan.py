@@ -411,3 +411,35 @@ def test_a_speedup_above_the_device_count_says_what_the_measurements_did():
            "one device's 24.0 ms" in line and "noise in the measurements" in line
     plan.speedups = [1.0, 1.9]
     assert "more than" not in verdict(plan)[0]
+
+
+def test_machines_with_several_devices_each_go_as_fast_as_the_slower_hop():
+    """2 machines x 2 devices over a fast network: the ring's hops inside each machine are the
+    devices' link; the plan priced every hop at the network's (0.027 ms where 1.8 ms was due)."""
+    from gpulab.plan.planner import ring_link
+
+    device, network = LinkCost(188e-6, 1 / 1.14e9, "loopback"), LinkCost(5e-6, 1 / 50e9, "ndr400")
+    links = {"device": device, "node": network}
+    ring = ring_link(links, nodes=2, per_node=2)
+    assert (ring.alpha_s, ring.beta_s_per_byte) == (188e-6, 1 / 1.14e9)
+    assert ring.allreduce_s(516_304, 4) == pytest.approx(2 * (3 * 188e-6 + 0.75 * 516_304 / 1.14e9))
+    assert ring_link(links, nodes=2, per_node=1) is network and ring_link(links, nodes=1, per_node=2) is device
+    assert ring_link(links, nodes=1, per_node=1) is None
+
+
+def test_a_profile_a_busy_machine_spread_out_is_said_to_be_noisy():
+    from gpulab.plan.planner import Plan
+    from gpulab.plan.render import noise
+
+    def profile(times):
+        return StepProfile(batch=256, step_s=sum(times) / len(times), before_backward_s=0.001, backward_s=0.002,
+                           after_backward_s=0.001, bucket_bytes=[1000], bucket_ready_s=[0.002], device="cpu",
+                           threads=2, step_times_s=times, copies=1, unit_bytes=[])
+
+    quiet, busy = profile([0.040, 0.041, 0.042, 0.043, 0.044]), profile([0.037, 0.040, 0.041, 0.45, 0.8])
+    plan = Plan(config=None, kind="cpu", one_device=None, rows=[], speedups=[], sweep={}, links={}, profiles=[quiet])
+    assert noise(plan) == []
+    plan.profiles = [busy]
+    (line,) = noise(plan)
+    assert line.startswith("noisy measurement: at batch 256 (1 at once) the 5 steps took 37.0-800.0 ms (median 41.0, "
+                           "mean 273.6)")

@@ -86,7 +86,7 @@ def _run_plan(args) -> int:
     say = lambda text: console.print(f"[dim]{text}[/dim]")  # noqa: E731
     plan = make_plan(cfg, say)
     console.print(render.table(plan))
-    for line in [*render.verdict(plan), *render.memory_verdict(plan)]:
+    for line in [*render.noise(plan), *render.verdict(plan), *render.memory_verdict(plan)]:
         console.print(line)
     console.print("Assumptions: " + "; ".join(render.assumptions(plan)) + ".", style="dim")
     checked, memory_checked = None, None

@@ -46,6 +46,13 @@ class LinkCost:
         return (k - 1) * self.alpha_s + (k - 1) / k * nbytes * self.beta_s_per_byte
 
 
+def slowest(a: LinkCost, b: LinkCost) -> LinkCost:
+    """One ring over two kinds of hop (devices within a machine, machines between them) goes as fast
+    as its slowest hop: the larger latency and the lower bandwidth."""
+    return LinkCost(max(a.alpha_s, b.alpha_s), max(a.beta_s_per_byte, b.beta_s_per_byte),
+                    f"the slower hop of each ({a.source}; {b.source})")
+
+
 # Published peak figures per direction. They are what the hardware can carry, not what an
 # allreduce achieves (nccl-tests typically reaches 80-95% of them); the plan says "nominal".
 # name: (GB/s, latency in microseconds, source)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from gpulab.errors import UserError
 from gpulab.host import usable_cores
 from gpulab.plan import collective, step
-from gpulab.plan.links import LinkCost, parse_link
+from gpulab.plan.links import LinkCost, parse_link, slowest
 from gpulab.plan.peak_memory import MemoryLine, fit_line
 from gpulab.plan.predict import ASSUMPTIONS, SHARDED_ASSUMPTION, Prediction, predict
 from gpulab.plan.profile import StepProfile
@@ -213,14 +213,9 @@ def make_plan(cfg: PlanConfig, say=print) -> Plan:
     if cfg.link:
         links["node"] = parse_link(cfg.link)
 
-    def link_for(nodes: int, per_node: int) -> LinkCost | None:
-        if nodes * per_node == 1:
-            return None
-        return links["node"] if nodes > 1 else links["device"]
-
     def at(per_device: int, nodes: int, per_node: int, global_batch: int | None = None) -> Prediction:
         k = nodes * per_node
-        return predict(profiles.get(per_device, per_node), link_for(nodes, per_node), k, nodes, global_batch,
+        return predict(profiles.get(per_device, per_node), ring_link(links, nodes, per_node), k, nodes, global_batch,
                        sharded=cfg.sharded, profile_link=links.get("device"))
 
     rows, speedups = [], []
@@ -245,6 +240,16 @@ def make_plan(cfg: PlanConfig, say=print) -> Plan:
                         break
     return Plan(config=cfg, kind=kind, one_device=one_device, rows=rows, speedups=speedups, sweep=sweep,
                 links=links, profiles=list(profiles.cache.values()), memory_line=fit_line(list(profiles.cache.values())))
+
+
+def ring_link(links: dict[str, LinkCost], nodes: int, per_node: int) -> LinkCost | None:
+    """The ring's link: within one machine the devices' ("device"), across machines the machines'
+    ("node") - and where each machine has several devices, the ring's hops are of both kinds."""
+    if nodes * per_node == 1:
+        return None
+    if nodes == 1:
+        return links["device"]
+    return slowest(links["node"], links["device"]) if per_node > 1 else links["node"]
 
 
 __all__ = ["ASSUMPTIONS", "SHARDED_ASSUMPTION", "Plan", "PlanConfig", "make_plan"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import statistics
 
 from gpulab.io import OutputFolder, git_commit, json_bytes
 from gpulab.plan.planner import TARGET_EFFICIENCY, Plan
@@ -77,7 +78,8 @@ def memory_verdict(plan: Plan) -> list[str]:
                 + ", ".join(f"{CATEGORY_NAMES[k]} {size(v)}" for k, v in parts) + ")")
         within = f"{size(r['budget'])} ({r['budget_source']})"
         if plan.memory_line is not None:
-            text += (f"; within {within} it fits up to batch {r['largest_batch']:,} per device" if r["largest_batch"]
+            text += (f"; within {within} it fits up to batch {r['largest_batch']:,} per device (torch's tensors; "
+                     "the process's own memory comes on top)" if r["largest_batch"]
                      else f"; it does not fit in {within} at any batch")
         if r["sharded_peak"] is not None:
             how = ("FSDP's buffers as measured between the copies" if r["sharded_measured"] else
@@ -149,6 +151,24 @@ def verdict(plan: Plan) -> list[str]:
     return lines
 
 
+NOISY = 1.5  # a profile whose mean step is this many times its median met a busy machine
+
+
+def noise(plan: Plan) -> list[str]:
+    """The profiles whose steps a busy machine spread out: the predictions built on them are
+    uncertain, whatever their digits."""
+    lines = []
+    for p in plan.profiles:
+        times = sorted(p.step_times_s)
+        middle = statistics.median(times) if times else 0.0
+        if middle > 0 and p.step_s > NOISY * middle:
+            lines.append(f"noisy measurement: at batch {p.batch} ({p.copies} at once) the {len(times)} steps took "
+                         f"{ms(times[0])}-{ms(times[-1])} ms (median {ms(middle)}, mean {ms(p.step_s)}): something else "
+                         "used the cores, and what is predicted from it is uncertain - rerun on a quiet machine or with "
+                         "more --seconds.")
+    return lines
+
+
 def assumptions(plan: Plan) -> list[str]:
     links = [f"{where} link: {link.source}, alpha {link.alpha_s * 1e6:,.1f} us per ring step, "
              f"{link.bandwidth_gbps:,.3g} GB/s" for where, link in plan.links.items()]
@@ -173,6 +193,7 @@ def to_json(plan: Plan, check: list[dict] | None = None, memory_check: dict | No
                   for (n, k), pts in plan.sweep.items()],
         "links": {w: {"alpha_s": l.alpha_s, "beta_s_per_byte": l.beta_s_per_byte, "source": l.source} for w, l in plan.links.items()},
         "profiles": [p.to_dict() for p in plan.profiles],
+        "noise": noise(plan),
         "verdict": verdict(plan),
         "memory": memory_json(plan),
         "memory_verdict": memory_verdict(plan),
