@@ -443,3 +443,18 @@ def test_a_profile_a_busy_machine_spread_out_is_said_to_be_noisy():
     (line,) = noise(plan)
     assert line.startswith("noisy measurement: at batch 256 (1 at once) the 5 steps took 37.0-800.0 ms (median 41.0, "
                            "mean 273.6)")
+
+
+def test_a_sweep_point_past_k_devices_is_no_batch_that_pays():
+    """The sweep said 2 devices 'would pay from a global batch of 8' on a 13.98x point (a profile's
+    noise) and stopped there; such a point neither pays nor ends the sweep."""
+    from gpulab.plan.planner import Plan, SweepPoint
+    from gpulab.plan.predict import Prediction
+
+    def point(batch, speedup):
+        return SweepPoint(Prediction(devices=2, nodes=1, global_batch=2 * batch, per_device_batch=batch,
+                                     compute_s=0.01, communication_s=0.0, exposed_s=0.0, link="x"), speedup)
+
+    plan = Plan(config=None, kind="cpu", one_device=None, rows=[], speedups=[], links={}, profiles=[],
+                sweep={(1, 2): [point(4, 13.98), point(16, 0.9), point(64, 1.4)]})
+    assert plan.smallest_paying_batch(1, 2) == 128

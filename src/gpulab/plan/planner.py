@@ -145,6 +145,11 @@ class SweepPoint:
     speedup: float
     """k devices at this per-device batch vs one device at the same global batch."""
 
+    @property
+    def credible_gain(self) -> bool:
+        """Faster than one device, by no more than k devices can be."""
+        return 1 < self.speedup <= self.prediction.devices
+
 
 @dataclass
 class Plan:
@@ -181,8 +186,10 @@ class Plan:
                      if p.prediction.efficiency >= TARGET_EFFICIENCY), None)
 
     def smallest_paying_batch(self, nodes: int, per_node: int) -> int | None:
-        """The smallest global batch of the sweep at which k devices beat one."""
-        return next((p.prediction.global_batch for p in self.sweep.get((nodes, per_node), []) if p.speedup > 1), None)
+        """The smallest global batch of the sweep at which k devices beat one - by no more than k
+        can (a point past k is its measurements' noise, not a batch that pays)."""
+        return next((p.prediction.global_batch for p in self.sweep.get((nodes, per_node), []) if p.credible_gain),
+                    None)
 
 
 def sweep_batches(batch: int) -> list[int]:
@@ -236,7 +243,7 @@ def make_plan(cfg: PlanConfig, say=print) -> Plan:
                     p = at(b, nodes, per_node)
                     single = predict(profiles.get(b * k, 1), None, 1)
                     points.append(SweepPoint(p, p.samples_per_s / single.samples_per_s))
-                    if (p.efficiency >= TARGET_EFFICIENCY and points[-1].speedup > 1) or single.compute_s > SWEEP_MAX_STEP_S:
+                    if (p.efficiency >= TARGET_EFFICIENCY and points[-1].credible_gain) or single.compute_s > SWEEP_MAX_STEP_S:
                         break
     return Plan(config=cfg, kind=kind, one_device=one_device, rows=rows, speedups=speedups, sweep=sweep,
                 links=links, profiles=list(profiles.cache.values()), memory_line=fit_line(list(profiles.cache.values())))
