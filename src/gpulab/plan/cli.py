@@ -147,7 +147,8 @@ def memory_check_table(memory: dict):
 def check_table(rows: list[dict]):
     from rich.table import Table
 
-    t = Table(title="predicted vs measured (median over rounds)")
+    t = Table(title="the model checked: predicted from profiles taken beside each run (before and after it, on the "
+                    "machine as it was) vs measured; median over rounds")
     for name in ("configuration", "predicted samples/s", "measured samples/s", "error", "rounds' errors", "nominal link"):
         t.add_column(name, justify="right")
     for r in rows:
