@@ -61,7 +61,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.is_relative_to(MEASURE_THE_MACHINE) and item.path.name not in SHARE_THE_CORES:
+        shares = item.path.name in SHARE_THE_CORES or item.get_closest_marker("shares_the_cores")
+        if item.path.is_relative_to(MEASURE_THE_MACHINE) and not shares:
             item.add_marker(pytest.mark.alone)
 
 

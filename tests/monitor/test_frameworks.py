@@ -220,6 +220,7 @@ def test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the
 
 
 @needs("lightning")
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_lightning_s_validation_every_few_batches_is_named_with_its_share(tmp_path, capfd):
     # val_check_interval=5 over 40 batches, 20 validation batches each time: the script's own hooks
     # (on_validation_start/end) time it; the report's share of the training time must match, and

@@ -103,6 +103,7 @@ def test_python_loop_between_steps_is_found_at_its_line(tmp_path, capfd):
         f"tests/monitor/scripts/python_overhead.py:{n}" for n in (loop, loop + 1)}
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 @pytest.mark.parametrize("persistent", [False, True])
 def test_workers_started_again_every_epoch_are_named_with_their_share_of_the_training(tmp_path, capfd, persistent):
     """Each epoch's workers take 0.3 s to get ready: the passes after the first cost that much each,
@@ -123,6 +124,7 @@ def test_workers_started_again_every_epoch_are_named_with_their_share_of_the_tra
     assert restart["where"].endswith(f"workers_restart.py:{planted_line('workers_restart.py', 'iter(loader)')}")
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_a_loop_waiting_on_a_prefetching_thread_s_dataloader_is_input_bound(tmp_path, capfd):
     """The loop waits at its queue while a thread of the script's iterates the DataLoader: what it
     waits for is the input pipeline, so the fix feeds that DataLoader - not "move the wait to a
@@ -138,6 +140,7 @@ def test_a_loop_waiting_on_a_prefetching_thread_s_dataloader_is_input_bound(tmp_
     assert [loader["elsewhere"] for loader in report["data_loaders"]] == [True]
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_an_evaluation_every_few_steps_is_named_with_its_share_of_the_training(tmp_path, capfd):
     """Passes over a DataLoader that feeds no step are evaluations: their share of the whole
     training, measured by the script's own clock, at the line that iterates that loader; and the
@@ -156,6 +159,7 @@ def test_an_evaluation_every_few_steps_is_named_with_its_share_of_the_training(t
     assert not any((f["where"] or "").endswith(evaluation_lines) for f in report["findings"])
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_a_wait_between_steps_is_called_a_wait_at_its_line(tmp_path, capfd):
     """A sleep after every step is time between the training calls, but no Python to speed up: the
     finding names the sleep's line and the fix that takes the wait out of the loop."""
@@ -169,6 +173,7 @@ def test_a_wait_between_steps_is_called_a_wait_at_its_line(tmp_path, capfd):
     assert top["where"].endswith(f"sleeps_between_steps.py:{planted_line('sleeps_between_steps.py')}")
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_a_script_that_fails_before_its_first_step_is_told_why_first(tmp_path, capfd):
     """A spawned DataLoader worker died before the first batch (no __main__ guard): the report was
     'input_pipeline 100%... an inference-only run' with worker advice; the failure comes first now,

@@ -214,6 +214,7 @@ print("shell: gpulab exited", os.waitstatus_to_exitcode(status), flush=True)
 """
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_ctrl_z_at_a_terminal_stops_gpulab_with_the_job_and_fg_resumes_both(tmp_path):
     """Ctrl-Z stops the job, which holds the terminal: gpulab must stop too, or the shell waits on
     it with the terminal left to a stopped job (a frozen terminal). After `fg` the job trains on to

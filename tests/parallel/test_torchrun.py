@@ -627,7 +627,7 @@ def test_a_rank_stuck_in_its_own_code_is_named_where_it_is(tiny_data, tmp_path):
     step); rank 0's collective times out. Rank 1 still answers the check-in (its watchdog does), so
     it was never named: rank 0 said only that a collective failed. It now names rank 1 and where."""
     paused = tmp_path / "paused"
-    job = subprocess.Popen(torchrun_cmd(2, [*ARGS, "--timeout", "5", "--out", str(tmp_path / "run")]), cwd=tmp_path,
+    job = subprocess.Popen(torchrun_cmd(2, [*ARGS, "--timeout", "3", "--out", str(tmp_path / "run")]), cwd=tmp_path,
                            env=env_for(tiny_data, (1, 3, paused)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     _, err = job.communicate(timeout=scaled(120))
