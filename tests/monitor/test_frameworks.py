@@ -145,6 +145,7 @@ def input_evidence(tmp_path, capfd, script: Path, *args: str, steps: int) -> tup
 
 
 @needs("accelerate")
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_accelerate_s_own_loader_is_named_by_the_user_s_line_and_batch_size(tmp_path, capfd):
     # accelerator.prepare() iterates a DataLoader of its own over the user's dataset, with a
     # batch sampler: its batch_size is None (the evidence said "batch_size=None").
@@ -201,6 +202,7 @@ def test_ranks_started_by_mp_spawn_are_ranks_and_a_straggler_is_found(tmp_path, 
 
 
 @needs("lightning")
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_a_compiled_lightning_module_s_recompile_names_its_training_step_and_the_fix(tmp_path, capfd):
     # torch.compile(model) then trainer.fit, 4 steps (all in the warm-up: too few to judge the loop);
     # the epoch's last batch of 8 recompiles training_step, which Lightning calls, not the script.

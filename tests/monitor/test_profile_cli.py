@@ -186,6 +186,7 @@ def test_a_script_that_fails_before_its_first_step_is_told_why_first(tmp_path, c
     assert "if __name__ == '__main__':" in top["fix"]
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_failing_script_keeps_exit_code_and_output_and_leaves_a_partial_report(tmp_path, capfd):
     code, report, _ = profile(tmp_path, "failing.py")
     captured = capfd.readouterr()
@@ -200,6 +201,7 @@ def test_failing_script_keeps_exit_code_and_output_and_leaves_a_partial_report(t
     assert report["error"] == "RuntimeError: planted failure"
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_runs_as_python_dash_m_gpulab_from_pythonpath(tmp_path):
     """`PYTHONPATH=src python -m gpulab profile` works, and the child finds gpulab the same way
     (this venv also has gpulab installed; test_the_child_finds_gpulab_through_pythonpath checks the
@@ -239,6 +241,7 @@ def test_bad_command_lines_are_one_line_errors(argv, message, capsys):
     assert message in err and err.count("\n") == 0 and err.startswith("gpulab: error:")
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_a_folder_with_a_main_runs_as_python_runs_it(tmp_path, capfd):
     app = tmp_path / "app"
     app.mkdir()
@@ -261,6 +264,7 @@ def test_a_launcher_whose_script_is_missing_is_refused_before_anything_runs(laun
     assert not out.exists()
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_a_full_disk_is_one_line_and_the_script_keeps_its_sys_exit_code(tmp_path, capfd, monkeypatch):
     """The job ran and called sys.exit(3): its exit code stays the answer; the report that could
     not be written is one line, and no file is left half-written (the ones before it are whole)."""
@@ -306,6 +310,7 @@ def test_the_child_finds_gpulab_through_pythonpath(monkeypatch, tmp_path):
     assert job_env(tmp_path, ProfileConfig())["PYTHONPATH"].split(":") == [autostart, str(src), "/somewhere/else"]
 
 
+@pytest.mark.shares_the_cores  # against its own clock, or no timing at all
 def test_the_script_imports_torch_itself(tmp_path, capfd):
     code, report, _ = profile(tmp_path, "sets_threads.py")
     assert code == 0
