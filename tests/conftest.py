@@ -59,7 +59,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# The longest modules first: pytest-xdist's loadscope hands modules to the workers in this order,
+# and one of these started last is the tail of the run while the other worker idles.
+LONGEST_FIRST = ("test_torchrun.py", "test_profile_faults.py", "test_distributed.py", "test_compile_probe.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    def order(item) -> int:  # stable: each module stays whole
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=order)
     for item in items:
         shares = item.path.name in SHARE_THE_CORES or item.get_closest_marker("shares_the_cores")
         if item.path.is_relative_to(MEASURE_THE_MACHINE) and not shares:
