@@ -305,36 +305,40 @@ def test_gpulab_s_own_work_between_steps_is_never_the_script_s_line(monkeypatch)
     assert seconds == pytest.approx(0.05 + 0.2)
 
 
-def test_each_line_counts_the_steps_its_samples_fell_in():
-    """A line sampled through 4 steps counts 4; one sampled within a single step counts 1."""
+def sampled_steps(steps: list[tuple]) -> dict:
+    """A sampler's snapshot after the steps `steps` - each (function that sleeps, the step's seconds)."""
     s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other")
     s.start()
     try:
-        for _ in range(4):
-            time.sleep(0.05)  # planted: every step
-            s.step_ended(0.05)
-        time.sleep(0.1)  # planted: once
+        for work, seconds in steps:
+            work()
+            if seconds is not None:
+                s.step_ended(seconds)
     finally:
         s.stop()
-    steps = s.snapshot()["steps"]["other"]
-    every, once = (line_of(test_each_line_counts_the_steps_its_samples_fell_in, m) for m in ("every step", "planted: once"))
-    assert steps[every] == 4 and steps[once] == 1
+    return s.snapshot()
+
+
+def every_step():
+    time.sleep(0.03)  # planted: every step
+
+
+def once():
+    time.sleep(0.1)  # planted: once
+
+
+def an_evaluation():
+    time.sleep(0.5)  # planted: an evaluation
+
+
+def test_each_line_counts_the_steps_its_samples_fell_in():
+    """A line sampled through 4 steps counts 4; one sampled within a single step (the tail) counts 1."""
+    steps = sampled_steps([(every_step, 0.03)] * 4 + [(once, None)])["steps"]["other"]
+    assert steps[line_of(every_step, "planted")] == 4 and steps[line_of(once, "planted")] == 1
 
 
 def test_the_samples_of_an_outlier_step_place_no_line():
     """A step 10x the recent median (an evaluation, a checkpoint) is left out of the steady
     statistics: its samples must not make its line the hottest of the steady steps' costs."""
-    s = StackSampler(INTERVAL_S, threading.get_ident, lambda: "other")
-    s.start()
-    try:
-        for _ in range(5):
-            time.sleep(0.03)  # planted: every step
-            s.step_ended(0.03)
-        time.sleep(0.5)  # planted: an evaluation
-        s.step_ended(0.5)
-    finally:
-        s.stop()
-    lines = s.snapshot()["lines"]["other"]
-    every, once = (line_of(test_the_samples_of_an_outlier_step_place_no_line, m)
-                   for m in ("planted: every step", "planted: an evaluation"))
-    assert lines[every] > 0.1 and once not in lines
+    lines = sampled_steps([(every_step, 0.03)] * 5 + [(an_evaluation, 0.5)])["lines"]["other"]
+    assert lines[line_of(every_step, "planted")] > 0.1 and line_of(an_evaluation, "planted") not in lines

@@ -110,10 +110,15 @@ def input_and_labels(batch) -> tuple[torch.Tensor, torch.Tensor]:
     saying what it is instead (a dict of fields, a triple, inputs alone)."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
         return batch[0], batch[1]
-    what = (f"a dict with keys {', '.join(map(str, list(batch)[:5]))}" if isinstance(batch, dict) else
-            f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}")
-    raise UserError(f"train_data/test_data must give (inputs, labels) pairs of tensors; one was {what}: return "
-                    "(x, y) from the Dataset's __getitem__, or pass a DataLoader whose collate_fn makes that pair")
+    raise not_a_pair(batch)
+
+
+def not_a_pair(value) -> UserError:
+    """The one line for a sample or batch that is no (inputs, labels) pair, saying what it is."""
+    what = (f"a dict with keys {', '.join(map(str, list(value)[:5]))}" if isinstance(value, dict) else
+            f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) else f"a {type(value).__name__}")
+    return UserError(f"train_data/test_data must give (inputs, labels) pairs of tensors; one was {what}: return "
+                     "(x, y) from the Dataset's __getitem__, or pass a DataLoader whose collate_fn makes that pair")
 
 
 class ImageDataset(Dataset):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from gpulab.data.fashion_mnist import Split
-from gpulab.data.loader import HostLoader, input_and_labels
+from gpulab.data.loader import HostLoader, not_a_pair
 from gpulab.data.sampling import GlobalBatches
 from gpulab.errors import UserError
 
@@ -37,7 +37,7 @@ def user_loader(source, batch_size: int, device: torch.device, train: bool, seed
 
 def check_pairs(source) -> None:
     """Before anything is written: a Dataset's first sample (one a DataLoader collates as it is) is
-    an (input, label) pair, else one line (input_and_labels says the same of a batch)."""
+    an (input, label) pair, else one line (HostLoader says the same of a batch)."""
     loader = isinstance(source, torch.utils.data.DataLoader)
     dataset = source.dataset if loader else source
     if (loader and source.collate_fn is not torch.utils.data.default_collate) or isinstance(
@@ -45,7 +45,7 @@ def check_pairs(source) -> None:
         return
     sample = dataset[0]
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
-        input_and_labels(sample)  # raises the one line
+        raise not_a_pair(sample)
 
 
 def sample_shape(source) -> tuple[int, ...] | None:

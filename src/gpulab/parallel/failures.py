@@ -89,7 +89,6 @@ class FailureProtocol:
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
-        self.outside: dict[int, str] = {}  # the check-in's ranks stuck outside torch and gpulab: where
         self.step_timeout_s: float | None = None
         """--timeout, once the training group has it: named when a collective timed out."""
         self.stopping = False  # True once a failure is being reported or the World closes: SIGTERM waits
@@ -147,11 +146,11 @@ class FailureProtocol:
     def failure(self, error: BaseException, where: str, hint: str) -> JobFailed:
         """The one-line message for a rank that stops because another failed."""
         self.stopping = True
-        alive, reasons = self._check_in()
+        alive, reasons, outside = self._check_in()
         # Failed: ranks that left a reason, and ranks that did not answer the check-in.
         failed = sorted(set(reasons) | ({r for r in range(self.world_size) if r not in alive} if alive else set()))
         alive = [r for r in alive if r not in reasons]
-        stuck = {r: where for r, where in self.outside.items() if r in alive}
+        stuck = {r: where for r, where in outside.items() if r in alive}
         if failed:
             named = "; ".join(
                 f"rank {r} failed: {reasons[r]}" if r in reasons else f"rank {r} stopped answering"
@@ -193,8 +192,10 @@ class FailureProtocol:
             except Exception:
                 return  # the store is gone: nobody is left to ask
 
-    def _check_in(self) -> tuple[list[int], dict[int, str]]:
-        """Raise the failure flag, then see which ranks answer within CHECK_IN_S."""
+    def _check_in(self) -> tuple[list[int], dict[int, str], dict[int, str]]:
+        """Raise the failure flag, then see which ranks answer within CHECK_IN_S: (the ranks alive,
+        each failed rank's reason, where each other rank's main thread is stuck outside torch and
+        gpulab, as its watchdog said)."""
         import torch.distributed as dist
 
         try:
@@ -207,12 +208,12 @@ class FailureProtocol:
             except dist.DistStoreError:
                 pass  # someone is missing: find out who below
             alive = [r for r in range(self.world_size) if self.store.check([keys[r]])]
-            self.outside = {r: where for r in alive if (where := self.store.get(keys[r]).decode(errors="replace"))
-                            and r != self.rank and where != "1"}
+            outside = {r: where for r in alive if (where := self.store.get(keys[r]).decode(errors="replace"))
+                       and r != self.rank and where != "1"}
             reasons = {}
             for r in range(self.world_size):
                 if self.store.check([self.prefix + f"failed/{r}"]):
                     reasons[r] = self.store.get(self.prefix + f"failed/{r}").decode()
-            return alive, reasons
+            return alive, reasons, outside
         except Exception:
-            return [], {}  # the store went down with the rank that hosted it
+            return [], {}, {}  # the store went down with the rank that hosted it

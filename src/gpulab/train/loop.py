@@ -165,15 +165,14 @@ def fit(run: Run, run_dir: RunDir, history: list[dict], start_epoch: int, consol
                     console.print(escape(warning))
                 if on_epoch_end:
                     on_epoch_end(row)
-        except KeyboardInterrupt:
-            run_dir.writes.wait()  # an epoch being written is saved (its failure: not what stopped the run)
-            console.print(escape(interrupted_line(run_dir, run.saved_epoch, world)))
-            raise
-        except (PeerLost, Terminated) as e:  # another rank failed: say which, where, and how to go on
-            if isinstance(e, Terminated) and world.world_size == 1:  # SIGTERM to a lone process: as Ctrl-C
+        except (KeyboardInterrupt, PeerLost, Terminated) as e:
+            if isinstance(e, KeyboardInterrupt) or (isinstance(e, Terminated) and world.world_size == 1):
+                # Ctrl-C, or SIGTERM to a lone process: an epoch being written is saved (its failure:
+                # not what stopped the run), and the line says how to go on
                 run_dir.writes.wait()
                 console.print(escape(interrupted_line(run_dir, run.saved_epoch, world)))
                 raise
+            # another rank failed: say which, where, and how to go on
             hint = resume_hint(run_dir, run.saved_epoch, run.unconfirmed_epoch, world)
             raise world.failure(e, f"{run.position}", hint) from None
         except BaseException as e:

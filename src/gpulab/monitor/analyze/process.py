@@ -124,8 +124,8 @@ def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse |
         evidence += "; per-sample transforms: " + ", ".join(
             f"{t['name']} {t['share']:.0%} of the step" + (f" at {t['where']}" if t["where"] else "") for t in transforms)
     workers = loader["num_workers"] if loader else 0
-    needed = _workers_to_keep_up(step, workers)
-    most = WORKERS_PER_CORE * (cores.cores if cores else rec.start.get("cpu_count") or 1)
+    needed = _workers_to_keep_up(step.data_wait, step.seconds, workers)
+    most = _most_workers(rec, cores)
     spare = _spare_cores(rec, b.on_cuda, workers, cores)
     waits = _fetching_waits(rec) if workers == 0 else None
     if waits:
@@ -167,14 +167,25 @@ def _fetching_waits(rec: Recording) -> str | None:
     return f"the fetch was blocked (asleep, in I/O) {blocked:.0%} of its time at {where}" if blocked >= WAITING else None
 
 
-def _workers_to_keep_up(step: StepCosts, workers: int) -> int:
+def _workers_to_keep_up(wait_s: float, step_s: float, workers: int) -> int:
     """Workers that make a batch as fast as the rest of the step uses one (more than `workers`):
-    each takes as long for a batch as the loop's thread does now without workers (the data wait),
-    or as `workers` of them take per step each now."""
-    rest = step.seconds - step.data_wait
-    per_batch = step.data_wait if workers == 0 else workers * step.seconds
+    each takes as long for a batch as the loop waits now without workers (`wait_s` of a `step_s`
+    step), or as `workers` of them take per step each now."""
+    rest = step_s - wait_s
+    per_batch = wait_s if workers == 0 else workers * step_s
     needed = math.ceil(round(per_batch / max(rest, 1e-9), 6))  # 4.0000001 is 4
     return max(needed, workers + 1)
+
+
+def _most_workers(rec: Recording, cores: CoreUse | None) -> int:
+    """The most workers gpulab advises: WORKERS_PER_CORE a usable core."""
+    return WORKERS_PER_CORE * (cores.cores if cores else rec.start.get("cpu_count") or 1)
+
+
+def _training_seconds(rec: Recording, tail: bool = False) -> float:
+    """The seconds of every step recorded (blocks too), and of the run's tail after them with `tail`."""
+    seconds = sum(sum(r["excl"].values()) for r in rec.steps + rec.blocks)
+    return seconds + (sum((rec.tail or {}).get("excl", {}).values()) if tail else 0.0)
 
 
 def _restart_finding(rec: Recording, step: StepCosts) -> dict | None:
@@ -195,7 +206,7 @@ def _restart_finding(rec: Recording, step: StepCosts) -> dict | None:
             continue
         start_s, passes = start_s + r["counts"].get(PASS_START_COUNT, 0.0), passes + n
     excess = start_s - passes * step.data_wait
-    training = sum(sum(r["excl"].values()) for r in records)
+    training = _training_seconds(rec)
     if passes < 1 or excess <= 0 or training <= 0:
         return None
     loader = max(restarting, key=lambda x: x.get("steps_fed", 0))
@@ -216,7 +227,7 @@ def _evaluation_finding(rec: Recording) -> dict | None:
         return None
     seconds = sum(loader["pass_seconds"] for loader in evaluated)
     passes = sum(loader.get("passes", 0) for loader in evaluated)
-    training = sum(sum(r["excl"].values()) for r in rec.steps + rec.blocks) + sum((rec.tail or {}).get("excl", {}).values())
+    training = _training_seconds(rec, tail=True)
     if training <= 0 or passes < 1:
         return None
     loader = max(evaluated, key=lambda x: x["pass_seconds"])
@@ -300,9 +311,7 @@ def _prefetched_finding(rec: Recording, step: StepCosts, loader: dict, share: fl
     evidence += (f"; meanwhile DataLoader(batch_size={loader['batch_size']}, num_workers={loader['num_workers']}) "
                  + (f"built at {loader['built']} " if loader.get("built") else "")
                  + f"was iterated in another thread (at {loader['where']}): the loop waits for its batches")
-    rest = step.seconds - step.other
-    n = min(math.ceil(round(step.other / max(rest, 1e-9), 6)) + loader["num_workers"],
-            WORKERS_PER_CORE * (rec.start.get("cpu_count") or 1))
+    n = min(_workers_to_keep_up(step.other, step.seconds, loader["num_workers"]), _most_workers(rec, None))
     fix = (f"feed that DataLoader faster: give it workers (DataLoader(num_workers={n}, persistent_workers=True); check "
            f"it: gpulab profile --try num_workers={n} --steps 30 -- ...); " + FIXES["input_pipeline_cheaper"])
     return finding("input_pipeline", share, evidence, where, fix=fix)

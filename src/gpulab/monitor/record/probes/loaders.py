@@ -127,10 +127,10 @@ class Loaders:
     def new_lane(self) -> None:
         """What each process tallies for itself (a forked lane starts again from here)."""
         self._index: dict[tuple, int] = {}  # a loader's record -> its place (re-made each epoch: one loader)
-        self._iterators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # iterator -> place
+        # iterator -> [its loader's place, whether its first batch is still to come]
+        self._iterators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._steps_fed: list[int] = []
         self._last: int | None = None  # the loader of the latest fetch in this step
-        self._unfetched: "weakref.WeakSet" = weakref.WeakSet()  # iterators whose first batch is still to come
         self._first_fetch_since: float | None = None  # perf_counter when a pass's first fetch began
         # Per loader, its passes, and the seconds from each of its iter() and fetches to the next
         # loader call or step end: what the loop did with its batches (for a loader that feeds no
@@ -181,8 +181,7 @@ class Loaders:
             self._passes[index] += 1
             self._work_on(index, started)
         try:
-            self._iterators[iterator] = index
-            self._unfetched.add(iterator)
+            self._iterators[iterator] = [index, True]
         except TypeError:  # a subclass's iterator that takes no weak reference: its steps go uncounted
             pass
 
@@ -195,10 +194,10 @@ class Loaders:
 
     def fetching(self, iterator) -> None:
         """next() on a DataLoader's iterator (after the step it ends, if any, was counted)."""
-        self._last = self._iterators.get(iterator)
-        first = iterator in self._unfetched
+        entry = self._iterators.get(iterator)  # one weak lookup per fetch, on the hot path
+        self._last, first = (entry[0], entry[1]) if entry is not None else (None, False)
         if first:
-            self._unfetched.discard(iterator)
+            entry[1] = False
         now = time.perf_counter()
         self._first_fetch_since = now if first else None
         if self._last is not None:

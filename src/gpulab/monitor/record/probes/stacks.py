@@ -95,8 +95,6 @@ class StackProbe(Probe):
         self._sampler.start()
         self._step_ended_at = time.perf_counter()
 
-
-
     def after_fork(self) -> None:
         if self._sampler is not None:
             self._sampler.forget_in_child()  # the parent's sampler: its timer or thread stayed there
