@@ -13,13 +13,15 @@ TORCH  ?= torch==2.13.0
 demo: setup data
 	$(VENV)/bin/gpulab train --devices auto
 
-# The suite in two parts (tests/conftest.py says why): the tests that may share the cores, two at a
-# time (a pytest-xdist worker per usable core - the affinity mask capped by the cgroup's quota, as
-# gpulab counts them; xdist's own `-n auto` counts physical cores, one on a 2-vCPU SMT VM; --dist
-# loadscope: a module's tests in one worker, so its shared runs are made once), then those marked
-# `alone` (the profiler's: they measure the machine) one after another. Both parts run even when
-# the first fails; each ends with its 15 slowest tests (docs/benchmarks.md's "Tests: what the suite takes where").
-SHARED = -n $(shell $(PY) -c "from gpulab.host import usable_cores; print(usable_cores())") --dist loadscope
+# The suite in two parts (tests/conftest.py says why): the tests that may share the cores, a
+# pytest-xdist worker per usable core plus one (usable: the affinity mask capped by the cgroup's
+# quota, as gpulab counts them; xdist's own `-n auto` counts physical cores, one on a 2-vCPU SMT
+# VM; the extra worker fills the time the others spend waiting on the clock: hang timeouts, killed
+# ranks; --dist loadscope: a module's tests in one worker, so its shared runs are made once), then
+# those marked `alone` (the profiler's: they measure the machine) one after another. Both parts run
+# even when the first fails; each ends with its 15 slowest tests (docs/benchmarks.md's "Tests: what
+# the suite takes where").
+SHARED = -n $(shell $(PY) -c "from gpulab.host import usable_cores; print(usable_cores() + 1)") --dist loadscope
 
 test: setup data
 	$(PY) -m pytest -q --durations=15 $(SHARED) -m "not slow and not alone"; shared=$$?; \

@@ -38,11 +38,11 @@ def make_idx_dataset(folder: Path, num_train: int = 512, num_test: int = 256, se
     return folder
 
 
-# ----------------------------------------------------------------------------- two at a time
+# ----------------------------------------------------------------------------- side by side
 
-# `make test` runs the suite in two parts (Makefile): first every test not marked `alone`, two at
-# a time (pytest-xdist, one worker per core, whole modules per worker so that a module's shared
-# runs are made once); then the `alone` ones, one after another with nothing beside them. The
+# `make test` runs the suite in two parts (Makefile): first every test not marked `alone`, side by
+# side (pytest-xdist, a worker per core and one more, whole modules per worker so that a module's
+# shared runs are made once); then the `alone` ones, one after another with nothing beside them. The
 # profiler's tests are `alone`: they measure the machine (a process beside the job is a finding -
 # a shared CPU - and their planted causes are shares of a step's time). Except those whose
 # findings do not depend on a quiet machine: a job's faults, hangs and out-of-memory (each a
