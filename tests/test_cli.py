@@ -109,6 +109,13 @@ def test_train_out_under_a_file(tiny_data, tmp_path, capsys):
     assert a_file.read_text() == "not a folder"
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="no sysfs")
+def test_train_out_where_even_root_cannot_create_a_folder(capsys):
+    """os.access says yes to root in /sys; making a folder there fails all the same."""
+    code, _, err = run([*TRAIN, "--out", "/sys/kernel/run"], capsys)
+    assert_one_line_error(code, err, "/sys/kernel is not writable")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders anyway")
 def test_train_out_in_a_read_only_folder(tiny_data, tmp_path, capsys):
     locked = tmp_path / "locked"

@@ -406,6 +406,16 @@ def test_out_under_a_file(tiny_run, tmp_path, capsys):
     assert a_file.read_text() == "x"
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="no sysfs")
+def test_out_where_even_root_cannot_create_a_file_is_refused_before_the_export(tiny_run, capsys, monkeypatch):
+    """os.access says yes to root in /sys; creating a file there fails all the same."""
+    def no_export(*args, **kwargs):
+        raise AssertionError("the export ran before --out was checked")
+    monkeypatch.setattr(export_module, "export_onnx", no_export)
+    code, _, err = run(["export", str(tiny_run[0]), "--out", "/sys/kernel/model.onnx"], capsys)
+    assert_one_line_error(code, err, "/sys/kernel is not writable")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders anyway")
 def test_out_in_a_read_only_folder(tiny_run, tmp_path, capsys):
     locked = tmp_path / "locked"

@@ -91,3 +91,12 @@ def test_git_commit_names_this_checkout_and_marks_a_dirty_one(tmp_path, monkeypa
 def test_a_failed_write_s_remedy_follows_its_cause(code, words):
     """A folder in metrics.json's place was told to "free space"."""
     assert io.remedy(OSError(code, os.strerror(code), "x")) == words
+
+
+def test_a_trial_file_or_folder_says_where_nothing_can_be_made_and_leaves_nothing(tmp_path):
+    assert io.cannot_create_in(tmp_path) is None and io.cannot_create_in(tmp_path, a_folder=True) is None
+    assert list(tmp_path.iterdir()) == []
+    assert isinstance(io.cannot_create_in(tmp_path / "gone"), FileNotFoundError)
+    if os.path.isdir("/sys/kernel"):  # os.access says yes to root there
+        assert io.cannot_create_in(Path("/sys/kernel")) is not None
+        assert io.cannot_create_in(Path("/sys/kernel"), a_folder=True) is not None

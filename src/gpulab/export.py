@@ -35,7 +35,7 @@ import torch
 
 from gpulab import models
 from gpulab.errors import UserError
-from gpulab.io import OutputFolder, given_path, json_bytes
+from gpulab.io import OutputFolder, cannot_create_in, given_path, json_bytes
 from gpulab.train.rundir import (CHECKPOINT, LOCK, RUN_FILES, RunDir, Trust, has_lock_file, parse_config,
                                  read_sharded_model)
 
@@ -88,7 +88,7 @@ def check_out(out: Path) -> None:
         raise UserError(f"--out {out}: folder {parent} does not exist; create it or choose another --out")
     if not parent.is_dir():
         raise UserError(f"--out {out}: {parent} is a file, not a folder; choose another --out")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if cannot_create_in(parent):
         raise UserError(f"--out {out}: {parent} is not writable; choose another --out")
     taken = next((name for name in (out.name, report_path(out).name) if name in (*RUN_FILES, LOCK)), None)
     if taken and has_lock_file(parent):  # --force would replace the run itself

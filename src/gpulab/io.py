@@ -136,8 +136,24 @@ def check_writable(out: Path, option: str = "--out") -> None:
     # file has an x bit, and mkdir would then fail with a traceback.
     if not parent.is_dir():
         raise UserError(f"{option} {out}: {parent} is a file, not a folder; choose another directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if cannot_create_in(parent, a_folder=True):
         raise UserError(f"{option} {out}: {parent} is not writable; choose another directory")
+
+
+def cannot_create_in(folder: Path, a_folder: bool = False) -> OSError | None:
+    """Why a file (or, with `a_folder`, a folder) cannot be made in `folder`, or None. Tried, not
+    asked of os.access, which says yes to root where making one fails all the same (/sys, /proc);
+    the trial has a name of its own (O_EXCL) and is removed at once."""
+    try:
+        if a_folder:
+            os.rmdir(tempfile.mkdtemp(prefix=".gpulab-trial-", dir=folder))
+        else:
+            fd, name = tempfile.mkstemp(prefix=".gpulab-trial-", dir=folder)
+            os.close(fd)
+            os.unlink(name)
+    except OSError as e:
+        return e
+    return None
 
 
 def remedy(error: OSError) -> str:
