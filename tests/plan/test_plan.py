@@ -22,6 +22,7 @@ from gpulab.plan.links import LINKS, LinkCost, parse_link
 from gpulab.plan.peak_memory import fit_line, parse_memory, replicated_peak, sharded_peak
 from gpulab.plan.predict import bucket_schedule, exposed_communication, fit_overlap, predict, sharded_communication
 from gpulab.plan.profile import StepProfile
+from gpulab.plan.render import fits_up_to
 from tests.conftest import assert_one_line_error, disk_full_for, run_cli
 
 
@@ -280,12 +281,17 @@ def test_a_real_plan_end_to_end(tiny_data, tmp_path, capsys):
         assert 0 <= p["overlap"] <= 1 and (p["copies"] > 1 or p["overlap"] == 1.0)
     assert [p["copies"] for p in plan["profiles"]] == [1, 2]
     assert "2 devices" in stdout and "Assumptions" in stdout
+    words = " ".join(stdout.split())  # the table's caption, wrapped to its width
+    assert "measured here: compute and memory at each per-device batch; predicted from them" in words
     # Memory per device from each profile's measured step: half the batch holds less.
     one_memory, two_memory = (p["memory"] for p in plan["profiles"])
     assert two_memory["peak"] < one_memory["peak"] and one_memory["batch"] == 32 and two_memory["batch"] == 16
     assert plan["memory"]["bytes_per_sample"] > 0 and plan["memory"]["fitted_points"] == 2
-    assert plan["memory_verdict"][0].startswith("memory, one device: ") and "fits up to batch" in plan["memory_verdict"][0]
+    # Any batch the 512 training images allow fits in this machine's memory: no batch beyond them is named.
+    assert plan["memory_verdict"][0].startswith("memory, one device: ")
+    assert "it fits every batch, the whole training set (512 images) included" in plan["memory_verdict"][0]
     assert "sharded over 2" in plan["memory_verdict"][1]
+    assert "a device's share of the whole training set (256 of 512 images) included" in plan["memory_verdict"][1]
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tiny_data, tmp_path, capsys, monkeypatch):
@@ -334,6 +340,14 @@ def profile_with(m: dict) -> StepProfile:
     return StepProfile(batch=m["batch"], step_s=0.01, before_backward_s=0.0, backward_s=0.0, after_backward_s=0.0,
                        bucket_bytes=[], bucket_ready_s=[], device="cpu", threads=1, copies=1, step_times_s=[0.01],
                        memory=m)
+
+
+def test_the_largest_batch_is_named_only_below_a_device_s_share_of_the_training_set():
+    row = {"train_samples": 1000, "devices": 2}
+    assert fits_up_to(499, row) == "it fits up to batch 499 per device"
+    assert fits_up_to(500, row).startswith("it fits every batch, a device's share of the whole training set (500 of 1,000")
+    assert fits_up_to(501, {"train_samples": 501, "devices": 1}).endswith("(501 images) included")
+    assert fits_up_to(10**6, {"train_samples": None, "devices": 1}) == "it fits up to batch 1,000,000 per device"
 
 
 def test_memory_per_configuration_and_the_largest_batch():

@@ -38,6 +38,8 @@ class StepProfile:
     """With --shard fsdp and copies > 1: the copies' step sharded over them (FSDP2), measured."""
     sharded_peak: int | None = None
     """... and that sharded step's peak memory per device (bytes), FSDP's own buffers included."""
+    train_samples: int | None = None
+    """The training set's size: a batch per device beyond its share is no batch a run can take."""
     memory: dict | None = None
     """One step's memory on the device (gpulab.memory.step, bytes): peak, at_peak (the peak split
     into parameters, gradients, optimizer_state, activations, inputs, other_kept, temporaries),

@@ -67,6 +67,7 @@ def main(spec: dict) -> None:
     _warm_up(step, spec)
     profile = _step_profile(spec, step, _time_steps(step, spec))
     profile.memory = _measure_memory(step, run.strategy, step.device)
+    profile.train_samples = run.train_loader.batches.num_samples
     if copies > 1:
         profile.overlap = _measure_overlap(step, step.exchange, profile)
     remove_listener()

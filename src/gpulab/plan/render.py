@@ -23,7 +23,9 @@ def table(plan: Plan):
     from rich.table import Table
 
     t = Table(title=f"{plan.config.train['model']}, global batch {plan.one_device.global_batch}, "
-                    f"one device = {describe_device(plan)}")
+                    f"one device = {describe_device(plan)}",
+              caption="measured here: compute and memory at each per-device batch; predicted from them and the "
+                      "link: allreduce, exposed, step, samples/s, speedup, efficiency, 90% from batch")
     for name in ("machines x devices", "per-device batch", "compute ms", "allreduce ms", "exposed ms", "step ms",
                  "samples/s", "speedup", "efficiency", "90% from batch", "memory / device"):
         t.add_column(name, justify="right")
@@ -59,6 +61,7 @@ def memory_rows(plan: Plan) -> list[dict]:
             "measured": row.memory, "replicated_peak": replicated, "sharded_peak": sharded,
             "sharded_measured": row.sharded_measured is not None,
             "budget": budget, "budget_source": source,
+            "train_samples": plan.profiles[0].train_samples,
             "largest_batch": line.largest_batch(budget, replicated - row.memory["peak"]) if line else None,
             "sharded_largest_batch": (line.largest_batch(budget, sharded - row.memory["peak"])
                                       if line and sharded is not None else None),
@@ -78,7 +81,7 @@ def memory_verdict(plan: Plan) -> list[str]:
                 + ", ".join(f"{CATEGORY_NAMES[k]} {size(v)}" for k, v in parts) + ")")
         within = f"{size(r['budget'])} ({r['budget_source']})"
         if plan.memory_line is not None:
-            text += (f"; within {within} it fits up to batch {r['largest_batch']:,} per device (torch's tensors; "
+            text += (f"; within {within} {fits_up_to(r['largest_batch'], r)} (torch's tensors; "
                      "the process's own memory comes on top)" if r["largest_batch"]
                      else f"; it does not fit in {within} at any batch")
         if r["sharded_peak"] is not None:
@@ -88,12 +91,24 @@ def memory_verdict(plan: Plan) -> list[str]:
             text += (f"; sharded over {r['devices']} (FSDP / ZeRO-3) {size(r['sharded_peak'])} ({how}): "
                      f"{size(abs(saved))} {'less' if saved >= 0 else 'more'}")
             if plan.memory_line is not None:
-                text += f", fits up to batch {r['sharded_largest_batch']:,}"
+                text += f", {fits_up_to(r['sharded_largest_batch'], r)}"
         lines.append(text + ".")
     if plan.memory_line is not None:
         lines.append(f"memory grows by {size(plan.memory_line.per_sample)} per sample per device (fitted through "
                      f"{plan.memory_line.points} measured batch size{'s' if plan.memory_line.points > 1 else ''}).")
     return lines
+
+
+def fits_up_to(largest: int, row: dict) -> str:
+    """"it fits up to batch N per device", or, where N is more than a device's share of the training
+    set, that every batch fits: a larger one is none a run could take."""
+    total, k = row["train_samples"], row["devices"]
+    if not total or largest * k < total:
+        return f"it fits up to batch {largest:,} per device"
+    if k == 1:
+        return f"it fits every batch, the whole training set ({total:,} images) included"
+    return (f"it fits every batch, a device's share of the whole training set ({-(-total // k):,} of "
+            f"{total:,} images) included")
 
 
 def memory_json(plan: Plan) -> dict | None:
