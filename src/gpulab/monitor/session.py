@@ -1,6 +1,4 @@
-"""The Python API: profile a training loop in this process.
-
-    import gpulab.monitor
+"""The Python API: profile a training loop in this process, a job of one lane.
 
     with gpulab.monitor.profile(out="prof") as p:
         for X, y in loader:
@@ -8,14 +6,11 @@
             optimizer.step()      # steps are found from optimizer.step() ...
             p.step()              # ... or marked explicitly (then only p.step() counts)
 
-On leaving the block, report.json, timeline.png and trace.json are written to `out`, the short
-report is printed (stderr), and `p.report` holds the report dict. An exception inside the block
-still writes a partial report, then propagates. A full disk while writing is one line: a
-CannotWrite (a UserError), or on stderr when the block raised its own exception, which goes on.
-Files in `out` that gpulab did not write are not replaced (unless force=True): that is refused
-on entering the block, before any step runs. Under `gpulab profile`, which records the whole
-process already, the block records nothing of its own: its p.step() marks go to that recording,
-and the report is that command's.
+On leaving the block the report is written to `out` and printed (stderr), and `p.report` holds
+it; an exception inside the block still writes a partial report, then propagates. Files in `out`
+that gpulab did not write are refused on entering the block (unless force=True). Under `gpulab
+profile`, which records the whole process already, the block records nothing of its own: its
+p.step() marks go to that recording.
 """
 
 from __future__ import annotations
@@ -28,12 +23,12 @@ from rich.console import Console
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
 from gpulab.monitor.output import OUTPUTS
-from gpulab.monitor.output.report import build_report, print_report, write_outputs
+from gpulab.monitor.parent.runner import JobRun, report_job
+from gpulab.monitor.parent.sampler import Sampler
 from gpulab.monitor.record.attach import recorder_of_gpulab_profile
 from gpulab.monitor.record.recorder import Recorder
-from gpulab.monitor.parent.sampler import Sampler
 from gpulab.errors import UserError
-from gpulab.io import CannotWrite, OutputFolder, OutputRefused, check_writable, given_path
+from gpulab.io import OutputFolder, check_writable, given_path
 
 
 class Profile:
@@ -82,19 +77,12 @@ class Profile:
         self._recorder.stop(exit_code=exit_code, error=error)
         self._sampler.stop()
         rec = Recording(self._recorder.records)
-        gpus = self._sampler.gpu.gpus
-        self.report, lanes = build_report([rec], rec.pid, self._sampler.samples, gpus, self._sampler.summary(), self.cfg,
-                                          exit_code)
-        try:
-            write_outputs(self.outputs, self.report, lanes, self._sampler.samples, gpus, title=_program_name())
-        except (OSError, OutputRefused) as e:  # a full disk, a user's file put there meanwhile: one line
-            problem = CannotWrite(e) if isinstance(e, OSError) else e
-            if exc_type is None:
-                raise problem from None
-            print(f"gpulab profile: {problem}", file=sys.stderr, flush=True)
-            return False  # the block's own exception is the one that matters
-        if not self.quiet:
-            print_report(self.report, self.out, self.console)
+        job = JobRun(rec.pid, exit_code, [rec], self._sampler)
+        self.report, unwritten = report_job(job, self.cfg, self.outputs, _program_name(), self.console, self.quiet)
+        if unwritten is not None and exc_type is None:
+            raise unwritten
+        if unwritten is not None:  # the block's own exception is the one that matters
+            print(f"gpulab profile: {unwritten}", file=sys.stderr, flush=True)
         return False  # never swallow the exception
 
 
