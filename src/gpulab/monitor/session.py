@@ -32,11 +32,19 @@ from gpulab.io import OutputFolder, check_writable, given_path
 
 
 class Profile:
-    def __init__(self, out: str | Path, cfg: ProfileConfig, console: Console | None = None, quiet: bool = False,
-                 force: bool = False, real_folder: bool = False):
+    """`settings` are ProfileConfig fields; `force`: replace files in `out` that gpulab did not write;
+    `real_folder`: `out` is a folder gpulab picked inside one the user named (gpulab train --profile's
+    RUN_DIR/profile), never a link, with no force to offer."""
+
+    def __init__(self, out: str | Path = "profile", *, console: Console | None = None, quiet: bool = False,
+                 force: bool = False, real_folder: bool = False, **settings):
+        self.cfg = ProfileConfig(**settings)
         self.out = given_path(out, option="out")
-        self.outputs = _output_folder(self.out, force, real_folder)
-        self.cfg = cfg
+        if real_folder:
+            self.outputs = OutputFolder(self.out, str(self.out), fix="move it out of the folder", force_hint=None,
+                                        real_folder=True)
+        else:
+            self.outputs = OutputFolder(self.out, f"out {self.out}", force=force, force_hint="pass force=True")
         self.console = console
         self.quiet = quiet
         self.report: dict | None = None
@@ -100,14 +108,6 @@ def _ending(exc: BaseException | None) -> tuple[int, str | None]:
     return (130 if isinstance(exc, KeyboardInterrupt) else 1), error
 
 
-def _output_folder(out: Path, force: bool, real_folder: bool) -> OutputFolder:
-    """`out` as the caller named it, or (`real_folder`) a folder gpulab picked inside one the user
-    named (gpulab train --profile's RUN_DIR/profile): never a link, and no force to offer."""
-    if real_folder:
-        return OutputFolder(out, str(out), fix="move it out of the folder", force_hint=None, real_folder=True)
-    return OutputFolder(out, f"out {out}", force=force, force_hint="pass force=True")
-
-
 def _program_name() -> str:
     """"train.py", or "gpulab train" for `python -m gpulab train`, for the timeline's title."""
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
@@ -117,10 +117,3 @@ def _program_name() -> str:
         return " ".join([script.parent.name, *sys.argv[1:2]])
     return script.name
 
-
-def profile(out: str | Path = "profile", *, console: Console | None = None, quiet: bool = False, force: bool = False,
-            real_folder: bool = False, **settings) -> Profile:
-    """A profiling session around a block of code; `settings` are ProfileConfig fields (interval_s, ...).
-    `force`: replace files in `out` that gpulab did not write. `real_folder`: `out` is a folder gpulab
-    picks (a run's profile/), which must not be a link."""
-    return Profile(out, ProfileConfig(**settings), console=console, quiet=quiet, force=force, real_folder=real_folder)
