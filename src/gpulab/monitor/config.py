@@ -22,39 +22,32 @@ class ProfileConfig:
     warmup_steps: int = 2
     """First steps left out of the statistics: lazy CUDA init, cuDNN autotuning, allocator growth."""
     kernel_window_steps: int = 3
-    """On CUDA, steps captured with torch.profiler (right after warm-up) to count kernels and measure
-    how long the device was busy per step; 0 turns it off. These steps are left out of the statistics."""
+    """On CUDA, steps captured with torch.profiler after warm-up to count kernels and measure how long
+    the device was busy per step (left out of the statistics); 0: off."""
     memory_window: bool = True
-    """Measure one step's memory after warm-up (and after the kernel window): the peak and what it
-    is made of - parameters, gradients, optimizer state, activations per module, inputs, the rest.
-    Two steps, left out of the statistics (torch.profiler records their allocations)."""
+    """Measure one step's memory after warm-up (and the kernel window): the peak and what it is made
+    of (parameters, gradients, optimizer state, activations per module, inputs, the rest). Two steps,
+    left out of the statistics (torch.profiler records their allocations)."""
     stack_interval_s: float = 0.02
-    """How often the training thread's Python stack is sampled to find the hottest user line of
-    each phase; 0 turns it off."""
+    """How often the training thread's Python stack is sampled for each phase's hottest user line; 0: off."""
     trace_steps: int = 2000
-    """Steps whose individual spans (forward, backward, syncs, ...) go into trace.json; later steps
-    appear as whole steps only, so the trace of a long run stays small."""
-
+    """Steps whose spans (forward, backward, syncs, ...) go into trace.json; later ones appear whole,
+    so the trace of a long run stays small."""
     detail_steps: int = 10_000
-    """Steps recorded one by one (the window the per-step findings judge); later steps are recorded
-    in aggregate blocks (times per phase, a step-time histogram, the longest step), so a run of any
-    length keeps a small recording and report."""
-
+    """Steps recorded one by one (the window the per-step findings judge); later ones in aggregate
+    blocks (times per phase, a step-time histogram, the longest step): any run's recording stays small."""
     hang_after_s: float = 0.0
-    """No process of the job finishing a step or a collective for this long is a hang: gpulab says
-    where each rank is blocked (collective, sequence number, line) at once; 0: max(60 s, 100 x the
-    slowest median step)."""
+    """No process of the job finishing a step or a collective for this long is a hang, said at once
+    with where each rank is blocked; 0: max(60 s, 100 x the slowest median step)."""
     on_hang: str = "stop"
-    """What gpulab does after saying so: "stop" the job (the report is written) or "wait" (for the
-    job, or for you to look at it: py-spy dump, gdb)."""
-
+    """Then "stop" the job (the report is written) or "wait" (for the job, or for you: py-spy dump, gdb)."""
     stop_after_steps: int = 0
     """End each process once it has run this many steps (`gpulab profile --try`); 0: run to the end."""
     dataloader_overrides: dict = field(default_factory=dict)
     """DataLoader arguments forced on every DataLoader the script builds (`--try num_workers=2`)."""
     torch_threads: int = 0
-    """torch's intra-op threads forced in every process of the job, whatever the script sets
-    (`--try threads=1`); 0: as the script sets them."""
+    """torch's intra-op threads forced in every process, whatever the script sets (`--try threads=1`);
+    0: as the script sets them."""
 
     def __post_init__(self):
         # Written so that nan fails every check: a comparison with nan is always false.

@@ -1,6 +1,4 @@
-"""The Python API: profile a training loop in this process.
-
-    import gpulab.monitor
+"""The Python API: profile a training loop in this process, a job of one lane.
 
     with gpulab.monitor.profile(out="prof") as p:
         for X, y in loader:
@@ -8,14 +6,11 @@
             optimizer.step()      # steps are found from optimizer.step() ...
             p.step()              # ... or marked explicitly (then only p.step() counts)
 
-On leaving the block, report.json, timeline.png and trace.json are written to `out`, the short
-report is printed (stderr), and `p.report` holds the report dict. An exception inside the block
-still writes a partial report, then propagates. A full disk while writing is one line: a
-CannotWrite (a UserError), or on stderr when the block raised its own exception, which goes on.
-Files in `out` that gpulab did not write are not replaced (unless force=True): that is refused
-on entering the block, before any step runs. Under `gpulab profile`, which records the whole
-process already, the block records nothing of its own: its p.step() marks go to that recording,
-and the report is that command's.
+On leaving the block the report is written to `out` and printed (stderr), and `p.report` holds
+it; an exception inside the block still writes a partial report, then propagates. Files in `out`
+that gpulab did not write are refused on entering the block (unless force=True). Under `gpulab
+profile`, which records the whole process already, the block records nothing of its own: its
+p.step() marks go to that recording.
 """
 
 from __future__ import annotations
@@ -28,20 +23,28 @@ from rich.console import Console
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.events import Recording
 from gpulab.monitor.output import OUTPUTS
-from gpulab.monitor.output.report import build_report, print_report, write_outputs
+from gpulab.monitor.parent.runner import JobRun, report_job
+from gpulab.monitor.parent.sampler import Sampler
 from gpulab.monitor.record.attach import recorder_of_gpulab_profile
 from gpulab.monitor.record.recorder import Recorder
-from gpulab.monitor.parent.sampler import Sampler
 from gpulab.errors import UserError
-from gpulab.io import CannotWrite, OutputFolder, OutputRefused, check_writable, given_path
+from gpulab.io import OutputFolder, check_writable, given_path
 
 
 class Profile:
-    def __init__(self, out: str | Path, cfg: ProfileConfig, console: Console | None = None, quiet: bool = False,
-                 force: bool = False, real_folder: bool = False):
+    """`settings` are ProfileConfig fields; `force`: replace files in `out` that gpulab did not write;
+    `real_folder`: `out` is a folder gpulab picked inside one the user named (gpulab train --profile's
+    RUN_DIR/profile), never a link, with no force to offer."""
+
+    def __init__(self, out: str | Path = "profile", *, console: Console | None = None, quiet: bool = False,
+                 force: bool = False, real_folder: bool = False, **settings):
+        self.cfg = ProfileConfig(**settings)
         self.out = given_path(out, option="out")
-        self.outputs = _output_folder(self.out, force, real_folder)
-        self.cfg = cfg
+        if real_folder:
+            self.outputs = OutputFolder(self.out, str(self.out), fix="move it out of the folder", force_hint=None,
+                                        real_folder=True)
+        else:
+            self.outputs = OutputFolder(self.out, f"out {self.out}", force=force, force_hint="pass force=True")
         self.console = console
         self.quiet = quiet
         self.report: dict | None = None
@@ -82,19 +85,12 @@ class Profile:
         self._recorder.stop(exit_code=exit_code, error=error)
         self._sampler.stop()
         rec = Recording(self._recorder.records)
-        gpus = self._sampler.gpu.gpus
-        self.report, lanes = build_report([rec], rec.pid, self._sampler.samples, gpus, self._sampler.summary(), self.cfg,
-                                          exit_code)
-        try:
-            write_outputs(self.outputs, self.report, lanes, self._sampler.samples, gpus, title=_program_name())
-        except (OSError, OutputRefused) as e:  # a full disk, a user's file put there meanwhile: one line
-            problem = CannotWrite(e) if isinstance(e, OSError) else e
-            if exc_type is None:
-                raise problem from None
-            print(f"gpulab profile: {problem}", file=sys.stderr, flush=True)
-            return False  # the block's own exception is the one that matters
-        if not self.quiet:
-            print_report(self.report, self.out, self.console)
+        job = JobRun(rec.pid, exit_code, [rec], self._sampler)
+        self.report, unwritten = report_job(job, self.cfg, self.outputs, _program_name(), self.console, self.quiet)
+        if unwritten is not None and exc_type is None:
+            raise unwritten
+        if unwritten is not None:  # the block's own exception is the one that matters
+            print(f"gpulab profile: {unwritten}", file=sys.stderr, flush=True)
         return False  # never swallow the exception
 
 
@@ -112,14 +108,6 @@ def _ending(exc: BaseException | None) -> tuple[int, str | None]:
     return (130 if isinstance(exc, KeyboardInterrupt) else 1), error
 
 
-def _output_folder(out: Path, force: bool, real_folder: bool) -> OutputFolder:
-    """`out` as the caller named it, or (`real_folder`) a folder gpulab picked inside one the user
-    named (gpulab train --profile's RUN_DIR/profile): never a link, and no force to offer."""
-    if real_folder:
-        return OutputFolder(out, str(out), fix="move it out of the folder", force_hint=None, real_folder=True)
-    return OutputFolder(out, f"out {out}", force=force, force_hint="pass force=True")
-
-
 def _program_name() -> str:
     """"train.py", or "gpulab train" for `python -m gpulab train`, for the timeline's title."""
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
@@ -129,10 +117,3 @@ def _program_name() -> str:
         return " ".join([script.parent.name, *sys.argv[1:2]])
     return script.name
 
-
-def profile(out: str | Path = "profile", *, console: Console | None = None, quiet: bool = False, force: bool = False,
-            real_folder: bool = False, **settings) -> Profile:
-    """A profiling session around a block of code; `settings` are ProfileConfig fields (interval_s, ...).
-    `force`: replace files in `out` that gpulab did not write. `real_folder`: `out` is a folder gpulab
-    picks (a run's profile/), which must not be a link."""
-    return Profile(out, ProfileConfig(**settings), console=console, quiet=quiet, force=force, real_folder=real_folder)

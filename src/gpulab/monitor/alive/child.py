@@ -1,17 +1,12 @@
-"""What `gpulab profile` needs to see a hang, from inside each recorded process.
+"""The child's side of the protocol (protocol.py), inside each recorded process.
 
-Progress: the training thread notes each step, each finished collective and each finished
-outermost module call (an evaluation loop makes progress too; a few attribute writes). Each
-step also goes into `tally-<pid>.bin`, a file mapped into memory: what is stored there is in
-the kernel's page cache at once, so a process killed by SIGKILL still tells its exact number of
-steps and when its last one ended (the events file may lack its last quarter second).
-The writer's helper thread calls Heartbeat.tick() every quarter second: it keeps
-`status-<pid>.json` up to date (steps, when this process last made progress, its median step), and
-when the parent asks (it writes a new number to `hang-request` beside the events files) it writes
-`hang-<pid>.json`: where the training thread is blocked - the collective it waits in, from torch's
-flight recorder (op, sequence number, sizes; gloo and NCCL), and its Python stack, whose innermost
-user frame is the line that called it. The helper thread can do this because a thread blocked in
-a collective has released the GIL.
+The training thread notes its progress: each step, finished collective and outermost module call
+(an evaluation loop makes progress too), each a few attribute writes. The step tally is a file
+mapped into memory, in the kernel's page cache at once, so a process killed by SIGKILL still tells
+its exact steps (the events file may lack its last quarter second). The writer's helper thread
+calls Heartbeat.tick() every quarter second to write the status and answer the parent's requests:
+it can say where the training thread is blocked because a thread blocked in a collective has
+released the GIL.
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ _STACK_DEPTH = 12  # user frames kept, innermost first
 
 
 class Progress:
-    """Written by the training thread only; read by the helper thread. `folder`: where the
-    durable step tally goes (None: in-process sessions keep none)."""
+    """Written by the training thread only, read by the helper thread. `folder`: where the durable
+    step tally goes (None: in-process sessions keep none)."""
 
     def __init__(self, folder: Path | None = None, pid: int | None = None):
         self.steps = 0
@@ -61,8 +56,7 @@ class Progress:
 
     @property
     def last_unix(self) -> float:
-        """The last progress as wall-clock time (the parent compares processes by it): derived when
-        read, not stored at every call."""
+        """The last progress as wall-clock time, by which the parent compares processes."""
         return self.last_t + self._unix_offset
 
     def median_step_s(self) -> float | None:
@@ -82,28 +76,23 @@ class Heartbeat:
         self._answered = ""  # the parent's last request answered (it numbers them)
 
     def tick(self) -> None:
-        try:
-            self._tick()
-        except OSError:  # the folder is gone (gpulab ended) or the disk is full: the recording goes on
-            pass
-
-    def _tick(self) -> None:
+        """The status, when it changed; where the training thread is blocked, when newly asked."""
         status = {"pid": self.pid, "rank": self.rank, "steps": self.progress.steps,
                   "progress_unix": round(self.progress.last_unix, 3), "progress_t": round(self.progress.last_t, 4),
                   "median_step_s": self.progress.median_step_s()}
-        if status != self._last_status:
-            write_json(status_file(self.folder, self.pid), status)
-            self._last_status = status
         request = self.folder / HANG_REQUEST
-        if request.exists() and (asked := request.read_text()) != self._answered:
-            self._answered = asked
-            write_json(answer_file(self.folder, self.pid), {**self.where_blocked(), "request": asked})
-
-    def where_blocked(self) -> dict:
-        """The collective the training thread waits in (flight recorder) and its Python stack."""
-        return {"pid": self.pid, "rank": self.rank, "steps": self.progress.steps,
-                "idle_s": round(time.time() - self.progress.last_unix, 1),
-                "collective": _pending_collective(), "stack": self._training_stack()}
+        try:  # OSError: the folder is gone (gpulab ended) or the disk is full: the recording goes on
+            if status != self._last_status:
+                write_json(status_file(self.folder, self.pid), status)
+                self._last_status = status
+            if request.exists() and (asked := request.read_text()) != self._answered:
+                self._answered = asked
+                blocked = {"pid": self.pid, "rank": self.rank, "steps": self.progress.steps,
+                           "idle_s": round(time.time() - self.progress.last_unix, 1),
+                           "collective": _pending_collective(), "stack": self._training_stack()}
+                write_json(answer_file(self.folder, self.pid), {**blocked, "request": asked})
+        except OSError:
+            pass
 
     def _training_stack(self) -> list[str]:
         """The training thread's user frames, innermost first, as `path:line in function`."""

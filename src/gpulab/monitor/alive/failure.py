@@ -1,12 +1,10 @@
 """How a job ended, process by process, and which one failed first.
 
-When one rank of a synchronous job fails, the others fail too - a moment later, with errors that
-only say they lost their peer ("Connection closed by peer", a timeout) or with the SIGTERM
-torchrun sends them. The report is about the first real failure: the rank, how it ended
-(its exception and line, a crash in native code, a signal Python cannot catch), and after how
-many steps. Each process tells how it ended in its events file's end record; a process killed by
-SIGKILL writes none, and says with its durable step tally (tally-<pid>.bin) how far it got; one
-killed by a fatal signal leaves faulthandler's traceback (crash-<pid>.txt).
+When one rank of a synchronous job fails, the others fail a moment later, with errors that only
+say they lost their peer ("Connection closed by peer", a timeout) or with the SIGTERM torchrun
+sends them: the report is about the first real failure. Each process tells how it ended in its
+events file's end record; one killed by SIGKILL writes none, but its step tally says how far it
+got; one killed by a fatal signal leaves faulthandler's traceback (crash-<pid>.txt).
 """
 
 from __future__ import annotations
@@ -56,31 +54,29 @@ class Ending:
 
 def ending(rec: Recording, stopped_by_gpulab: bool, exit_code: int | None = None) -> Ending:
     """`exit_code`: the process's exit status where gpulab knows it (the script's own process)."""
-    who = process_name(rec.rank, rec.pid)
-    steps = rec.steps_done
-    end = rec.end
-    if end is not None:
-        error = end.get("error")
+
+    def ended(how: str, t: float | None, message: str | None = None, where: str | None = None, **more) -> Ending:
+        who = process_name(rec.rank, rec.pid)
+        return Ending(who, rec.pid, rec.rank, how, message, where, rec.steps_done, t, **more)
+
+    if rec.end is not None:
+        error, t = rec.end.get("error"), rec.end["t"]
         if not error:
-            return Ending(who, rec.pid, rec.rank, "ok", None, None, steps, end["t"])
+            return ended("ok", t)
         if error.startswith("stopped by SIG"):
-            return Ending(who, rec.pid, rec.rank, "stopped" if stopped_by_gpulab else "signal", error, None, steps,
-                          end["t"])
-        return Ending(who, rec.pid, rec.rank, "exception", _one_line(error), end.get("where"), steps, end["t"],
-                      lost_peer=bool(_LOST_PEER.search(error)))
+            return ended("stopped" if stopped_by_gpulab else "signal", t, error)
+        return ended("exception", t, _one_line(error), rec.end.get("where"), lost_peer=bool(_LOST_PEER.search(error)))
     last = last_sign_of_life(rec)
     if rec.crash:
-        return Ending(who, rec.pid, rec.rank, "crash", _crash_message(rec.crash), _crash_where(rec.crash), steps, last,
-                      stacks=rec.crash)
+        first_line = rec.crash.splitlines()[0].strip()  # 'Fatal Python error: Segmentation fault'
+        return ended("crash", last, first_line, _crash_where(rec.crash), stacks=rec.crash)
     if stopped_by_gpulab:
-        return Ending(who, rec.pid, rec.rank, "stopped", "stopped by gpulab (SIGKILL)", None, steps, last)
+        return ended("stopped", last, "stopped by gpulab (SIGKILL)")
     if exit_code is not None and exit_code != _KILLED:  # it ended itself, past Python's own exit
         if exit_code == 0:
-            return Ending(who, rec.pid, rec.rank, "ok", None, None, steps, last)
-        return Ending(who, rec.pid, rec.rank, "exited", f"exited with {exit_code} through os._exit (no Python clean-up, "
-                      "no traceback)", None, steps, last)
-    return Ending(who, rec.pid, rec.rank, "killed", "ended without a word: killed by a signal Python cannot catch "
-                  "(SIGKILL)", None, steps, last)
+            return ended("ok", last)
+        return ended("exited", last, f"exited with {exit_code} through os._exit (no Python clean-up, no traceback)")
+    return ended("killed", last, "ended without a word: killed by a signal Python cannot catch (SIGKILL)")
 
 
 def last_sign_of_life(rec: Recording) -> float | None:
@@ -161,11 +157,6 @@ def _one_line(error: str) -> str:
     """An error message as one line, cut to a length a report line can carry."""
     line = error.strip().splitlines()[0] if error.strip() else error
     return line if len(line) <= _MESSAGE_CHARS else line[:_MESSAGE_CHARS - 3] + "..."
-
-
-def _crash_message(text: str) -> str:
-    """faulthandler's first line: 'Fatal Python error: Segmentation fault'."""
-    return text.splitlines()[0].strip()
 
 
 def _crash_where(text: str) -> str | None:

@@ -1,8 +1,6 @@
-"""A hang in words: where each rank is blocked, what does not match between them, and the fix.
-
-The input is what each process wrote when the parent asked (child.py): the collective
-it waits in (torch's flight recorder: op, sequence number, sizes) and its training thread's user
-frames, innermost first.
+"""A hang in words: where each rank is blocked, what does not match between them, and the fix,
+from each process's answer (child.py): the collective it waits in (torch's flight recorder: op,
+sequence number, sizes) and its training thread's user frames, innermost first.
 """
 
 from __future__ import annotations

@@ -1,18 +1,17 @@
-"""The files by which the parent asks whether the job is alive, and each process answers. They
-lie beside the events files (monitor/events.py), in the job's recording folder:
+"""The files by which the parent (watch.py) asks whether the job is alive and each process
+(child.py) answers, beside the events files (monitor/events.py) in the job's recording folder:
 
     status-<pid>.json   the process's steps, when it last made progress (a step, a collective,
                         an outermost module call), its median step; rewritten every quarter
-                        second while it changes (child.py)
-    hang-request        a number: the parent asks every process where it is blocked (watch.py)
+                        second while it changes
+    hang-request        a number: the parent asks every process where it is blocked
     hang-<pid>.json     the answer, carrying that number: the collective the training thread
-                        waits in and its user frames (child.py)
+                        waits in and its user frames
     tally-<pid>.bin     steps done and when the last one ended, in a file mapped into memory: a
                         process killed by SIGKILL still tells how far it got (read with the
                         recording, events.py)
 
-The JSON files are replaced whole (written beside, then renamed): a reader sees the old one or
-the new one, never half of one.
+The JSON files are replaced whole: a reader sees the old one or the new one, never half of one.
 """
 
 from __future__ import annotations
@@ -50,9 +49,8 @@ def read_tally(path: Path) -> tuple[int, float] | None:
 
 
 def write_json(path: Path, record: dict) -> None:
-    """Whole or not at all: the other side may read it any time. Not gpulab.io's
-    atomic_write_json, which syncs the file and its folder to disk: a status file is rewritten
-    four times a second and matters only while the job runs."""
+    """Whole or not at all (written beside, then renamed). Not gpulab.io's atomic_write_json, which
+    syncs to disk: a status file is rewritten four times a second and matters only while the job runs."""
     tmp = path.with_name(f".{path.name}.{threading.get_ident()}")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)

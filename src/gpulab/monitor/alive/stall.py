@@ -1,12 +1,10 @@
 """Stalls: one step far longer than the others, the job standing still for seconds, then going on.
 
-The steady-step statistics leave such a step out (it is an outlier), so it gets a finding of its
-own: which process stalled, for how long, in which step, and where. In a synchronous job every
-rank's step grows by the stall, so the step times do not tell who stalled; what they are made of
-does (the stalled rank's long step is its own Python or I/O; the others' is the wait inside a
-collective or inside DDP's backward), and so does the parent's hang watch, which asks every
-process where it is once the job has stood still for a few seconds (watch.py): the rank
-outside any collective is the one the others wait for.
+The steady statistics leave such a step out (an outlier), so it gets a finding of its own: who
+stalled, for how long, in which step, and where. In a synchronous job every rank's step grows by
+the stall; who stalled shows in what the steps are made of (the stalled rank's own Python or
+I/O, the others' wait in a collective or DDP's backward) and in the hang watch's snapshot taken
+during it (watch.py): the rank outside any collective is the one the others wait for.
 """
 
 from __future__ import annotations
@@ -34,7 +32,8 @@ def find_stalls(lanes: list[Recording], warmup_steps: int, snapshots: list[dict]
                   if not any(s["t0"] < until and s["t1"] > since for since, until in suspended)]
     stalls = []
     for group in _overlapping(long_steps):
-        snapshot = next((x for x in snapshots if _during(x.get("since_t"), group)), None)
+        t0, t1 = min(s["t0"] for _, s in group), max(s["t1"] for _, s in group)
+        snapshot = next((x for x in snapshots if x.get("since_t") is not None and t0 - 1.0 <= x["since_t"] <= t1), None)
         stalls.append({**_describe(group, snapshot), "at_s": round(min(s["t0"] for _, s in group) - origin, 3)})
     return sorted(stalls, key=lambda s: s["seconds"], reverse=True)[:MAX_SHOWN]
 
@@ -66,23 +65,20 @@ def _overlapping(long_steps: list[tuple[Recording, dict]]) -> list[list[tuple[Re
     return groups
 
 
-def _during(t: float | None, group: list[tuple[Recording, dict]]) -> bool:
-    return t is not None and min(s["t0"] for _, s in group) - 1.0 <= t <= max(s["t1"] for _, s in group)
-
-
 def _describe(group: list[tuple[Recording, dict]], snapshot: dict | None) -> dict:
-    culprit_rec, culprit_step = max(group, key=lambda x: _own_time(x[1]))
+    # who stalled: the long step most spent on its own work, not waiting for another process ...
+    culprit_rec, culprit_step = max(group, key=lambda x: sum(v for k, v in x[1]["excl"].items() if k not in _WAIT))
     answers = {a["pid"]: a for a in (snapshot or {}).get("ranks", [])}
     outside = [a for a in answers.values() if not a.get("collective")]
-    if outside and any(a.get("collective") for a in answers.values()):  # the watch saw who the others wait for
-        named = next((r for r, _ in group if r.pid == outside[0]["pid"]), None)
-        if named is not None:
-            culprit_rec, culprit_step = next(x for x in group if x[0] is named)
+    if outside and any(a.get("collective") for a in answers.values()):  # ... unless the watch saw whom they wait for
+        culprit_rec, culprit_step = next(((r, s) for r, s in group if r.pid == outside[0]["pid"]),
+                                         (culprit_rec, culprit_step))
     seconds = max(step_seconds(s) for _, s in group)
     answer = answers.get(culprit_rec.pid)
     waiting = [r for r, _ in group if r is not culprit_rec]
     return {
-        "who": process_name(culprit_rec.rank, culprit_rec.pid), "rank": culprit_rec.rank, "pid": culprit_rec.pid, "step": culprit_step["i"],
+        "who": process_name(culprit_rec.rank, culprit_rec.pid), "rank": culprit_rec.rank, "pid": culprit_rec.pid,
+        "step": culprit_step["i"],
         "seconds": round(seconds, 3), "t0": min(s["t0"] for _, s in group), "t1": max(s["t1"] for _, s in group),
         "median_step_s": round(statistics.median(step_seconds(s) for s in culprit_rec.steps), 6),
         "spent_in": max(culprit_step["excl"], key=culprit_step["excl"].get),
@@ -90,11 +86,6 @@ def _describe(group: list[tuple[Recording, dict]], snapshot: dict | None) -> dic
         "seen": [rank_line(a) for a in answers.values()],
         "waiting": [process_name(r.rank, r.pid) for r in waiting],
     }
-
-
-def _own_time(step: dict) -> float:
-    """What a long step spent on its own work, not waiting for another process."""
-    return sum(v for k, v in step["excl"].items() if k not in _WAIT)
 
 
 def stall_finding(stall: dict, run_seconds: float) -> dict:

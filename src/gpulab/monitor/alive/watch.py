@@ -1,14 +1,11 @@
-"""The parent's hang watch: once a second, is any process of the job still making progress?
+"""The parent's side of the protocol (protocol.py): once a second, is any process of the job
+still making progress?
 
-Each recorded process keeps `status-<pid>.json` (child.py): its steps and when it last
-finished a step, a collective or an outermost module call. When none has for `hang_after_s`
-(default max(60 s, 100 x the slowest median step)), the watch asks every process where it is
-blocked (`hang-request`) and waits up to ANSWER_S for the answers. A hang is a job with a rank
-inside a collective: then the watch says so on stderr at once and hands the hang to the runner,
-which stops the job or leaves it (--on-hang). Otherwise (no rank in a collective: one process
-saving a large checkpoint, say) it is no hang of the job's communication, and the watch looks
-again after another `hang_after_s`. The watch starts once a process has finished a step: before
-that there is no step time to judge by (a slow start is not a hang).
+When none has for `hang_after_s`, the watch asks every process where it is blocked. A hang is a
+job with a rank inside a collective: the watch says so on stderr at once and hands it to the
+runner, which stops the job or leaves it (--on-hang). With no rank in a collective (one process
+saving a large checkpoint, say) it looks again after another `hang_after_s`. It starts once a
+process has finished a step: before that there is no step time to judge by.
 """
 
 from __future__ import annotations
@@ -70,7 +67,7 @@ class HangWatch:
         if self._stall is None:
             ranks, unanswered = self._ask(trained)
             self._stall = {"since_unix": latest["progress_unix"], "since_t": latest.get("progress_t"),
-                           "ranks": ranks, "unanswered": _states(unanswered)}
+                           "ranks": ranks, "unanswered": unanswered}
         if idle < hang_after or now < self._next_hang_check:
             return None
         ranks, unanswered = self._ask(trained)
@@ -78,11 +75,13 @@ class HangWatch:
             self._next_hang_check = now + hang_after
             return None
         self._stall = None  # not a stall: it never ended
-        self.hang = {"after_s": hang_after, "idle_s": idle, "ranks": ranks, "unanswered": _states(unanswered),
-                     "action": self.cfg.on_hang}
-        self.hang["mismatch"] = mismatch(ranks, self.hang["unanswered"])
-        self.hang["lines"] = describe(self.hang)
-        self._say(self.hang)
+        self.hang = {"after_s": hang_after, "idle_s": idle, "ranks": ranks, "unanswered": unanswered,
+                     "action": self.cfg.on_hang, "mismatch": mismatch(ranks, unanswered)}
+        lines = self.hang["lines"] = describe(self.hang)
+        then = ("stopping the job (--on-hang wait leaves it running)" if self.cfg.on_hang == "stop"
+                else "leaving it running (--on-hang wait); stop it with Ctrl-C")
+        print(f"gpulab profile: the job hangs - {lines[0]}:", *(f"  {line}" for line in lines[1:]),
+              f"  {then}", sep="\n", file=sys.stderr, flush=True)
         return self.hang
 
     def resumed(self) -> None:
@@ -104,9 +103,8 @@ class HangWatch:
         if len(self.stalls) < MAX_STALLS:
             self.stalls.append(stall)
 
-    def _ask(self, trained: list[dict]) -> tuple[list[dict], list[dict]]:
-        """Every trained process's answer: where it is blocked; and who did not answer in time
-        ({"who": "rank 1", "pid": ...})."""
+    def _ask(self, trained: list[dict]) -> tuple[list[dict], list[str]]:
+        """Every trained process's answer (where it is blocked), and who did not answer in time."""
         self._requests += 1
         asked = str(self._requests)
         (self.folder / HANG_REQUEST).write_text(asked)
@@ -118,32 +116,20 @@ class HangWatch:
             answers = {a["pid"]: a for a in read_all(self.folder, HANG_PREFIX)
                        if a.get("pid") in wanted and a.get("request") == asked}
         ranks = sorted(answers.values(), key=lambda a: (a.get("rank") is None, a.get("rank") or 0, a["pid"]))
-        unanswered = [{"who": who(s), "pid": pid} for pid, s in wanted.items() if pid not in answers]
-        return ranks, unanswered
-
-    @staticmethod
-    def _say(hang: dict) -> None:
-        then = ("stopping the job (--on-hang wait leaves it running)" if hang["action"] == "stop"
-                else "leaving it running (--on-hang wait); stop it with Ctrl-C")
-        lines = hang["lines"]
-        print(f"gpulab profile: the job hangs - {lines[0]}:", *(f"  {line}" for line in lines[1:]),
-              f"  {then}", sep="\n", file=sys.stderr, flush=True)
+        return ranks, [_unanswered(who(s), pid) for pid, s in wanted.items() if pid not in answers]
 
 
-def _states(unanswered: list[dict]) -> list[str]:
-    """Who did not answer, and why, where the process table says: stopped (SIGSTOP, Ctrl-Z, a
-    debugger), gone, or a zombie."""
-    said = []
-    for u in unanswered:
-        try:
-            status = psutil.Process(u["pid"]).status()
-        except psutil.NoSuchProcess:
-            status = "gone"
-        except psutil.Error:
-            status = None
-        state = _STATE_WORDS.get(status, "did not answer (its Python is blocked too: a C call holding the GIL)")
-        said.append(f"{u['who']} (pid {u['pid']}) {state.format(pid=u['pid'])}")
-    return said
+def _unanswered(name: str, pid: int) -> str:
+    """A process that did not answer, and why, where the process table says: stopped (SIGSTOP,
+    Ctrl-Z, a debugger), gone, or a zombie."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        status = "gone"
+    except psutil.Error:
+        status = None
+    state = _STATE_WORDS.get(status, "did not answer (its Python is blocked too: a C call holding the GIL)")
+    return f"{name} (pid {pid}) {state.format(pid=pid)}"
 
 
 _STATE_WORDS = {

@@ -1,22 +1,20 @@
 """The job's processes, from start to a clean end, whatever the job does.
 
 The job runs in its own process group, and gpulab is its subreaper (Linux): a process whose
-parent died - a rank after torchrun was killed, a DataLoader worker after its rank - becomes
-gpulab's child instead of init's, so every process the job started can still be found and
-stopped.
+parent died (a rank after torchrun was killed, a DataLoader worker after its rank) becomes
+gpulab's child instead of init's, so it can still be found and stopped.
 
-Signals. The first SIGINT, SIGTERM or SIGHUP sent to gpulab (by a terminal, `timeout`, Slurm or
-Kubernetes) is passed on to the job's group once, so the script's own handlers run, and torchrun's,
-which passes it on to the ranks. STOP_GRACE_S later, or at once on a second signal, every process
-of the job still alive gets SIGTERM (recorders flush on it), and KILL_GRACE_S after that SIGKILL:
-a rank blocked inside a collective never runs a Python signal handler, and torchrun would give it
-30 s more. When the job's main process ends, whatever it left
-running is stopped the same way (SIGTERM, then SIGKILL). If gpulab itself is killed outright, the
-job stops itself (record/attach.py watches its parent).
+The first SIGINT, SIGTERM or SIGHUP sent to gpulab (a terminal, `timeout`, Slurm, Kubernetes) is
+passed on to the job's group once, so the script's handlers run, and torchrun's, which passes it
+on to the ranks. STOP_GRACE_S later, or at once on a second signal, every process of the job gets
+SIGTERM (recorders flush on it), and KILL_GRACE_S after that SIGKILL: a rank blocked inside a
+collective never runs a Python signal handler, and torchrun would give it 30 s more. What the
+main process leaves running is stopped the same way. If gpulab is killed outright, the job stops
+itself (record/attach.py watches its parent).
 
-The terminal. At a terminal the job is its foreground group, as a shell makes a job: Ctrl-C and
-Ctrl-Z reach it directly. When Ctrl-Z stops it, gpulab stops too, so the shell gets the terminal
-back, and `fg` resumes both.
+At a terminal the job is its foreground group, as a shell makes a job, so Ctrl-C and Ctrl-Z reach
+it directly; when Ctrl-Z stops it, gpulab stops too, the shell gets the terminal back, and `fg`
+resumes both.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 import psutil
 
@@ -39,14 +38,8 @@ LEFTOVER_GRACE_S = 2.0  # from SIGTERM to SIGKILL for what the job's main proces
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def _set_subreaper(on: bool) -> bool:
-    """Make orphaned descendants this process's children (Linux prctl); False where unsupported."""
-    return prctl(PR_SET_CHILD_SUBREAPER, int(on))
-
-
 class Job:
-    """One command run to a clean end: started in its own group, signals passed on, every process
-    it started stopped when it ends or is stopped. Use as a context manager around start/wait."""
+    """One command run to a clean end; a context manager around start() and wait()."""
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
@@ -64,7 +57,7 @@ class Job:
 
     def __enter__(self) -> "Job":
         self._children_before = {p.pid for p in self._me.children()}
-        self._subreaper = _set_subreaper(True)
+        self._subreaper = prctl(PR_SET_CHILD_SUBREAPER, 1)  # False where unsupported
         for signum in _FORWARDED:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         return self
@@ -79,15 +72,15 @@ class Job:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
             if self._subreaper:
-                _set_subreaper(False)
+                prctl(PR_SET_CHILD_SUBREAPER, 0)
 
     def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         self.proc = subprocess.Popen(argv, env=env, process_group=0)
         return self.proc
 
     def wait(self, on_tick: Callable[[], None] = lambda: None, on_resume: Callable[[], None] = lambda: None) -> int:
-        """The job's exit status, shell-style (128 + N when killed by signal N); `on_tick` runs
-        about every 0.2 s meanwhile, `on_resume` when the job goes on after a stop at the terminal."""
+        """The job's exit status, shell-style (128 + N for signal N); `on_tick` runs about every
+        0.2 s meanwhile, `on_resume` when the job goes on after a stop at the terminal."""
         self._tty = _take_terminal_for(self.proc.pid)
         for signum in self._received:  # arrived before the job existed
             self._pass_on(signum)
@@ -104,16 +97,15 @@ class Job:
         return 128 - code if code < 0 else code
 
     def _stop_with_the_job(self) -> None:
-        """The job holds the terminal and was stopped there (Ctrl-Z): stop gpulab too, as a shell's
-        job stops, so the shell takes the terminal back - else it waits on gpulab while the terminal
-        stays with the stopped job. On `fg` the job gets the terminal again; on `fg` or `bg` it goes on."""
+        """The job was stopped at the terminal (Ctrl-Z): stop gpulab too, so the shell takes the
+        terminal back - else it waits on gpulab while the terminal stays with the stopped job."""
         seen = time.perf_counter()
         _give_terminal_to(self._tty, os.getpgrp())
         os.kill(os.getpid(), signal.SIGTSTP)  # its default action: gpulab stops here until SIGCONT
         self.suspended.append((seen - STOP_SEEN_LATE_S, time.perf_counter()))
         if _foreground(self._tty):
             _give_terminal_to(self._tty, self.proc.pid)
-        _signal_group(self.proc.pid, signal.SIGCONT)
+        self._signal_group(signal.SIGCONT)
 
     def _on_signal(self, signum, frame) -> None:
         self._received.append(signum)
@@ -126,7 +118,7 @@ class Job:
 
     @property
     def stopping(self) -> bool:
-        """Whether gpulab is ending the job (a signal to gpulab, or stop()), not the job itself."""
+        """gpulab is ending the job (a signal to gpulab, or stop()), not the job itself."""
         return self._term_at is not None
 
     def stop(self) -> None:
@@ -134,7 +126,7 @@ class Job:
         self._term_at = time.monotonic()
 
     def _pass_on(self, signum: int) -> None:
-        _signal_group(self.proc.pid, signum)
+        self._signal_group(signum)
         if self._term_at is None:
             self._term_at = time.monotonic() + STOP_GRACE_S
 
@@ -155,45 +147,35 @@ class Job:
             return []
         for top in tops:
             found[top.pid] = top
-            try:
+            with suppress(psutil.Error):
                 found.update((p.pid, p) for p in top.children(recursive=True))
-            except psutil.Error:
-                pass
         return list(found.values())
 
     def signal_all(self, signum: int) -> None:
         """`signum` to the job's group and to every process of the job, wherever it is."""
-        _signal_group(self.proc.pid, signum)
-        for p in self.processes():
-            _send(p, signum)
+        self._signal_group(signum)
+        _send(self.processes(), signum)
 
     def stop_leftovers(self) -> None:
         """After the main process ended: what it left behind gets SIGTERM, then SIGKILL; the
-        orphans that came to gpulab are reaped."""
-        _signal_group(self.proc.pid, signal.SIGTERM)
+        orphans that came to gpulab are reaped (psutil.wait_procs reaps its own children)."""
+        self._signal_group(signal.SIGTERM)
         left = [p for p in self.processes() if p.pid != self.proc.pid]
-        for p in left:
-            _send(p, signal.SIGTERM)
-        # psutil.wait_procs reaps our own children (the orphans) and polls the others
+        _send(left, signal.SIGTERM)
         _, alive = psutil.wait_procs(left, timeout=LEFTOVER_GRACE_S)
-        _signal_group(self.proc.pid, signal.SIGKILL)
-        for p in alive:
-            _send(p, signal.SIGKILL)
+        self._signal_group(signal.SIGKILL)
+        _send(alive, signal.SIGKILL)
         psutil.wait_procs(alive, timeout=LEFTOVER_GRACE_S)
 
-
-def _send(p: psutil.Process, signum: int) -> None:
-    try:
-        p.send_signal(signum)  # psutil checks the pid still names the same process
-    except psutil.Error:
-        pass
+    def _signal_group(self, signum: int) -> None:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
 
 
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _send(processes: list[psutil.Process], signum: int) -> None:
+    for p in processes:
+        with suppress(psutil.Error):
+            p.send_signal(signum)  # psutil checks the pid still names the same process
 
 
 def _stopped(pid: int) -> bool:
@@ -227,8 +209,7 @@ def _take_terminal_for(pgid: int) -> int | None:
 def _give_terminal_to(fd: int, pgid: int) -> None:
     previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may not set it
     try:
-        os.tcsetpgrp(fd, pgid)
-    except OSError:
-        pass
+        with suppress(OSError):
+            os.tcsetpgrp(fd, pgid)
     finally:
         signal.signal(signal.SIGTTOU, previous)

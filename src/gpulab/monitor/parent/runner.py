@@ -3,13 +3,9 @@
 The command runs as the user wrote it, with record/autostart/ first on its PYTHONPATH: every
 Python process of the job (the script, its multiprocessing children, torchrun's ranks) records
 itself from its own `import torch` into its own events file in a private folder
-(record/attach.py). The device/process sampler runs here, in the parent, so it costs the job no
-GIL time.
-
-This process never imports torch: it would add seconds to every run for nothing.
-
-Stopping (signals, leftovers, a job that ignores SIGTERM): parent/job.py. The report is written
-from what was recorded, and the exit code is the script's (128 + N for signal N).
+(record/attach.py). The sampler runs here, so it costs the job no GIL time; and this process
+never imports torch, which would add seconds to every run for nothing. The exit code is the
+script's (128 + N for signal N).
 """
 
 from __future__ import annotations
@@ -26,8 +22,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from rich.console import Console
 
 import gpulab
 from gpulab.errors import UserError
@@ -50,49 +48,64 @@ _AUTOSTART = Path(__file__).resolve().parent.parent / "record" / "autostart"
 def profile_command(command: list[str], out: Path | None, cfg: ProfileConfig, force: bool = False) -> int:
     """Run `command` (a Python invocation) under the profiler; return the script's exit code.
     `force`: replace files in `out` that gpulab did not write."""
+    with job_folder(command, out, force, OUTPUTS) as (argv, name, outputs):
+        threading.Thread(target=importlib.import_module, args=("gpulab.monitor.output.report",),  # matplotlib:
+                         name="gpulab-preload", daemon=True).start()  # ~0.7 s, hidden behind the job
+        job = run_job(argv, cfg, outputs.path)
+    _, unwritten = report_job(job, cfg, outputs, " ".join(name[:2]))
+    if unwritten is not None:  # the job ran: its exit code is still the answer
+        print(f"gpulab profile: {unwritten}", file=sys.stderr, flush=True)
+    return job.exit_code
+
+
+@contextmanager
+def job_folder(command: list[str], out: Path | None, force: bool, files) -> Iterator[tuple[list, list, OutputFolder]]:
+    """The job's argv and name, and its output folder (default: named after it), where `files` are
+    checked before the job runs - its results would have nowhere to go - and which is made here and
+    removed again if the work inside fails and leaves it empty."""
     interpreter, options, target = split_python_command(command)
     name = training_target(interpreter, target)
-    default = out is None
-    out = out or default_out_dir(name)
-    outputs = OutputFolder.out(out, force)
-    check_writable(out)
-    outputs.check(OUTPUTS)  # before the job runs: its report would have nowhere to go
-    _import_in_background("gpulab.monitor.output.report")  # matplotlib: ~0.7 s, hidden behind the job
-    with removed_if_left_empty(out, new=default):
-        job = run_job([interpreter, *options, *target], cfg, out)
-    from gpulab.monitor.output.report import build_report, print_report, write_outputs
-
-    report, lanes = build_report(job.lanes, job.pid, job.samples, job.gpus, job.sampler, cfg, job.exit_code,
-                                     hang=job.hang, stalls=job.stalls, stopped=job.stopped,
-                                     suspended=job.suspended)
-    try:
-        write_outputs(outputs, report, lanes, job.samples, job.gpus, title=" ".join(name[:2]))
-    except (OSError, OutputRefused) as e:
-        # The job ran: its exit code is still the answer; only the report is lost (each file is
-        # whole or absent, the atomic writers see to it; a user's file put there meanwhile stays).
-        problem = CannotWrite(e) if isinstance(e, OSError) else e
-        print(f"gpulab profile: {problem}", file=sys.stderr, flush=True)
-        return job.exit_code
-    print_report(report, out)
-    return job.exit_code
+    outputs = OutputFolder.out(out or default_out_dir(name), force)
+    check_writable(outputs.path)
+    outputs.check(files)
+    with removed_if_left_empty(outputs.path, new=out is None):
+        yield [interpreter, *options, *target], name, outputs
 
 
 @dataclass
 class JobRun:
+    """A job run to its end: an in-process session is one of one lane."""
+
     pid: int
     exit_code: int
     lanes: list[Recording]
-    samples: list[dict]
-    gpus: list[dict]
-    sampler: dict
-    hang: dict | None  # alive/watch.py: where each process was blocked, when the job hung
-    stalls: list[dict]  # alive/watch.py: where each process was while the job stood still, then went on
-    stopped: bool  # gpulab stopped the job (the hang, or a signal to gpulab)
-    suspended: list[tuple[float, float]]  # when the user stopped the job at the terminal (Ctrl-Z), until it went on
+    sampler: Sampler  # stopped
+    hang: dict | None = None  # alive/watch.py: where each process was blocked, when the job hung
+    stalls: list[dict] = field(default_factory=list)  # alive/watch.py: where each was while the job stood still
+    stopped: bool = False  # gpulab stopped the job (the hang, or a signal to gpulab)
+    suspended: list[tuple[float, float]] = field(default_factory=list)  # stopped at the terminal (Ctrl-Z), until
+
+
+def report_job(job: JobRun, cfg: ProfileConfig, outputs: OutputFolder, title: str, console: Console | None = None,
+               quiet: bool = False) -> tuple[dict, UserError | None]:
+    """The job's report, built, written (each file whole or absent) and printed unless `quiet`; and
+    why its files could not be written (a full disk, a user's file put there meanwhile), if so."""
+    from gpulab.monitor.output.report import build_report, print_report, write_outputs  # behind the job
+
+    samples, gpus = job.sampler.samples, job.sampler.gpu.gpus
+    report, lanes = build_report(job.lanes, job.pid, samples, gpus, job.sampler.summary(), cfg, job.exit_code,
+                                 hang=job.hang, stalls=job.stalls, stopped=job.stopped, suspended=job.suspended)
+    try:
+        write_outputs(outputs, report, lanes, samples, gpus, title=title)
+    except (OSError, OutputRefused) as e:
+        return report, CannotWrite(e) if isinstance(e, OSError) else e
+    if not quiet:
+        print_report(report, outputs.path, console)
+    return report, None
 
 
 def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
-    """Run the job to its end with every Python process recorded; its recordings and samples."""
+    """Run the job to its end with every Python process recorded (stopping it: parent/job.py)."""
     with writing_results():
         # absolute: the job's processes find it from wherever they are (a script may chdir, a
         # child start elsewhere); not resolved, so a link on the way is the one --out named
@@ -119,15 +132,14 @@ def run_job(argv: list[str], cfg: ProfileConfig, out: Path) -> JobRun:
         lanes = read_lanes(events)
     finally:
         shutil.rmtree(events, ignore_errors=True)
-    return JobRun(proc.pid, exit_code, lanes, sampler.samples, sampler.gpu.gpus, sampler.summary(), hangs.hang,
-                  hangs.stalls, job.stopping, job.suspended)
+    return JobRun(proc.pid, exit_code, lanes, sampler, hangs.hang, hangs.stalls, job.stopping, job.suspended)
 
 
 @contextmanager
 def removed_if_left_empty(out: Path, new: bool = False) -> Iterator[None]:
-    """The output folder, created here with its missing parents; if the work inside fails, the
-    folders made here that are still empty go again (a refusal leaves nothing behind). `new`: the
-    folder is gpulab's default, which must not exist yet (another job may just have taken it)."""
+    """The output folder, made here with its missing parents; the ones still empty go again if the
+    work inside fails (a refusal leaves nothing behind). `new`: gpulab's default, which must not
+    exist yet (another job may just have taken it)."""
     made = [folder for folder in (out, *out.parents) if not folder.exists()]  # the deepest first
     try:
         with writing_results():
@@ -143,10 +155,6 @@ def removed_if_left_empty(out: Path, new: bool = False) -> Iterator[None]:
             except OSError:  # not empty: kept, and the folders above it
                 break
         raise
-
-
-def _import_in_background(module: str) -> None:
-    threading.Thread(target=importlib.import_module, args=(module,), name="gpulab-preload", daemon=True).start()
 
 
 def job_env(events: Path, cfg: ProfileConfig) -> dict[str, str]:
@@ -167,13 +175,8 @@ def job_env(events: Path, cfg: ProfileConfig) -> dict[str, str]:
 
 def split_python_command(command: list[str]) -> tuple[str, list[str], list[str]]:
     """`python [options] (script.py | -m module | -c code) [args]` -> interpreter, options, target;
-    `torchrun [args]` as it is. The script, also the one a launcher would start, must exist."""
-    interpreter, options, target = _split(command)
-    check_launched_script(interpreter, target)
-    return interpreter, options, target
-
-
-def _split(command: list[str]) -> tuple[str, list[str], list[str]]:
+    `torchrun [args]` as it is. The script, also the one a launcher would start, must exist: else
+    every rank would start, fail at once, and leave a report of nothing."""
     if not command:
         raise UserError(f"nothing to profile: give the command after --, e.g. {_USAGE}")
     interpreter = command[0]
@@ -181,7 +184,7 @@ def _split(command: list[str]) -> tuple[str, list[str], list[str]]:
         if shutil.which(interpreter) is None:
             raise UserError(f"'{interpreter}' not found: install torch in this environment, or use "
                             f"gpulab profile -- python -m torch.distributed.run ...")
-        return interpreter, [], command[1:]
+        return interpreter, [], _checked_launch(interpreter, command[1:])
     named_python = _PYTHON.match(os.path.basename(interpreter))
     if not named_python and os.path.realpath(interpreter) != os.path.realpath(sys.executable):
         hint = f"gpulab profile -- python {' '.join(command)}" if interpreter.endswith(".py") else _USAGE
@@ -197,7 +200,7 @@ def _split(command: list[str]) -> tuple[str, list[str], list[str]]:
             target = [flag, rest, *command[i + 1:]] if rest else command[i:]
             if len(target) < 2:
                 raise UserError(f"python {flag} needs a {'module' if flag == '-m' else 'program'}: {_USAGE}")
-            return interpreter, options, target
+            return interpreter, options, _checked_launch(interpreter, target)
         if token == "-":
             raise UserError(f"a script read from stdin cannot be profiled: save it to a file, {_USAGE}")
         if token in _OPTIONS_THAT_HIDE_THE_JOB:
@@ -224,35 +227,31 @@ def _check_script(path: str) -> None:
         raise UserError(f"script {path} not found: check the path (relative to {Path.cwd()})")
 
 
-def check_launched_script(interpreter: str, target: list[str]) -> None:
-    """Under torchrun, the script it would start exists: else every rank would start, fail at once,
-    and leave a report of nothing."""
+def _checked_launch(interpreter: str, target: list[str]) -> list[str]:
+    """`target`, once the script torchrun would start is found to exist (a module, or a program
+    that may be on PATH, is not checked)."""
     launcher_args = _launcher_args(interpreter, target) or []
     for i, token in enumerate(launcher_args):
         if token in ("-m", "--module", "--no-python", "--no_python"):
-            return  # a module, or a program (which may be on PATH)
+            break
         if _is_launched_script(launcher_args, i):
             _check_script(token)
-            return
+            break
+    return target
 
 
 def _launcher_args(interpreter: str, target: list[str]) -> list[str] | None:
-    """The arguments of torchrun (`torchrun ...` or `-m torch.distributed.run ...`), or None when
-    the command runs no launcher."""
+    """The arguments of torchrun (`torchrun ...` or `-m torch.distributed.run ...`); None without it."""
     if os.path.basename(interpreter) == "torchrun":
         return target
-    if target[:2] == ["-m", "torch.distributed.run"]:
-        return target[2:]
-    return None
+    return target[2:] if target[:2] == ["-m", "torch.distributed.run"] else None
 
 
 def training_target(interpreter: str, target: list[str]) -> list[str]:
-    """What the job runs, for its name: under torchrun (`torchrun ...` or `-m torch.distributed.run
-    ...`) the script or module after the launcher's own options, else the target itself."""
+    """What the job runs, for its name: under torchrun the script or module after the launcher's
+    own options, else the target itself."""
     launcher_args = _launcher_args(interpreter, target)
-    if launcher_args is None:
-        return target
-    for i, token in enumerate(launcher_args):
+    for i, token in enumerate(launcher_args or []):
         if token in ("-m", "--module") and i + 1 < len(launcher_args):
             return ["-m", *launcher_args[i + 1:]]
         if _is_launched_script(launcher_args, i):
@@ -267,7 +266,7 @@ def _is_launched_script(launcher_args: list[str], i: int) -> bool:
 
 
 def default_out_dir(target: list[str]) -> Path:
-    """profiles/<time>-<script>, or with -2, -3, ... after it when a job started in the same second
+    """profiles/<time>-<script>, with -2, -3, ... after it when a job started in the same second
     has that name (removed_if_left_empty(..., new=True) then makes it this job's)."""
     name = target[1] if target[0] in ("-m", "-c") else Path(target[0]).stem
     name = "code" if target[0] == "-c" else re.sub(r"[^A-Za-z0-9_.-]", "_", name)

@@ -9,11 +9,9 @@ What each GPU number means, honestly:
   of SMs busy), `sm_occupancy_pct` (resident warps vs the maximum), `tensor_active_pct` (tensor
   pipes) and `dram_bw_pct` (share of peak memory bandwidth).
 
-NVML is read through `gpulab.hardware.nvml_gpus`, the one reader of the GPUs (the one `gpulab
-devices` reads too), each reading through `gpulab.hardware.nvml`'s one funnel and error policy: a
-metric the driver or GPU does not support, or refuses to give, is dropped after its first refusal;
-any other failure reads None for that sample. Without NVML or without a GPU the sampler still
-records the process's CPU and memory, and how the job's threads got the cores (CoreReader).
+NVML is read through `gpulab.hardware.nvml_gpus` (as `gpulab devices` reads it) and its one error
+policy: a metric the driver or GPU refuses is dropped after its first refusal; any other failure
+reads None for that sample. Without NVML or a GPU, the process and the cores are still sampled.
 """
 
 from __future__ import annotations
@@ -22,11 +20,12 @@ import os
 import sys
 import threading
 import time
+from contextlib import suppress
 
 import psutil
 
 from gpulab.hardware.nvml import Queries, start_nvml, stop_nvml
-from gpulab.hardware.nvml_gpus import GpmPair, NvmlGpu, list_gpus
+from gpulab.hardware.nvml_gpus import NvmlGpu, list_gpus
 from gpulab.hardware.visible import cuda_visible_devices, parse_cuda_visible_devices
 from gpulab.host import ThreadTimes, cpus_busy_s, schedstat, thread_ids, usable_cores, usable_cpus
 
@@ -42,6 +41,7 @@ GPM_METRICS = {
 # are read every sample; its thread count and the DataLoader workers (the list of children needs
 # a scan of /proc) are refreshed this often, their values repeated in between.
 _SLOW_REFRESH_S = 1.0
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
 
 
 # ----------------------------------------------------------------------------- GPUs
@@ -56,34 +56,23 @@ GPM_FAILURES_BEFORE_OFF = 3
 
 
 class GpuReader:
-    """Per-GPU samples, from NVML's readings (hardware/nvml_gpus.py). `status` says why there are
-    none, when there are none."""
+    """Per-GPU samples of the GPUs this process may use; `status` says why there are none."""
 
     def __init__(self, job_pids=None):
-        self.gpus: list[dict] = []  # static facts: index, name, uuid, memory_total_mib, gpm
-        # The pids whose GPU use is "the job's" (the training process and its children), for NVML's
-        # per-process utilization; device-wide figures also count other users of a shared GPU.
+        # job_pids: the pids whose GPU use is "the job's", for NVML's per-process utilization
+        # (device-wide figures also count other users of a shared GPU); None: not asked
         self._job_pids = job_pids
-        self._process_ts: dict[int, int] = {}  # index -> NVML timestamp (us) of the last sample seen
         self.status = "ok"
-        self._nvml = None
-        self._sampled: list[NvmlGpu] = []
-        self._queries: dict[int, Queries] = {}  # index -> the samples' queries: what NVML refused
-        self._pcie_counters: dict[int, bool] = {}  # index -> NVML gives the cumulative PCIe byte counters
-        self._pcie_last: dict[int, tuple[float, int, int]] = {}
-        self._gpm: dict[int, GpmPair] = {}
-        self._gpm_taken_at: dict[int, float] = {}
-        self._gpm_failures: dict[int, int] = {}
-        nv, _, why = start_nvml()
-        if nv is None:
+        self.gpus: list[dict] = []  # static facts: index, name, uuid, memory_total_mib, gpm
+        self._sampled: list[_SampledGpu] = []
+        self._nvml, _, why = start_nvml()
+        if self._nvml is None:
             self.status = why
             return
-        self._nvml = nv
-        listing = Queries(nv)
+        listing = Queries(self._nvml)
         found = list_gpus(listing)
-        for gpu in _visible(found):
-            if gpu.handle is not None:
-                self._open(gpu)
+        self._sampled = [_SampledGpu(gpu, self._nvml) for gpu in _visible(found) if gpu.handle is not None]
+        self.gpus = [s.info for s in self._sampled]
         # What failed while listing and opening, each GPU's static facts included, is one status.
         problem = next((q.problem for q in [listing, *(gpu.queries for gpu in found)] if q.problem), None)
         if problem:
@@ -91,120 +80,120 @@ class GpuReader:
         elif not self.gpus:
             self.status = "no GPU visible"
 
-    def _open(self, gpu: NvmlGpu) -> None:
-        """Read what is read once, at the start: the GPU's facts, and which optional counters it has."""
-        index = gpu.index
-        info = {"index": index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_mib": gpu.memory_total_mib,
-                "gpm": False}
-        self._pcie_counters[index] = gpu.has_pcie_counters
-        gpm = gpu.open_gpm()  # older drivers and GPUs have no GPM
-        if gpm is not None:
-            self._gpm[index] = gpm
-            info["gpm"] = True
-        self.gpus.append(info)
-        self._sampled.append(gpu)
-        self._queries[index] = Queries(self._nvml)
-
     def read(self) -> list[dict]:
-        if self._nvml is None:
-            return []
-        return [self._read_one(gpu) for gpu in self._sampled]
+        return [s.read(self._job_pids) for s in self._sampled] if self._nvml is not None else []
 
-    def _read_one(self, gpu: NvmlGpu) -> dict:
-        index = gpu.index
-        row: dict[str, float | None] = {}
+    def unsupported(self) -> dict[int, list[str]]:
+        """What NVML refused for good, per GPU index."""
+        return {s.gpu.index: sorted(s.queries.unsupported) for s in sorted(self._sampled, key=lambda s: s.gpu.index)
+                if s.queries.unsupported}
+
+    def close(self) -> None:
+        if self._nvml is None:
+            return
+        for s in self._sampled:
+            if s.gpm is not None:
+                s.gpm.close()
+                s.gpm = None
+        stop_nvml(self._nvml)
+        self._nvml = None
+
+
+class _SampledGpu:
+    """One GPU's readings, and what is kept between them: the counters' last values, and which
+    metrics NVML refused."""
+
+    def __init__(self, gpu: NvmlGpu, nv):
+        self.gpu = gpu
+        self.info = {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_mib": gpu.memory_total_mib,
+                     "gpm": False}
+        self.pcie_counters = gpu.has_pcie_counters  # read once, at the start, as the facts are
+        self.gpm = gpu.open_gpm()  # older drivers and GPUs have no GPM
+        self.info["gpm"] = self.gpm is not None
+        self.queries = Queries(nv)  # the samples' queries: what NVML refused
+        self.pcie_last: tuple[float, int, int] | None = None
+        self.process_ts = 0  # NVML's timestamp (us) of the last per-process sample seen
+        self.gpm_taken_at = -GPM_MIN_GAP_S
+        self.gpm_failures = 0
+
+    def read(self, job_pids) -> dict:
+        gpu, row = self.gpu, {}
 
         def util():
             kernel_active, memory_busy = gpu.utilization_pct()
             return {"kernel_active_pct": float(kernel_active), "memory_busy_pct": float(memory_busy)}
 
-        self._try(index, "utilization", row, util)
-        self._try(index, "memory_used_mib", row, gpu.memory_used_mib)
-        self._try(index, "power_w", row, gpu.power_w)
-        self._try(index, "sm_clock_mhz", row, lambda: float(gpu.sm_clock_mhz()))
-        self._try(index, "pcie", row, lambda: self._pcie(gpu))
-        if self._job_pids is not None:
-            # NOT_FOUND: no process used the GPU since the last sample seen.
-            self._try(index, "process_utilization", row, lambda: self._process_sm(gpu),
+        self._try("utilization", row, util)
+        self._try("memory_used_mib", row, gpu.memory_used_mib)
+        self._try("power_w", row, gpu.power_w)
+        self._try("sm_clock_mhz", row, lambda: float(gpu.sm_clock_mhz()))
+        self._try("pcie", row, self._pcie)
+        if job_pids is not None:  # NOT_FOUND: no process used the GPU since the last sample seen
+            self._try("process_utilization", row, lambda: self._process_sm(job_pids()),
                       none_found={"process_sm_pct": 0.0})
-        if index in self._gpm and self._gpm_due(index):
-            self._try(index, "gpm", row, lambda: self._gpm_metrics(index))
+        if self.gpm is not None and self._gpm_due():
+            self._try("gpm", row, self._gpm_metrics)
         return row
 
-    def _try(self, index: int, metric: str, row: dict, read, none_found=None) -> None:
+    def _try(self, metric: str, row: dict, read, none_found=None) -> None:
         """Store `read()` under `metric` (or merge a dict); None when this sample failed, and
         nothing at all once NVML has refused the metric for good."""
-        queries = self._queries[index]
-        value = queries.query(metric, read, none_found)
-        if metric in queries.unsupported:
+        value = self.queries.query(metric, read, none_found)
+        if metric in self.queries.unsupported:
             return
         if isinstance(value, dict):
             row.update(value)
         else:
             row[metric] = value
 
-    def _pcie(self, gpu: NvmlGpu) -> dict:
+    def _pcie(self) -> dict:
         """PCIe MB/s from NVML's cumulative byte counters (non-blocking), else the 20 ms sampled API."""
-        if not self._pcie_counters[gpu.index]:
-            tx_mb_s, rx_mb_s = gpu.pcie_throughput_mb_s()  # blocks ~20 ms per call: only as a fallback
+        if not self.pcie_counters:
+            tx_mb_s, rx_mb_s = self.gpu.pcie_throughput_mb_s()  # blocks ~20 ms per call: only as a fallback
             return {"pcie_tx_mb_s": tx_mb_s, "pcie_rx_mb_s": rx_mb_s}
-        counts = gpu.pcie_byte_counts()
+        counts = self.gpu.pcie_byte_counts()
         if counts is None:
             return {}  # no counts this time: the next rate spans the gap
         now, (tx, rx) = time.perf_counter(), counts
-        last = self._pcie_last.get(gpu.index)
-        self._pcie_last[gpu.index] = (now, tx, rx)
+        last, self.pcie_last = self.pcie_last, (now, tx, rx)
         if last is None or now <= last[0]:
             return {}
         dt = now - last[0]
         return {"pcie_tx_mb_s": (tx - last[1]) / dt / 1e6, "pcie_rx_mb_s": (rx - last[2]) / dt / 1e6}
 
-    def _process_sm(self, gpu: NvmlGpu) -> dict:
+    def _process_sm(self, pids: set[int]) -> dict:
         """The job's own SM share on this GPU: NVML's per-process samples since the last read,
         averaged per process and summed over the job's processes."""
-        found = gpu.process_samples(self._process_ts.get(gpu.index, 0))
+        found = self.gpu.process_samples(self.process_ts)
         if found:
-            self._process_ts[gpu.index] = max(s.timeStamp for s in found)
-        pids = self._job_pids()
+            self.process_ts = max(s.timeStamp for s in found)
         per_pid: dict[int, list[float]] = {}
         for s in found:
             if s.pid in pids:
                 per_pid.setdefault(s.pid, []).append(float(s.smUtil))
         return {"process_sm_pct": sum(sum(v) / len(v) for v in per_pid.values())}
 
-    def _gpm_due(self, index: int) -> bool:
+    def _gpm_due(self) -> bool:
         now = time.monotonic()
-        if now - self._gpm_taken_at.get(index, -GPM_MIN_GAP_S) < GPM_MIN_GAP_S:
+        if now - self.gpm_taken_at < GPM_MIN_GAP_S:
             return False
-        self._gpm_taken_at[index] = now
+        self.gpm_taken_at = now
         return True
 
-    def _gpm_metrics(self, index: int) -> dict:
+    def _gpm_metrics(self) -> dict:
         """GPM metrics over the interval between the previous sample and this one."""
-        by_id = self._gpm[index].metrics_since_last(list(GPM_METRICS))
+        by_id = self.gpm.metrics_since_last(list(GPM_METRICS))
         if not by_id:
             return {}  # the first sample only opens a pair
         out = {name: by_id[metric_id] for metric_id, name in GPM_METRICS.items()}
         if all(v is None for v in out.values()):
-            self._gpm_failures[index] = self._gpm_failures.get(index, 0) + 1
-            if self._gpm_failures[index] >= GPM_FAILURES_BEFORE_OFF:
-                self._queries[index].unsupported.add("gpm")  # never asked again, like a refused metric
+            self.gpm_failures += 1
+            if self.gpm_failures >= GPM_FAILURES_BEFORE_OFF:
+                self.queries.unsupported.add("gpm")  # never asked again, like a refused metric
                 return {}
             return out
-        self._gpm_failures[index] = 0
+        self.gpm_failures = 0
         return out
-
-    def unsupported(self) -> dict[int, list[str]]:
-        return {index: sorted(q.unsupported) for index, q in sorted(self._queries.items()) if q.unsupported}
-
-    def close(self) -> None:
-        if self._nvml is None:
-            return
-        for gpm in self._gpm.values():
-            gpm.close()
-        self._gpm.clear()
-        stop_nvml(self._nvml)
-        self._nvml = None
 
 
 def _visible(gpus: list[NvmlGpu]) -> list[NvmlGpu]:
@@ -225,28 +214,24 @@ class ProcessReader:
     """CPU %, memory and threads of one process, and the sum over its children (DataLoader workers,
     multiprocessing children).
 
-    CPU % is psutil's: 100 means one core busy, so a process can read 400 on four cores. The
-    children's CPU is counted from CPU *time*: the live ones' own, plus what the kernel credits a
-    parent for the children it has reaped. So workers that live for one epoch only (a DataLoader
-    without persistent_workers), even for less than a sampling period, still count.
+    CPU % is psutil's: 100 means one core busy. The children's CPU is counted from CPU *time*: the
+    live ones' own, plus what the kernel credits a parent for the children it has reaped, so that
+    workers that live for one epoch only, even for less than a sampling period, still count.
     """
 
     def __init__(self, pid: int):
         self.proc = psutil.Process(pid)
         self.proc.cpu_percent(None)  # the first call only starts psutil's measurement
-        self._children: dict[int, psutil.Process] = {}
+        self.children: dict[int, psutil.Process] = {}
         self._slow = {"threads": self.proc.num_threads(), "workers": 0, "workers_cpu_pct": 0.0, "workers_rss_mib": 0.0}
         self._slow_read_at = time.monotonic()
         self._children_cpu_s = self._reaped_cpu_s()
-
-    def child_pids(self) -> list[int]:
-        return list(self._children)
 
     def read(self) -> dict | None:
         try:
             with self.proc.oneshot():
                 row = {"cpu_pct": self.proc.cpu_percent(None), "rss_mib": self.proc.memory_info().rss / 2**20}
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except _GONE:
             return None
         now = time.monotonic()
         if now - self._slow_read_at >= _SLOW_REFRESH_S:
@@ -265,19 +250,19 @@ class ProcessReader:
             self._slow["threads"] = self.proc.num_threads()
             found = {c.pid: c for c in self.proc.children(recursive=True)}
             cpu_s = self._reaped_cpu_s()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except _GONE:
             return
         rss = 0.0
         for pid, child in list(found.items()):
-            known = self._children.setdefault(pid, child)
+            known = self.children.setdefault(pid, child)
             try:
                 with known.oneshot():
                     t = known.cpu_times()
                     cpu_s += t.user + t.system + t.children_user + t.children_system
                     rss += known.memory_info().rss / 2**20
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            except _GONE:
                 found.pop(pid, None)
-        self._children = {pid: self._children[pid] for pid in found}
+        self.children = {pid: self.children[pid] for pid in found}
         # A child that died since the last read and is not reaped yet drops out for a moment:
         # never report a negative rate for that.
         used = max(0.0, cpu_s - self._children_cpu_s)
@@ -295,21 +280,17 @@ class CoreReader:
     """How the job's threads got the cores, as running totals (seconds since the sampler started),
     so that the analysis takes the difference between any two samples (analyze/contention.py):
 
-    - `ran_s`, `waited_s`: the job's threads (every process of the job: the script, its DataLoader
-      workers, torchrun's ranks) on a core, and runnable but waiting on a run queue for one
-      (/proc/<pid>/task/<tid>/schedstat). A thread first seen counts from its start (a worker
-      process is known from the next refresh of the job's processes, within _SLOW_REFRESH_S: it
-      loses nothing); one that ended since the last sample loses that sample's share.
-    - `busy_ran_s`, `busy_waited_s`: the same for the threads that were busy in each interval
-      (had work at least half of it: gpulab.host.ThreadTimes); `busy_threads`: how many were, in
-      the last interval.
-    - `cores`: the cores the job may use (gpulab.host.usable_cores: affinity, cgroup quota);
-      `cores_busy_s`: the time those CPUs were busy with anything (/proc/stat), the job included.
-    - `pressure_s`: the kernel's CPU pressure, "some" (time at least one task of the machine waited
-      for a core, /proc/pressure/cpu); None where the kernel has no PSI.
+    - `ran_s`, `waited_s`: every thread of the job's processes on a core, and runnable but waiting
+      for one (/proc/<pid>/task/<tid>/schedstat). A thread first seen counts from its start (a
+      worker is known within _SLOW_REFRESH_S: it loses nothing); one that ended since the last
+      sample loses that sample's share.
+    - `busy_ran_s`, `busy_waited_s`: the same for the threads that had work at least half of each
+      interval (gpulab.host.ThreadTimes); `busy_threads`: how many did, in the last interval.
+    - `cores`: the cores the job may use (affinity, cgroup quota); `cores_busy_s`: the time those
+      CPUs were busy with anything (/proc/stat).
+    - `pressure_s`: the kernel's CPU pressure "some" (/proc/pressure/cpu); None without PSI.
 
-    Every sample lists each process's threads and reads their counters (~10 us a thread, one
-    /proc/stat and one PSI read: sampler.summary's cost); the job's cores every _SLOW_REFRESH_S.
+    Each sample reads every thread's counters (~10 us a thread); the job's cores every _SLOW_REFRESH_S.
     """
 
     def __init__(self, pid: int, job_pids):
@@ -325,7 +306,8 @@ class CoreReader:
     def read(self) -> dict:
         now = time.monotonic()
         if now - self._cores_read_at >= _SLOW_REFRESH_S:
-            self._read_cores()
+            with suppress(OSError):  # the job's first process has ended: keep what was known
+                self._cores, self._cpus = usable_cores(self.pid), usable_cpus(self.pid)
             self._cores_read_at = now
         t = time.perf_counter()
         interval_ns = (t - self._last_t) * 1e9
@@ -355,12 +337,6 @@ class CoreReader:
             "pressure_s": pressure - self._pressure0 if pressure is not None else None,
         }
 
-    def _read_cores(self) -> None:
-        try:
-            self._cores, self._cpus = usable_cores(self.pid), usable_cpus(self.pid)
-        except OSError:  # the job's first process has ended: keep what was known
-            pass
-
     @staticmethod
     def _pressure_s() -> float | None:
         try:
@@ -380,11 +356,9 @@ MAX_SAMPLES = 20_000  # ~35 minutes at 0.1 s; beyond it, every other one is drop
 class Sampler:
     """Samples the GPUs and process `pid` every `interval_s` seconds on a daemon thread.
 
-    `samples` holds one dict per sample: {"t": perf_counter seconds, "gpus": [per-GPU dict],
-    "proc": {...} or None, "cores": CoreReader's totals or None}. perf_counter is CLOCK_MONOTONIC
-    on Linux, the same clock in every process, so samples taken here line up with step times
-    recorded in the training process.
-    `cost_s` holds the CPU time each sample took: the sampler's own overhead, measured.
+    `samples`: {"t": perf_counter seconds, "gpus": [per-GPU dict], "proc": {...} or None, "cores":
+    CoreReader's totals or None}; perf_counter is CLOCK_MONOTONIC on Linux, the same clock in every
+    process, so samples line up with the steps recorded in the job. `cost_s`: each sample's CPU time.
     """
 
     def __init__(self, interval_s: float = 0.1, pid: int | None = None):
@@ -403,7 +377,7 @@ class Sampler:
     def _job_pids(self) -> set[int]:
         """The sampled process and its children (DataLoader workers, ranks under torchrun)."""
         proc = self._proc
-        return {self.pid, *proc.child_pids()} if proc else {self.pid}
+        return {self.pid, *proc.children} if proc else {self.pid}
 
     def start(self) -> "Sampler":
         try:
@@ -435,8 +409,9 @@ class Sampler:
         next_t = time.perf_counter()
         while True:
             self.samples.append(self.sample())
-            if len(self.samples) >= MAX_SAMPLES:
-                self._thin_out()
+            if len(self.samples) >= MAX_SAMPLES:  # bounded, whatever the run's length
+                self.samples, self.cost_s = self.samples[::2], self.cost_s[::2]
+                self.interval_s *= 2
             next_t += self.interval_s
             now = time.perf_counter()
             if next_t < now:  # a sample took longer than the interval: skip, don't bunch up
@@ -444,17 +419,9 @@ class Sampler:
             if self._stop.wait(next_t - now):
                 return
 
-    def _thin_out(self) -> None:
-        """A long run: keep every other sample and sample half as often from now on, so the samples
-        (and the report's memory) stay bounded whatever the run's length."""
-        self.samples = self.samples[::2]
-        self.cost_s = self.cost_s[::2]
-        self.interval_s *= 2
-
     def summary(self) -> dict:
         """Facts about the sampler itself for the report: interval, count, its own cost."""
-        cost = sorted(self.cost_s)
-        mean = sum(cost) / len(cost) if cost else 0.0
+        mean = sum(self.cost_s) / len(self.cost_s) if self.cost_s else 0.0
         return {
             "interval_s": self.interval_s,
             "samples": len(self.samples),

@@ -1,34 +1,30 @@
 """`gpulab profile --try num_workers=2 --steps 30 -- python train.py`: measure advice before taking it.
 
-The script runs for its first K steps (after the warm-up) as it is and with the change: forced on
-every DataLoader it builds, or torch's intra-op threads set in every process (no edit of the
-script). One pair of runs is not enough on a machine that is not quiet: another job, a cold page
-cache or a noisy neighbour moves one run's steps by more than the change does. So the runs
-alternate (as is, changed; changed, as is; ...) and each pair gives one ratio, taken side by side
-in time; the trial stops when the latest ratios agree, or when its budget of pairs runs out and
-then says the result is not reliable, with the spread (and the direction, where every pair
-agrees on it). A change that cannot act (prefetch_factor on a loader without workers, a
-DataLoader setting where the script iterates none) is refused, not measured: its ratio would only
-be noise; so is a run that fails or ends before its steps are measured.
+The script runs its first K steps (after the warm-up) as it is and with the change forced on
+every DataLoader it builds, or on torch's intra-op threads in every process. One pair of runs is
+not enough on a machine that is not quiet (another job, a cold page cache, a noisy neighbour move
+one run's steps by more than the change does), so the runs alternate and each pair, taken side by
+side in time, gives one ratio, until the latest ratios agree or the budget of pairs runs out. A
+change that cannot act, or a run that ends before its steps, is refused, not measured: its ratio
+would only be noise.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 
 from gpulab.errors import UserError
 from gpulab.host import usable_cores
-from gpulab.io import OutputFolder, check_writable, json_bytes, writing_results
+from gpulab.io import json_bytes, writing_results
 from gpulab.monitor.config import WORKERS_PER_CORE, ProfileConfig
 from gpulab.monitor.analyze.step_costs import percentile, step_seconds
 from gpulab.monitor.events import diagnosed_lane
-from gpulab.monitor.parent.runner import (default_out_dir, removed_if_left_empty, run_job, split_python_command,
-                                          training_target)
+from gpulab.monitor.parent.runner import job_folder, run_job
 
 TRYABLE = {"num_workers": int, "prefetch_factor": int, "pin_memory": bool, "persistent_workers": bool, "threads": int}
 WORKER_SETTINGS = ("prefetch_factor", "persistent_workers")  # DataLoader ignores them without workers
@@ -39,25 +35,12 @@ MIN_PAIRS = 2
 STABLE_SPREAD = 0.10
 STABLE_WINDOW = 3
 TRY_OUTPUT = "try.json"
-
-
-@dataclass(frozen=True)
-class Change:
-    """What one --try changes: DataLoader arguments, and/or torch's intra-op threads (0: as is)."""
-
-    dataloader: dict = field(default_factory=dict)
-    threads: int = 0
-
-    def applied_to(self, cfg: ProfileConfig, stop_after_steps: int) -> ProfileConfig:
-        return replace(cfg, stop_after_steps=stop_after_steps, dataloader_overrides=self.dataloader,
-                       torch_threads=self.threads)
-
-    def to_dict(self) -> dict:
-        return {**self.dataloader, **({"threads": self.threads} if self.threads else {})}
+AS_IS = "as it is"
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """["num_workers=2", "pin_memory=true"] -> {"num_workers": 2, "pin_memory": True}."""
+    """["num_workers=2", "pin_memory=true"] -> {"num_workers": 2, "pin_memory": True}; what cannot
+    be measured is refused at once."""
     overrides = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -65,8 +48,7 @@ def parse_overrides(items: list[str]) -> dict:
             raise UserError(f"--try {item}: use KEY=VALUE with KEY one of {', '.join(TRYABLE)}, e.g. --try num_workers=2")
         if key in overrides:  # one of the two would be measured, and the label would name both
             raise UserError(f"--try {item}: {key} is given twice: try one value at a time")
-        kind = TRYABLE[key]
-        if kind is bool:
+        if TRYABLE[key] is bool:
             if text.lower() not in ("true", "false", "1", "0"):
                 raise UserError(f"--try {item}: {key} is true or false")
             overrides[key] = text.lower() in ("true", "1")
@@ -75,40 +57,20 @@ def parse_overrides(items: list[str]) -> dict:
             if not (text.isascii() and text.isdigit()) or int(text) < at_least:
                 raise UserError(f"--try {item}: {key} is a whole number{' of 1 or more' if at_least else ''}")
             overrides[key] = int(text)
-    _check_workers(overrides)
-    _check_threads(overrides)
-    return overrides
-
-
-def parse_change(items: list[str]) -> Change:
-    overrides = parse_overrides(items)
-    threads = overrides.pop("threads", 0)
-    return Change(dataloader=overrides, threads=threads)
-
-
-def _check_workers(overrides: dict) -> None:
-    """Refuse at once what cannot be measured: more workers than the machine can run (each is a
-    process: 100000 of them fork until the machine gives out), or a worker setting with none."""
-    workers = overrides.get("num_workers")
-    cores = usable_cores()
+    workers, threads, cores = overrides.get("num_workers"), overrides.get("threads"), usable_cores()
+    # each worker is a process: 100000 of them fork until the machine gives out
     if workers is not None and workers > WORKERS_PER_CORE * cores:
         raise UserError(f"--try num_workers={workers}: this machine has {cores} usable cores, and more than "
                         f"{WORKERS_PER_CORE * cores} workers ({WORKERS_PER_CORE} per core) only compete for them: "
                         f"try num_workers={_workers_to_try()}")
-    if workers == 0:
-        for key in WORKER_SETTINGS:
-            if key in overrides:
-                raise UserError(f"--try {_item(key, overrides[key])} with num_workers=0: {key} only acts with "
-                                f"num_workers > 0: try it with --try num_workers={_workers_to_try()}")
-
-
-def _check_threads(overrides: dict) -> None:
-    """More intra-op threads than usable cores can only wait for each other: nothing to measure."""
-    threads = overrides.get("threads")
-    cores = usable_cores()
+    for key in WORKER_SETTINGS if workers == 0 else ():
+        if key in overrides:
+            raise UserError(f"--try {_item(key, overrides[key])} with num_workers=0: {key} only acts with "
+                            f"num_workers > 0: try it with --try num_workers={_workers_to_try()}")
     if threads is not None and threads > cores:
         raise UserError(f"--try threads={threads}: this machine has {cores} usable cores, and torch's threads "
                         f"beyond them only wait for each other: try threads=1 .. {cores}")
+    return overrides
 
 
 def _workers_to_try() -> int:
@@ -120,14 +82,13 @@ def check_change_acts(overrides: dict, loaders: list[dict]) -> None:
     """After the run as it is: a DataLoader setting where the run iterated no DataLoader, or a
     worker setting (prefetch_factor, persistent_workers) on loaders that all have num_workers=0,
     changes nothing (DataLoader ignores it), so it is refused, not measured."""
+    overrides = {key: value for key, value in overrides.items() if key != "threads"}  # acts without a loader
     if overrides and not loaders:
         key = next(iter(overrides))
         raise UserError(f"--try {_item(key, overrides[key])}: the script iterated no DataLoader in the run as it is, "
                         f"so a DataLoader setting changes nothing there (--try threads=N acts without one)")
     settings = [key for key in WORKER_SETTINGS if key in overrides]
-    if not settings or "num_workers" in overrides:
-        return
-    if all(loader["num_workers"] == 0 for loader in loaders):
+    if settings and "num_workers" not in overrides and all(loader["num_workers"] == 0 for loader in loaders):
         key = settings[0]
         where = loaders[0]["where"] or "the script"
         raise UserError(f"--try {_item(key, overrides[key])}: {key} only acts with num_workers > 0, and the "
@@ -141,43 +102,32 @@ def _item(key: str, value) -> str:
 
 
 class Stopped(Exception):
-    """A signal to gpulab (Ctrl-C, SIGTERM) ended a run of the trial, and so the trial."""
-
-    def __init__(self, label: str, exit_code: int):
-        super().__init__(label)
-        self.label, self.exit_code = label, exit_code
+    """A signal to gpulab (Ctrl-C, SIGTERM) ended a run of the trial, and so the trial: (label, exit code)."""
 
 
 def try_command(command: list[str], out: Path | None, cfg: ProfileConfig, items: list[str], steps: int,
                 max_pairs: int, force: bool = False) -> int:
-    change = parse_change(items)
+    change = parse_overrides(items)
+    if "threads" in change:  # last, as try.json names the change
+        change["threads"] = change.pop("threads")
     if steps < 3:
         raise UserError(f"--steps {steps}: measure at least 3 steps (e.g. --steps 30) to see a spread")
     if not MIN_PAIRS <= max_pairs <= 50:
         raise UserError(f"--max-pairs {max_pairs}: use {MIN_PAIRS} to 50 (each pair runs the script twice)")
-    interpreter, options, target = split_python_command(command)
-    default = out is None
-    out = out or default_out_dir(training_target(interpreter, target))
-    outputs = OutputFolder.out(out, force)
-    check_writable(out)
-    outputs.check([TRY_OUTPUT])  # before the runs: minutes of them, then nowhere to write
-    argv = [interpreter, *options, *target]
     label = "with " + " ".join(items)
-    try:
-        with removed_if_left_empty(out, new=default):
-            trial = _Trial(argv, cfg, steps, out)
+    try:  # the output is checked before the runs: minutes of them, then nowhere to write
+        with job_folder(command, out, force, [TRY_OUTPUT]) as (argv, _, outputs):
+            trial = _Trial(argv, cfg, steps, outputs.path)
             trial.run_until_stable(change, label, max_pairs)
             result = trial.result(change, label)
             with writing_results():
                 outputs.write({TRY_OUTPUT: json_bytes(result)})
     except Stopped as e:  # as gpulab profile ends with the job a signal ended
-        print(f"gpulab profile --try: stopped during the run {e.label}; nothing measured is kept", file=sys.stderr)
-        return e.exit_code
-    _print(result, out)
+        label, exit_code = e.args
+        print(f"gpulab profile --try: stopped during the run {label}; nothing measured is kept", file=sys.stderr)
+        return exit_code
+    _print(result, outputs.path)
     return 0
-
-
-AS_IS = "as it is"
 
 
 class _Trial:
@@ -188,25 +138,28 @@ class _Trial:
         self.times: dict[str, list[list[float]]] = {}  # label -> each run's step times
         self.ratios: list[float] = []  # per pair: as-is median / changed median
 
-    def run_until_stable(self, change: Change, label: str, max_pairs: int) -> None:
+    def run_until_stable(self, change: dict, label: str, max_pairs: int) -> None:
         for pair in range(max_pairs):
             # The order alternates, so a machine getting slower (or faster) over the trial favours
             # neither side.
-            order = [(AS_IS, Change()), (label, change)]
+            order = [(AS_IS, {}), (label, change)]
             for run_label, run_change in order if pair % 2 == 0 else order[::-1]:
                 times, loaders = self._measure(run_change, run_label)
                 self.times.setdefault(run_label, []).append(times)
                 if pair == 0 and run_label == AS_IS:
-                    check_change_acts(change.dataloader, loaders)
+                    check_change_acts(change, loaders)
             self.ratios.append(statistics.median(self.times[AS_IS][-1]) / statistics.median(self.times[label][-1]))
             if stable(self.ratios):
                 return
 
-    def _measure(self, change: Change, label: str) -> tuple[list[float], list[dict]]:
+    def _measure(self, change: dict, label: str) -> tuple[list[float], list[dict]]:
         """Run the first steps with `change`: the measured steps' times, and the loaders the
         diagnosed process iterated."""
         warmup = self.cfg.warmup_steps
-        job = run_job(self.argv, change.applied_to(self.cfg, warmup + self.steps), self.out)
+        loader_settings = {key: value for key, value in change.items() if key != "threads"}
+        cfg = replace(self.cfg, stop_after_steps=warmup + self.steps, dataloader_overrides=loader_settings,
+                      torch_threads=change.get("threads", 0))
+        job = run_job(self.argv, cfg, self.out)
         if job.stopped and job.hang is None:
             raise Stopped(label, job.exit_code)
         lane = diagnosed_lane(job.lanes, job.pid)
@@ -224,12 +177,12 @@ class _Trial:
             raise UserError(f"--try: the script ended after {steps} steps, before {asked}: {fix}")
         return times, lane.loaders
 
-    def result(self, change: Change, label: str) -> dict:
+    def result(self, change: dict, label: str) -> dict:
         before = _distribution([t for run in self.times[AS_IS] for t in run])
         after = _distribution([t for run in self.times[label] for t in run])
         reliable = stable(self.ratios)
         window = self.ratios[-STABLE_WINDOW:] if reliable else self.ratios
-        result = {"overrides": change.to_dict(), "steps": self.steps, "warmup_steps": self.cfg.warmup_steps,
+        result = {"overrides": change, "steps": self.steps, "warmup_steps": self.cfg.warmup_steps,
                   "runs": {AS_IS: before, label: after},
                   "pairs": [round(r, 4) for r in self.ratios],
                   "speedup": round(statistics.median(window), 3),
