@@ -1,17 +1,16 @@
 """The recording format, read back: one JSON-lines file per recorded process.
 
-Written by the recorder (record/) inside each process of the profiled job, read by the
-report side in `gpulab profile`'s own process. This module imports no torch: the parent must not
-pay for it (2-3 s) and must not change the script's environment.
+Written by the recorder (record/) inside each process of the profiled job, read in `gpulab
+profile`'s own process. No torch here: the parent must not pay for it (2-3 s) nor change the
+script's environment.
 
 A process's file holds, in order of writing, the records typed below (TypedDicts: the JSON
 objects themselves, so writing and reading cost nothing extra): process, start, rank (once
-torch.distributed's default group is up), loader*, rule*, cuda (once the GPU is used), compile*
-(torch.compile's), then step*/fold*, kernels (CUDA), memory,
-block* (the steps after the detailed window, summed), tail, oom (if it ran out of memory), end;
-and the whole-run tallies sites, hot, spans, facts, loader_use, rewritten at every flush (the last
-one wins). The file is read line by line and the blocks merged down to MAX_BLOCKS, so reading a
-recording of any length takes a bounded memory.
+torch.distributed's default group is up), loader*, rule*, cuda (once the GPU is used), compile*,
+then step*/fold*, kernels (CUDA), memory, block* (the steps after the detailed window, summed),
+tail, oom, end; and the whole-run tallies sites, hot, spans, facts, loader_use, rewritten at
+every flush (the last one wins). Reading goes line by line and merges blocks down to MAX_BLOCKS:
+a recording of any length is read in bounded memory.
 
 perf_counter() is CLOCK_MONOTONIC on Linux and macOS: one clock for every process of a machine,
 so lanes line up without translation.
@@ -39,7 +38,7 @@ PASSES_COUNT = "passes"
 
 class ProcessRecord(TypedDict):
     """Written at interpreter start-up (autostart/sitecustomize.py), or when a forked child
-    becomes its own lane; `error`: what kept gpulab's recorder from loading there."""
+    becomes its own lane; `error`: what kept the recorder from loading."""
     type: Literal["process"]
     pid: int
     ppid: int
@@ -69,9 +68,8 @@ class StartRecord(TypedDict):
 
 
 class RankRecord(TypedDict):
-    """torch.distributed's default process group is up in this process: its rank, whoever
-    launched it (torchrun sets RANK before start; Lightning, mp.spawn and others pass the rank to
-    init_process_group)."""
+    """torch.distributed's default group is up: its rank, whoever launched it (torchrun sets RANK
+    before start; Lightning, mp.spawn and others pass it to init_process_group)."""
     type: Literal["rank"]
     t: float
     rank: int
@@ -79,8 +77,7 @@ class RankRecord(TypedDict):
 
 
 class LoaderRecord(TypedDict):
-    """A DataLoader the process iterated (one record per distinct loader: the same settings
-    re-made each epoch are one): its settings, where it was iterated and where it was built."""
+    """A DataLoader the process iterated (the same settings re-made each epoch are one)."""
     type: Literal["loader"]
     where: str | None  # the user's line that iterated it (under a framework: the line that called it, trainer.fit)
     # The user's line that built it; for a framework's copy, the user's loader's line, else the
@@ -98,8 +95,8 @@ class LoaderRecord(TypedDict):
 
 
 class LoaderUseRecord(TypedDict):
-    """Per loader record, in their order: the steps whose last batch before the step ended came
-    from it, i.e. the batches the steps trained on; its passes and their seconds (a whole-run tally)."""
+    """Per loader record, in their order (a whole-run tally): the steps whose last batch came from
+    it - the batches they trained on -, its passes and their seconds."""
     type: Literal["loader_use"]
     steps_fed: list[int]
     passes: NotRequired[list[int]]
@@ -143,13 +140,12 @@ class BlockRecord(TypedDict):
 
 
 class CompileRecord(TypedDict):
-    """torch.compile did or said something (record/probes/compiled.py): kind "compile" (t0..t1: its
-    seconds; trigger: dynamo, lazy_backward, cudagraph_recording; compile_id "frame/attempt",
-    attempt > 0 a recompile), "recompile" (reason: the guards that failed), "graph_break"
-    (reason: torch's), "cudagraph_skip" (reason: torch's), "cudagraph_rerecord" (reason: what changed
-    since the graph was recorded, and for which inputs). where: the script's line - the call into
-    the compiled code, or the line that broke the graph; defined_at: a recompiled function's own
-    line."""
+    """torch.compile did or said something (record/probes/compiled.py). kind "compile": t0..t1,
+    trigger (dynamo, lazy_backward, cudagraph_recording), compile_id "frame/attempt" (attempt > 0:
+    a recompile); "recompile": reason, the guards that failed; "graph_break", "cudagraph_skip":
+    torch's reason; "cudagraph_rerecord": what changed since the recording, for which inputs.
+    where: the script's line (the call into compiled code, or the line that broke the graph);
+    defined_at: a recompiled function's own line."""
     type: Literal["compile"]
     kind: str
     t0: float
@@ -163,8 +159,8 @@ class CompileRecord(TypedDict):
 
 
 class RuleRecord(TypedDict):
-    """The rule that ends steps from here on (record/steps.py): "explicit", "optimizer" or
-    "backward". Written when it changes, so a process that dies still says how its steps were found."""
+    """The rule ending steps from here on (record/steps.py): "explicit", "optimizer" or "backward";
+    written when it changes, so a process that dies still says how its steps were found."""
     type: Literal["rule"]
     rule: str
 
@@ -178,8 +174,8 @@ class CudaUsage(TypedDict):
 
 
 class CudaRecord(CudaUsage):
-    """The script put work on the GPU: written at the first step end after it did (the end record
-    says it again), so a process that dies still says it used the GPU."""
+    """The script put work on the GPU: written at the first step end after it did, so a process
+    that dies still says so (the end record says it again)."""
     type: Literal["cuda"]
 
 
@@ -189,8 +185,7 @@ class FoldRecord(TypedDict):
 
 
 class KernelsRecord(TypedDict, total=False):
-    """torch.profiler's window over a few steps (CUDA): kernels per step, how long the device
-    computed per step; or the error that kept the window from running."""
+    """torch.profiler's window over a few steps (CUDA), or the error that kept it from running."""
     type: Literal["kernels"]
     error: str
     steps: int
@@ -205,15 +200,15 @@ class KernelsRecord(TypedDict, total=False):
 
 
 class MemoryRecord(StepMemory, total=False):
-    """One step's memory, measured (the memory window): `step`, its index; or only `error`, what
-    kept the window from running."""
+    """The memory window's measured step (`step`: its index), or only the `error` that kept it
+    from running."""
     type: Literal["memory"]
     error: str
     step: int
 
 
 class OomRecord(OutOfMemory, total=False):
-    """The process ran out of memory: where, how much was asked for, what was in use by category."""
+    """The process ran out of memory: where, what was asked for, what was in use by category."""
     type: Literal["oom"]
 
 
@@ -231,9 +226,9 @@ def events_file(directory: Path | str, pid: int) -> Path:
     return Path(directory) / f"{EVENTS_PREFIX}{pid}.jsonl"
 
 
-# Kept beside the events files for the report (a process that dies without a word leaves it behind;
-# the files by which the job says it is alive are alive/protocol.py's):
-CRASH_PREFIX = "crash-"  # crash-<pid>.txt: faulthandler's traceback of a fatal signal (SIGSEGV, SIGABRT, ...)
+# crash-<pid>.txt, beside the events file: faulthandler's traceback of a fatal signal (SIGSEGV, SIGABRT, ...),
+# all a process that dies without a word leaves behind (the job's alive files are alive/protocol.py's)
+CRASH_PREFIX = "crash-"
 
 
 def crash_file(directory: Path | str, pid: int) -> Path:
@@ -241,8 +236,7 @@ def crash_file(directory: Path | str, pid: int) -> Path:
 
 
 def iter_events(path: Path) -> Iterator[dict]:
-    """The records of an events file, one at a time (a long run's file is never held whole); a
-    line cut short by a crash is skipped."""
+    """The records of an events file, one at a time; a line cut short by a crash is skipped."""
     try:
         f = open(path)
     except FileNotFoundError:
@@ -262,24 +256,25 @@ BINS_PER_OCTAVE = 8  # a block's step-time histogram: bin floor(8 log2(seconds))
 def merge_blocks(a: dict, b: dict) -> dict:
     """Two consecutive blocks as one."""
     merged = {**a, "i1": b["i1"], "t1": b["t1"], "n": a["n"] + b["n"], "profiled": a["profiled"] + b["profiled"],
-              "excl": _added(a["excl"], b["excl"]), "counts": _added(a["counts"], b["counts"]),
-              "durations": _added(a["durations"], b["durations"])}
+              "excl": added(a["excl"], b["excl"]), "counts": added(a["counts"], b["counts"]),
+              "durations": added(a["durations"], b["durations"])}
     la, lb = a.get("longest"), b.get("longest")
     merged["longest"] = max((x for x in (la, lb) if x), key=lambda x: x["t1"] - x["t0"], default=None)
     return merged
 
 
-def _added(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = out.get(k, 0) + v
+def added(first: dict, *more: dict) -> dict:
+    """The tallies summed key by key (keys in order of first appearance)."""
+    out = dict(first)
+    for tally in more:
+        for k, v in tally.items():
+            out[k] = out.get(k, 0) + v
     return out
 
 
 def read_lanes(directory: Path) -> list["Recording"]:
-    """One Recording per process that wrote an events file, in order of start, with what it left
-    beside it (its step tally and, if it crashed, faulthandler's traceback) and how many ranks
-    were recorded on this machine."""
+    """One Recording per process that wrote an events file, in order of start, with its step tally
+    and crash report (if any) and the count of ranks recorded on this machine."""
     lanes = []
     for path in Path(directory).glob(f"{EVENTS_PREFIX}*.jsonl"):
         lane = Recording(iter_events(path))
@@ -298,6 +293,12 @@ def _read_text(path: Path) -> str | None:
         return Path(path).read_text(errors="replace").strip() or None
     except OSError:
         return None
+
+
+# A record kind -> the Recording attribute that keeps the last record of it.
+_LATEST = {"process": "process", "start": "start", "rank": "rank_record", "end": "end", "cuda": "_cuda_in_use",
+           "tail": "tail", "facts": "facts", "kernels": "kernels", "memory": "memory", "oom": "oom",
+           "loader_use": "_loader_use"}
 
 
 class Recording:
@@ -323,25 +324,17 @@ class Recording:
         self.memory: dict | None = None
         self.oom: dict | None = None
         self._cuda_in_use: dict | None = None
+        self._loader_use: dict = {}
         self._rule: str | None = None
         self.compiles: list[dict] = []  # torch.compile's records, in order
         self.tally: tuple[int, float] | None = None  # (steps, t of the last) from tally-<pid>.bin
         self.crash: str | None = None  # faulthandler's report of a fatal signal
         self.ranks_here: int | None = None  # ranks recorded on this machine (read_lanes counts them)
-        loader_use: dict = {}
         folded: list[dict] = []
         for r in records:
             kind = r.get("type")
-            if kind == "process":
-                self.process = r
-            elif kind == "start":
-                self.start = r
-            elif kind == "rank":
-                self.rank_record = r
-            elif kind == "end":
-                self.end = r
-            elif kind == "cuda":
-                self._cuda_in_use = r
+            if kind in _LATEST:
+                setattr(self, _LATEST[kind], r)
             elif kind == "rule":
                 self._rule = r["rule"]
             elif kind == "compile":
@@ -353,12 +346,8 @@ class Recording:
                 folded = []
             elif kind == "block":
                 self._add_block(r)
-            elif kind == "tail":
-                self.tail = r
             elif kind == "loader":
                 self.loaders.append(r)
-            elif kind == "loader_use":
-                loader_use = r
             elif kind == "sites":  # snapshots: the last one is the whole run
                 self.sites = r["sites"]
             elif kind == "hot":
@@ -366,16 +355,8 @@ class Recording:
                 self.hot_blocked = r.get("blocked", {})
             elif kind == "spans":
                 self.span_seconds = r["seconds"]
-            elif kind == "facts":
-                self.facts = r
-            elif kind == "kernels":
-                self.kernels = r
-            elif kind == "memory":
-                self.memory = r
-            elif kind == "oom":
-                self.oom = r
         for key in ("steps_fed", "passes", "pass_seconds"):
-            for loader, n in zip(self.loaders, loader_use.get(key, [])):
+            for loader, n in zip(self.loaders, self._loader_use.get(key, [])):
                 loader[key] = n
 
     def _add_block(self, block: dict) -> None:
@@ -394,22 +375,20 @@ class Recording:
 
     @property
     def rank(self) -> int | None:
-        """The rank of this process in a distributed job: its default process group's, else RANK in
-        its environment at start (torchrun's); None when it has neither."""
+        """The default process group's rank, else RANK in the environment at start (torchrun's)."""
         rank = self.rank_record.get("rank")
         return rank if rank is not None else self.start.get("rank")
 
     @property
     def local_world_size(self) -> int | None:
         """The ranks sharing this machine's cores: LOCAL_WORLD_SIZE (torchrun's), else the ranks
-        recorded here (a launcher that sets no such variable: Lightning, mp.spawn)."""
+        recorded here (Lightning and mp.spawn set no such variable)."""
         return self.start.get("local_world_size") or (self.ranks_here if self.rank is not None else None)
 
     @property
     def fed_loader(self) -> dict | None:
-        """The DataLoader the training steps waited on: the one whose batches most steps trained on
-        (not the first iterated: Lightning iterates the validation loader first); the first one
-        when none fed a step."""
+        """The DataLoader whose batches most steps trained on (not the first iterated: Lightning
+        iterates the validation loader first); the first one when none fed a step."""
         return max(self.loaders, key=lambda loader: loader.get("steps_fed", 0), default=None)
 
     @property
@@ -423,21 +402,20 @@ class Recording:
 
     @property
     def steps_done(self) -> int:
-        """Steps this process finished: the durable tally's count where the events file lost the
-        last ones (a process killed by SIGKILL)."""
+        """Steps finished: the durable tally's count where the events file lost the last ones (SIGKILL)."""
         recorded = len(self.steps) + sum(b["n"] for b in self.blocks)
         return max(recorded, self.tally[0] if self.tally else 0)
 
     @property
     def step_rule(self) -> str | None:
-        """How steps were found: "optimizer", "backward" or "explicit" (p.step()); from the rule
-        records, which a process that dies leaves in full (the facts are a snapshot)."""
+        """How steps were found ("optimizer", "backward", "explicit"): from the rule records, which
+        a process that dies leaves in full, else the facts (a snapshot)."""
         return self._rule or self.facts.get("step_rule")
 
     @property
     def cuda(self) -> CudaUsage | None:
-        """How the script used CUDA: the end record's account, else what it wrote when it first
-        put work on the GPU (a process that died), else None: not known."""
+        """How the script used CUDA: the end record's account, else the cuda record (a process that
+        died); None: not known."""
         return (self.end or {}).get("cuda") or self._cuda_in_use
 
     @property
@@ -452,7 +430,7 @@ def _merged(earlier: list[dict], step: dict) -> dict:
     if "spans" in step:
         merged["spans"] = [span for r in earlier for span in r.get("spans", [])] + step["spans"]
     for r in earlier:
-        merged["excl"], merged["counts"] = _added(merged["excl"], r["excl"]), _added(merged["counts"], r["counts"])
+        merged["excl"], merged["counts"] = added(merged["excl"], r["excl"]), added(merged["counts"], r["counts"])
     return merged
 
 

@@ -1,19 +1,16 @@
-"""torch.compile as a cause: what compiling cost the run, and what made it compile again or break
-its graphs - each with the script's line and the fix. Reads the "compile" records only
-(record/probes/compiled.py).
+"""torch.compile as a cause, from the "compile" records (record/probes/compiled.py), each finding
+with the script's line and the fix. Steps that compiled are left out of the steady steps
+(step_costs.select_steady): what they cost is here, as a share of the run.
 
-    compile_time    the run's seconds spent compiling (first compiles, recompiles, backward's
-                    lazy compile, CUDA graph recordings), when they are a share of the run
+    compile_time    seconds spent compiling (first compiles, recompiles, backward's lazy compile,
+                    CUDA graph recordings), named at MIN_SHARE of the run
     recompile       a compiled function compiled again: the guard that failed (a new input size,
-                    a Python number that changed, a dtype), the line that called it, the fix
-    graph_break     the line that broke a compiled graph and torch's reason, with the fix; not
-                    timed (each break runs the compiled code in pieces with Python between them),
-                    so it is named whatever its share
+                    a Python number that changed, a dtype), the line that called it
+    graph_break     the line that broke a compiled graph, and torch's reason
     cudagraph_skip  (CUDA, mode="reduce-overhead") CUDA graphs not used, and why
-    cudagraph_rerecord  (CUDA) a recorded CUDA graph recorded again because what it reads moved (a
-                    parameter replaced, an earlier replay's output kept): each re-recording is a
-                    recording's time, and past torch's limit the function runs without graphs
-Compile steps are left out of the steady steps (phases.select_steady): what they cost is here.
+    cudagraph_rerecord  (CUDA) a CUDA graph recorded again because what it reads moved (a parameter
+                    replaced, an earlier replay's output kept); past torch's limit, no graphs
+The last three are not timed apart (share 0): they are named whatever their cost.
 """
 
 from __future__ import annotations
@@ -97,12 +94,10 @@ def compile_summary(rec: Recording) -> dict | None:
         "first_compile_seconds": round(_seconds(first), 3),
         "recompile_seconds": round(_seconds(again), 3),
         "by_trigger": {t: round(_seconds(records), 3) for t, records in by_trigger.items()},
-        "recompiles": _grouped([r for r in rec.compiles if r["kind"] == "recompile"],
-                               ("where", "function", "defined_at", "reason"), "compile_id"),
-        "graph_breaks": _grouped([r for r in rec.compiles if r["kind"] == "graph_break"], ("where", "reason")),
-        "cudagraph_skips": _grouped([r for r in rec.compiles if r["kind"] == "cudagraph_skip"], ("where", "reason")),
-        "cudagraph_rerecords": _grouped([r for r in rec.compiles if r["kind"] == "cudagraph_rerecord"],
-                                        ("where", "function", "reason")),
+        "recompiles": _grouped(rec, "recompile", ("where", "function", "defined_at", "reason"), "compile_id"),
+        "graph_breaks": _grouped(rec, "graph_break", ("where", "reason")),
+        "cudagraph_skips": _grouped(rec, "cudagraph_skip", ("where", "reason")),
+        "cudagraph_rerecords": _grouped(rec, "cudagraph_rerecord", ("where", "function", "reason")),
     }
 
 
@@ -115,45 +110,44 @@ def compile_findings(rec: Recording, run_seconds: float) -> list[dict]:
     run = max(run_seconds, summary["seconds"], 1e-9)
     share = summary["seconds"] / run
     if share >= MIN_SHARE:
-        f = finding("compile_time", share, _compile_time_evidence(summary), _first_call_line(rec),
-                    fix=("compiling is paid once per shape and process: run long enough to win it back, keep "
-                         "shapes fixed so it happens once (see the recompiles), and keep torch's compile cache "
-                         "(TORCHINDUCTOR_CACHE_DIR, on by default) between runs: a second run compiles in a "
-                         "fraction of the time"))
-        findings.append(_of_the_run(f))
-    for group in summary["recompiles"][:MAX_LISTED]:
-        findings.append(_recompile_finding(rec, group, run))
-    for group in summary["graph_breaks"][:MAX_LISTED]:
-        f = finding("graph_break", 0.0, f"torch.compile breaks the graph at this line ({_times(group['count'])} while "
-                    f"compiling; every call then runs the compiled code in pieces): {group['reason']}",
-                    group["where"], fix=_fix(_GRAPH_BREAK_FIXES, group["reason"],
-                                            "rewrite that line in torch ops, or wrap it in torch.compiler.disable"))
-        f["share_of"] = "not timed: the compiled code runs in pieces with Python between them"
-        findings.append(f)
-    for group in summary["cudagraph_skips"][:MAX_LISTED]:
-        f = finding("cudagraph_skip", 0.0, f"CUDA graphs not used {_times(group['count'])}: {group['reason']}",
-                    group["where"], fix=_fix(_CUDAGRAPH_FIXES, group["reason"],
-                                            "see torch's reason: the compiled code cannot be replayed as a graph"))
-        f["share_of"] = "not timed: the step runs kernel by kernel instead of as one replay"
-        findings.append(f)
-    for group in summary["cudagraph_rerecords"][:MAX_LISTED]:
-        f = finding("cudagraph_rerecord", 0.0, f"the CUDA graph of {group['function'] or 'the compiled code'} was "
-                    f"recorded again {_times(group['count'])}: {group['reason']}", group["where"],
-                    fix=_fix(_RERECORD_FIXES, group["reason"], "see torch's reason: what the graph reads moved"))
-        f["share_of"] = "not timed apart: recordings are in compile_time's CUDA graph recording seconds"
-        findings.append(f)
+        findings.append(finding(
+            "compile_time", share, _compile_time_evidence(summary), _first_call_line(rec), share_of="the run",
+            fix=("compiling is paid once per shape and process: run long enough to win it back, keep shapes fixed so "
+                 "it happens once (see the recompiles), and keep torch's compile cache (TORCHINDUCTOR_CACHE_DIR, on by "
+                 "default) between runs: a second run compiles in a fraction of the time")))
+    findings += [_recompile_finding(rec, group, run) for group in summary["recompiles"][:MAX_LISTED]]
+    for key, cause, evidence, rules, default, share_of in _UNTIMED:
+        findings += [finding(cause, 0.0, evidence(group), group["where"], fix=_fix(rules, group["reason"], default),
+                             share_of=share_of) for group in summary[key][:MAX_LISTED]]
     return findings
+
+
+# The causes not timed apart: (summary key, cause, evidence, fixes, default fix, what a share would be of).
+_UNTIMED = (
+    ("graph_breaks", "graph_break",
+     lambda g: (f"torch.compile breaks the graph at this line ({_times(g['count'])} while compiling; every call then "
+                f"runs the compiled code in pieces): {g['reason']}"),
+     _GRAPH_BREAK_FIXES, "rewrite that line in torch ops, or wrap it in torch.compiler.disable",
+     "not timed: the compiled code runs in pieces with Python between them"),
+    ("cudagraph_skips", "cudagraph_skip", lambda g: f"CUDA graphs not used {_times(g['count'])}: {g['reason']}",
+     _CUDAGRAPH_FIXES, "see torch's reason: the compiled code cannot be replayed as a graph",
+     "not timed: the step runs kernel by kernel instead of as one replay"),
+    ("cudagraph_rerecords", "cudagraph_rerecord",
+     lambda g: (f"the CUDA graph of {g['function'] or 'the compiled code'} was recorded again "
+                f"{_times(g['count'])}: {g['reason']}"),
+     _RERECORD_FIXES, "see torch's reason: what the graph reads moved",
+     "not timed apart: recordings are in compile_time's CUDA graph recording seconds"),
+)
 
 
 def _recompile_finding(rec: Recording, group: dict, run: float) -> dict:
     """A recompile's seconds: every compile of its id (forward, and backward's lazy compile)."""
     ids = set(group["compile_ids"])
-    seconds = sum(r["t1"] - r["t0"] for r in rec.compiles if r["kind"] == "compile" and r.get("compile_id") in ids)
+    seconds = _seconds(r for r in rec.compiles if r["kind"] == "compile" and r.get("compile_id") in ids)
     evidence = (f"{_compiled_code(group)} called here compiled again {_times(group['count'])} ({seconds:.2f} s); "
                 f"the guard that failed: {group['reason']}")
-    f = finding("recompile", seconds / run, evidence, group["where"],
-                fix=_fix(_RECOMPILE_FIXES, group["reason"], "keep what the failed guard checks the same between calls"))
-    return _of_the_run(f)
+    fix = _fix(_RECOMPILE_FIXES, group["reason"], "keep what the failed guard checks the same between calls")
+    return finding("recompile", seconds / run, evidence, group["where"], fix=fix, share_of="the run")
 
 
 def _compiled_code(group: dict) -> str:
@@ -191,11 +185,6 @@ def compiles_line(summary: dict) -> str:
     return text
 
 
-def _of_the_run(f: dict) -> dict:
-    f["share_of"] = "the run"
-    return f
-
-
 def _first_call_line(rec: Recording) -> str | None:
     return next((r["where"] for r in rec.compiles if r["kind"] == "compile" and r.get("where")), None)
 
@@ -206,15 +195,15 @@ def _attempt(record: dict) -> int:
     return int(attempt) if attempt.isdigit() else 0
 
 
-def _seconds(records: list[dict]) -> float:
+def _seconds(records) -> float:
     return sum(r["t1"] - r["t0"] for r in records)
 
 
-def _grouped(records: list[dict], keys: tuple[str, ...], collect: str | None = None) -> list[dict]:
-    """Records that say the same at the same line, counted (and `collect`'s values listed, as
+def _grouped(rec: Recording, kind: str, keys: tuple[str, ...], collect: str | None = None) -> list[dict]:
+    """The records of `kind` that say the same (`keys`), counted (and `collect`'s values listed, as
     "<collect>s"); most frequent first."""
     groups: dict[tuple, dict] = {}
-    for r in records:
+    for r in [r for r in rec.compiles if r["kind"] == kind]:
         key = tuple(r.get(k) for k in keys)
         group = groups.setdefault(key, {**{k: r.get(k) for k in keys}, "count": 0,
                                         **({f"{collect}s": []} if collect else {})})

@@ -1,16 +1,13 @@
 """CPU contention: the job's threads waiting for a core, from the sampler's running totals
-(sampler.CoreReader: each thread's run-queue wait, the job's usable cores, what the machine's
-CPUs did).
+(sampler.CoreReader: each thread's run-queue wait, the job's usable cores, the machine's CPUs).
 
-A thread that has work but no core waits on a run queue. That happens when the job runs more
-threads than it has cores (torch's intra-op threads + DataLoader workers and their threads), or
-when other processes use the same cores. For torch's compute it costs more than its share: the
-OpenMP threads of a parallel op meet at its end, so one thread without a core holds the others.
-With one busy process beside a small CNN on 2 cores, a step at torch's 2 threads takes longer
-than at 1, and both far longer than alone (docs/profiling.md has the measurement).
+A thread with work but no core waits on a run queue: the job runs more threads than it has cores
+(torch's intra-op threads, DataLoader workers), or other processes use the same cores. For torch's
+compute it costs more than its share: the OpenMP threads of a parallel op meet at its end, so one
+thread without a core holds the others (docs/profiling.md has a measurement).
 
-The wait share and when the cores count as contended: gpulab.host.CoreWait, the one rule that
-gpulab train's warning uses too.
+The wait share, and when the cores count as contended: gpulab.host.CoreWait, the rule gpulab
+train's warning uses too.
 """
 
 from __future__ import annotations
@@ -33,44 +30,27 @@ class CoreUse:
     pressure: float | None  # the share of the time some task of the machine waited for a core (PSI)
 
     @property
-    def cores(self) -> int:
-        return self.wait.cores
-
-    @property
-    def busy_threads(self) -> int:
-        return round(self.wait.busy_threads)
-
-    @property
     def job_cores(self) -> float:
         """Cores the job's threads kept busy, on average."""
         return self.wait.ran_s / self.wait.seconds
 
     @property
-    def others_cores(self) -> float:
-        return self.wait.others_cores
-
-    @property
-    def contended(self) -> bool:
-        return self.wait.contended
-
-    @property
     def idle_cores(self) -> float:
-        return max(0.0, self.cores - self.job_cores - self.others_cores)
+        return max(0.0, self.wait.cores - self.job_cores - self.wait.others_cores)
 
     def summary(self) -> dict:
         """For report.json."""
-        numbers = {"seconds": self.wait.seconds, "cores": self.cores, "job_cores": self.job_cores,
-                   "threads_with_work": self.wait.demand, "wait_share": self.wait.share,
-                   "others_cores": self.others_cores, "busy_threads": self.wait.busy_threads, "pressure": self.pressure,
-                   "contended": self.contended}
+        w = self.wait
+        numbers = {"seconds": w.seconds, "cores": w.cores, "job_cores": self.job_cores, "threads_with_work": w.demand,
+                   "wait_share": w.share, "others_cores": w.others_cores, "busy_threads": w.busy_threads,
+                   "pressure": self.pressure, "contended": w.contended}
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in numbers.items()}
 
 
 def core_use(samples: list[dict], window: tuple[float, float] | None) -> CoreUse | None:
     """The job's use of its cores over `window` (the steady steps), from the samples inside it;
     None without samples, or when they span less than MIN_SECONDS: a shorter measurement is
-    mostly of the moments around the steps (a DDP job's 36 steps of 1.5 ms, "measured" over the
-    0.1 s between two samples, took in the ranks' start and looked contended)."""
+    mostly of the moments around the steps (a short DDP job's took in the ranks' start-up)."""
     rows = [s for s in samples if s.get("cores") and (window is None or window[0] <= s["t"] <= window[1])]
     if len(rows) < 2 or rows[-1]["t"] - rows[0]["t"] < MIN_SECONDS:
         return None
@@ -91,12 +71,10 @@ def core_use(samples: list[dict], window: tuple[float, float] | None) -> CoreUse
 
 def contention_finding(use: CoreUse | None, torch_threads: int, workers: int,
                        device_idle_share: float | None) -> dict | None:
-    """`cpu_contention` when the job's threads waited for a core a large share of the step, on full cores.
-
-    Its share: the wait share (on a CPU run the compute stood still that long); on a GPU run no
-    more than the device's idle share, since a host that waits while the device is busy costs
-    nothing."""
-    if use is None or not use.contended:
+    """`cpu_contention` when the cores are contended. Its share: the wait share (on a CPU run the
+    compute stood still that long); on a GPU run no more than the device's idle share, since a host
+    that waits while the device is busy costs nothing."""
+    if use is None or not use.wait.contended:
         return None
     share = use.wait.share if device_idle_share is None else min(use.wait.share, device_idle_share)
     return finding("cpu_contention", share, contention_text(use, torch_threads, workers), None,
@@ -104,10 +82,11 @@ def contention_finding(use: CoreUse | None, torch_threads: int, workers: int,
 
 
 def contention_text(use: CoreUse, torch_threads: int, workers: int) -> str:
+    w = use.wait
     who = f"torch's {torch_threads} compute thread(s)" + (f", {workers} DataLoader worker(s)" if workers else "")
-    text = (f"your busy threads waited for a core {use.wait.share:.0%} of the step (run-queue wait, /proc schedstat); "
-            f"{use.busy_threads} busy thread(s) on {use.cores} usable core(s) ({who}); other processes used "
-            f"{use.others_cores / use.cores:.0%} of those cores")
+    text = (f"your busy threads waited for a core {w.share:.0%} of the step (run-queue wait, /proc schedstat); "
+            f"{round(w.busy_threads)} busy thread(s) on {w.cores} usable core(s) ({who}); other processes used "
+            f"{w.others_cores / w.cores:.0%} of those cores")
     if use.pressure is not None:
         text += f"; CPU pressure {use.pressure:.0%} (some task of the machine waited for a core)"
     return text

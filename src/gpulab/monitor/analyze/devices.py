@@ -1,5 +1,5 @@
-"""The device side of a recording: the sampled GPUs and process, and how long the device was
-busy per step (the kernel window on CUDA, else NVML's share; on a CPU the CPU is the device)."""
+"""The device side of a recording: the sampled GPUs and process, and how long the device was busy
+per step."""
 
 from __future__ import annotations
 
@@ -9,27 +9,20 @@ from gpulab.monitor.events import Recording
 
 def used_gpu_indices(rec: Recording, gpus: list[dict]) -> list[int]:
     """NVML indices of the GPUs the script allocated memory on (matched by UUID). A process that
-    died before saying which, but left CUDA-only records (the kernel window, host syncs or copies
-    to the GPU), used the GPU: its first one is assumed."""
+    died before saying which, but left records only a CUDA job leaves (the kernel window, host
+    syncs or copies: cuda.py notes them on CUDA tensors only), used the first GPU."""
     used = (rec.cuda or {}).get("devices", [])
     torch_uuids = {d["uuid"].removeprefix("GPU-") for d in used if d.get("uuid")}
     indices = [g["index"] for g in gpus if g.get("uuid", "").removeprefix("GPU-") in torch_uuids]
     if used and not indices:  # UUIDs unavailable: assume torch's first GPUs are NVML's visible ones
         indices = [g["index"] for g in gpus[: len(used)]]
-    if not indices and rec.cuda is None and cuda_records_seen(rec):
+    if not indices and rec.cuda is None and (rec.kernels is not None or rec.sites):
         indices = [g["index"] for g in gpus[:1]]
     return indices
 
 
-def cuda_records_seen(rec: Recording) -> bool:
-    """Did the process record anything only a CUDA job records: the kernel window, or a host sync
-    or copy (cuda.py notes them on CUDA tensors only)?"""
-    return rec.kernels is not None or bool(rec.sites)
-
-
 def not_measured(rec: Recording, gpus: list[dict], used: list[int]) -> list[str]:
-    """What the report lacks, and why, in words: a finding never stands in for a number that
-    was not measured."""
+    """What the report lacks, and why, in words: a finding never stands in for a number not measured."""
     missing = []
     if not used and gpus and rec.start.get("torch_cuda_build") and rec.cuda is None and rec.recorded:
         missing.append("whether the script used the GPU: the process ended before it said so, and left no "
@@ -43,8 +36,9 @@ def not_measured(rec: Recording, gpus: list[dict], used: list[int]) -> list[str]
     return missing
 
 
-def _samples_between(samples: list[dict], t0: float, t1: float) -> list[dict]:
-    inside = [s for s in samples if t0 <= s["t"] <= t1]
+def _samples_in(samples: list[dict], window: tuple[float, float] | None) -> list[dict]:
+    """The samples inside `window`; all of them without a window, or when none fall inside."""
+    inside = [s for s in samples if window[0] <= s["t"] <= window[1]] if window else []
     return inside or samples
 
 
@@ -55,7 +49,7 @@ def _mean(values) -> float | None:
 
 def summarize_devices(samples: list[dict], gpus: list[dict], used: list[int], window, start: dict) -> list[dict]:
     """Per GPU: mean and max of every sampled metric over the steady window; then the process."""
-    chosen = _samples_between(samples, *window) if window else samples
+    chosen = _samples_in(samples, window)
     out = []
     for position, info in enumerate(gpus):
         rows = [s["gpus"][position] for s in chosen if len(s["gpus"]) > position]
@@ -91,13 +85,14 @@ def kernel_window(rec: Recording) -> dict | None:
 
 
 def device_busy(rec: Recording, step: StepCosts, samples, gpus, used, window) -> tuple[float, str]:
-    """Seconds per step the device was busy, and how that was measured."""
+    """Seconds per step the device was busy, and how that was measured: on CUDA the kernel window,
+    else NVML; on a CPU run the CPU is the device."""
     if not used:
         return step.compute, "cpu"
     k = kernel_window(rec)
     if k:
         return k["device_busy_s_per_step"], f"kernel window over {k['steps']} steps"
-    chosen = _samples_between(samples, *window) if window else samples
+    chosen = _samples_in(samples, window)
     positions = [p for p, g in enumerate(gpus) if g["index"] in used]
     rows = [s["gpus"][p] for s in chosen for p in positions if p < len(s["gpus"])]
     # NVML's per-process SM share counts this job alone; the device-wide kernel-active share also

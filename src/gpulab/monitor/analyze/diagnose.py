@@ -1,11 +1,9 @@
-"""The front door of the analysis: one process's recording (and the samples taken beside it) ->
-the report's core: steps, step time, phase shares, device summaries and ranked findings.
+"""The front door of the analysis: one process's recording and the samples taken beside it ->
+the report's core (diagnose).
 
     step_costs.py  steady steps and what they are made of    devices.py   samples, device busy
     process.py   the per-process rules                       ranks.py     the cross-rank rules
     findings.py  the finding record and the fixes            contention.py  threads waiting for a core
-
-Everything here reads events (monitor/events.py) and samples only: no torch, no recorder.
 """
 
 from __future__ import annotations
@@ -16,8 +14,8 @@ from gpulab.monitor.analyze.compiled import compile_findings
 from gpulab.monitor.analyze.contention import core_use
 from gpulab.monitor.analyze.devices import device_busy, not_measured, summarize_devices, used_gpu_indices
 from gpulab.monitor.analyze.findings import finding
-from gpulab.monitor.analyze.step_costs import (StepCosts, aggregate_summary, percentile, recorded_seconds, select_steady,
-                                           step_seconds, steps_found)
+from gpulab.monitor.analyze.step_costs import (PHASE_NAMES, StepCosts, aggregate_summary, percentile, recorded_seconds,
+                                               select_steady, step_seconds, steps_found)
 from gpulab.monitor.analyze.process import costly_transforms, process_findings
 from gpulab.monitor.events import DDP_WAIT_COUNT, Recording
 
@@ -25,17 +23,16 @@ from gpulab.monitor.events import DDP_WAIT_COUNT, Recording
 def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps: int) -> dict:
     """The report's core: steps, step time, phase shares, device summaries and ranked findings."""
     steady, excluded = select_steady(rec.steps, warmup_steps)
-    whole_run = False
-    if not steady and rec.tail and rec.tail["t1"] > rec.tail["t0"]:
-        # No optimizer step at all (it crashed first, or it is not a training loop): judge the run.
-        steady, whole_run = [rec.tail], True
+    # No optimizer step at all (it crashed first, or it is not a training loop): judge the run.
+    whole_run = bool(not steady and rec.tail and rec.tail["t1"] > rec.tail["t0"])
+    steady = [rec.tail] if whole_run else steady
     used = used_gpu_indices(rec, gpus)
     window = (steady[0]["t0"], steady[-1]["t1"]) if steady else None
     report = {
         "steps": rec.steps_done,
         "steps_found": steps_found(rec),
         "step_time_s": {"median": 0.0, "p90": 0.0},
-        "phases": dict.fromkeys(("data_wait", "compute", "collective", "sync", "h2d", "compile", "other"), 0.0),
+        "phases": dict.fromkeys(PHASE_NAMES, 0.0),
         "devices": summarize_devices(samples, gpus, used, window, rec.start),
         "findings": [],
         "steady_steps": 0 if whole_run else len(steady),
@@ -48,10 +45,10 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         report["findings"] = with_compile_findings(
             [finding("none", 0.0, f"no training step was recorded: {steps_found(rec)}", None, "no_steps")], compiled)
         return report
-    durations = [step_seconds(s) for s in steady]
     if not whole_run:
-        median, p90 = statistics.median(durations), percentile(durations, 0.9)
-        report["step_time_s"] = {"median": round(median, 6), "p90": round(p90, 6)}
+        durations = [step_seconds(s) for s in steady]
+        report["step_time_s"] = {"median": round(statistics.median(durations), 6),
+                                 "p90": round(percentile(durations, 0.9), 6)}
     step = StepCosts(steady)
     report["phases"] = step.shares()
     later = aggregate_summary(rec)
@@ -60,7 +57,8 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
     if step.collectives > 0:
         report["collectives"] = collectives_summary(step)
     busy, busy_source = device_busy(rec, step, samples, gpus, used, window)
-    report["device_busy"] = {"share": round(min(busy / step.seconds, 1.0), 4) if step.seconds else 0.0, "source": busy_source}
+    report["device_busy"] = {"share": round(min(busy / step.seconds, 1.0), 4) if step.seconds else 0.0,
+                             "source": busy_source}
     cores = core_use(samples, window)
     if cores is not None:
         report["cores"] = cores.summary()
@@ -72,13 +70,13 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
                           f"({len(steady)} warm-up step(s), {excluded['profiler_window']} measured for kernels or "
                           f"memory): too few steps to judge the loop", None, "too_few_steps")
         report["findings"] = with_compile_findings([too_few], compiled)
-        report["transforms"] = costly_transforms(rec, step)
-        return report
-    findings = process_findings(rec, step, busy, busy_source, gpus, used, cores)
-    if whole_run:
-        for f in findings:
-            f["evidence"] = f"no training step ({steps_found(rec)}), so these shares are of the whole run; " + f["evidence"]
-    report["findings"] = with_compile_findings(findings, compiled)
+    else:
+        findings = process_findings(rec, step, busy, busy_source, gpus, used, cores)
+        if whole_run:
+            whole = f"no training step ({steps_found(rec)}), so these shares are of the whole run; "
+            for f in findings:
+                f["evidence"] = whole + f["evidence"]
+        report["findings"] = with_compile_findings(findings, compiled)
     report["transforms"] = costly_transforms(rec, step)
     return report
 
@@ -92,7 +90,8 @@ def with_compile_findings(findings: list[dict], compiled: list[dict]) -> list[di
 
 
 def collectives_summary(step: StepCosts) -> dict:
-    summary = {"ms_per_step": round(step.collectives * 1e3, 3), "share": round(step.collectives / step.seconds, 4) if step.seconds else 0.0,
+    share = round(step.collectives / step.seconds, 4) if step.seconds else 0.0
+    summary = {"ms_per_step": round(step.collectives * 1e3, 3), "share": share,
                "source": "torch.distributed calls and waits timed by gpulab"}
     if DDP_WAIT_COUNT in step.counts:
         summary["ddp_backward_wait_ms_per_step"] = round(step.counts[DDP_WAIT_COUNT] * 1e3, 3)

@@ -1,5 +1,5 @@
-"""What a finding is: a cause, its share of the step, the evidence, the user's line and the fix;
-and the fixes in words, shared by the per-process and the cross-rank rules."""
+"""What a finding is - a cause, its share, the evidence, the user's line and the fix - and the
+fixes in words, shared by the per-process and the cross-rank rules."""
 
 from __future__ import annotations
 
@@ -79,14 +79,13 @@ FIXES = {
 
 
 def finding(cause: str, share: float, evidence: str, where: str | None, fix_key: str | None = None,
-             fix: str | None = None) -> dict:
-    return {
-        "cause": cause,
-        "share": round(min(max(share, 0.0), 1.0), 4),
-        "evidence": evidence,
-        "where": where,
-        "fix": fix if fix is not None else FIXES[fix_key],
-    }
+            fix: str | None = None, share_of: str | None = None) -> dict:
+    """`fix`, else FIXES[fix_key]; `share_of`: what the share is of, when not the step time."""
+    f = {"cause": cause, "share": round(min(max(share, 0.0), 1.0), 4), "evidence": evidence, "where": where,
+         "fix": fix if fix is not None else FIXES[fix_key]}
+    if share_of is not None:
+        f["share_of"] = share_of
+    return f
 
 
 MIN_LINE_PERIODS = 5  # a line whose samples weigh less than 5 sampling periods is not named
@@ -94,10 +93,9 @@ MIN_LINE_STEPS = 3  # a cost of every step is placed only at a line sampled in t
 
 
 def hottest(rec: Recording, category: str) -> str | None:
-    """The user's line where `category` spent the most time, of the lines that run step after
-    step: stack samples weigh the wall time each stands for (record/probes/stacks.py), and a
-    line whose samples fell in fewer than MIN_LINE_STEPS steps (a job run once between two steps,
-    a set-up) is no place for a cost paid every step, however long it ran. None: no such line."""
+    """The user's line where `category` spent the most sampled time, of the lines sampled in
+    MIN_LINE_STEPS steps or more: a line run once (a set-up, a job between two steps) is no place
+    for a cost paid every step, however long it ran. None: no such line."""
     lines = rec.hot.get(category) or {}
     steps = rec.hot_steps.get(category) or {}
     every_step = {where: s for where, s in lines.items() if steps.get(where, 0) >= _steps_needed(rec)}
@@ -105,8 +103,8 @@ def hottest(rec: Recording, category: str) -> str | None:
 
 
 def blocked_share(rec: Recording, category: str, where: str | None) -> float:
-    """The share of `where`'s sampled time in `category` that the training thread was blocked -
-    asleep, in I/O, on a lock - rather than on a core or waiting for one (0: not known)."""
+    """The share of `where`'s sampled time in `category` that the thread was blocked (asleep, in
+    I/O, on a lock) rather than on a core or waiting for one; 0: not known."""
     seconds = (rec.hot.get(category) or {}).get(where, 0.0)
     blocked = (rec.hot_blocked.get(category) or {}).get(where, 0.0)
     return blocked / seconds if seconds > 0 else 0.0
@@ -117,7 +115,7 @@ def _steps_needed(rec: Recording) -> int:
 
 
 def add_support(rec: Recording, step: StepCosts, f: dict) -> None:
-    """What the finding rests on: how many steps, and how the line was found (calls or samples)."""
+    """What the finding rests on: the steps, and how its line was found (calls or samples)."""
     parts = [f"{step.n} steady steps"]
     where = f["where"]
     site = next((s for s in rec.sites if s["where"] == where), None) if where else None

@@ -1,10 +1,6 @@
-"""Memory in the report: the measured step's peak and what it is made of, and - when the script
-ran out of memory - the finding that says where, what was in use, and which fix frees how much.
-
-Categories (gpulab.memory.categories): parameters (and buffers), gradients, optimizer
-state, activations (saved for backward), inputs (the batch), other_kept (memory kept across steps
-that none of those explain: a dataset in memory), temporaries (the rest of the peak).
-"""
+"""Memory in the report: the measured step's peak and what it is made of (by the categories of
+gpulab.memory.categories), and - when the script ran out of memory - the finding that says where,
+what was in use, and which fix frees how much."""
 
 from __future__ import annotations
 
@@ -14,9 +10,6 @@ from gpulab.monitor.events import Recording
 
 TOP_MODULES = 3
 SHARD_DEVICES = 2  # the sharded-optimizer fix is priced for this many devices
-
-
-# ----------------------------------------------------------------------------- the measured step
 
 
 def memory_summary(rec: Recording) -> dict | None:
@@ -69,9 +62,6 @@ def memory_line(summary: dict) -> str:
     return line
 
 
-# ----------------------------------------------------------------------------- out of memory
-
-
 def oom_finding(rec: Recording, who: str | None = None) -> dict | None:
     """The script ran out of memory: where, how much was asked, what was in use, and the fixes
     ranked by the bytes each would free. `who`: the process, when it is not the diagnosed one."""
@@ -92,28 +82,27 @@ def oom_finding(rec: Recording, who: str | None = None) -> dict | None:
     evidence += _beside_the_tensors(oom) + _the_limit(oom)
     evidence += f" [{oom['message']}]"
     fixes = oom_fixes(oom, rec.memory)
-    f = finding("out_of_memory", 1.0, evidence, where,
+    f = finding("out_of_memory", 1.0, evidence, where, share_of="the run (it ended it)",
                 fix="; ".join(f"{i}. {x['fix']} (frees ~{size(x['frees'])})" for i, x in enumerate(fixes, 1))
                 or "make the step smaller: a smaller batch, or fewer or smaller layers")
-    f["share_of"] = "the run (it ended it)"
     f["fixes"] = fixes
     return f
 
 
 def _what_other_is(phase: str) -> str:
-    """What the allocator counts that no category explains, by what the step was doing: tensors
-    the failing frames and the autograd graph do not reach."""
+    """What the allocator counts that no category explains (tensors the failing frames and the
+    autograd graph do not reach), by what the step was doing."""
     if phase == "backward":
         return ("what only autograd's engine holds: the gradients flowing between layers, and the failing op's "
                 "temporaries (and cuBLAS's workspace)")
     if phase.startswith("optimizer"):
         return "the optimizer's temporaries (a foreach step's scratch copies) and tensors outside the step's frames"
-    return "the failing op's temporaries, tensors outside the step's frames (a dataset, kept outputs) and cuBLAS's workspace"
+    return ("the failing op's temporaries, tensors outside the step's frames (a dataset, kept outputs) and cuBLAS's "
+            "workspace")
 
 
 def _beside_the_tensors(oom: dict) -> str:
-    """On CUDA, what the process held beside its tensors: the allocator's cache, and the CUDA
-    context and libraries outside PyTorch's allocator."""
+    """On CUDA, what the process held beside its tensors: the allocator's cache, the CUDA context."""
     reserved, total = oom.get("reserved"), oom.get("total_in_use") or 0
     if reserved is None:
         return ""
@@ -125,8 +114,7 @@ def _beside_the_tensors(oom: dict) -> str:
 
 
 def _the_limit(oom: dict) -> str:
-    """The limit that was hit: the allocator's cap (set_per_process_memory_fraction) when it is
-    below the device's memory, else the device."""
+    """The limit hit: the allocator's cap (set_per_process_memory_fraction) when below the device's."""
     if oom.get("limit") and oom.get("device_total") and oom["limit"] < oom["device_total"]:
         return (f"; the limit hit is the allocator's {size(oom['limit'])} (set_per_process_memory_fraction), "
                 f"not the device's {size(oom['device_total'])}")
@@ -146,7 +134,8 @@ def oom_fixes(oom: dict, window: dict | None) -> list[dict]:
                       "frees": (activations + inputs) // 2})
     if activations:
         modules = _largest_modules(window)
-        target = f"the modules that save the most ({', '.join(modules)})" if modules else "the largest blocks of the model"
+        target = (f"the modules that save the most ({', '.join(modules)})" if modules
+                  else "the largest blocks of the model")
         fixes.append({"fix": f"activation checkpointing (torch.utils.checkpoint) on {target}: their activations are "
                              "recomputed in backward instead of kept, at the cost of a second forward",
                       "frees": activations // 2})

@@ -1,28 +1,29 @@
 """The per-process rules: which cause is eating one process's step, and how much a fix can save.
 
-The model, per steady step, in seconds (StepCosts, step_costs.py: the step is the sum of data_wait,
-copies, compute, collectives, syncs, compiling and other), and from it:
+Per steady step, in seconds (StepCosts, step_costs.py), with syncs the time blocked in host syncs
+(the kernel window's too, where it saw more than gpulab timed):
 
-    busy          how long the *device* was busy (CPU: compute - the CPU is the device; CUDA: the
-                  kernel window's busy time, else NVML's kernel-active share x the step)
-    idle          the device idle: step - busy
-    host active   the host not blocked on the device: step - syncs - copies
-    exposed       host work the device cannot hide: max(0, host active - busy) on CUDA; on the CPU,
-                  where everything is serial, data_wait + other
+    busy          the device busy: on the CPU, compute; on CUDA the kernel window's busy time, else
+                  NVML's per-process SM share (else its kernel-active share) x step, else compute
+    idle          max(0, step - busy)
+    exposed       host work the device cannot hide: on CUDA max(0, step - syncs - copies - busy);
+                  on the CPU, where everything is serial, data_wait + other
 
 On CUDA the host normally runs ahead of the device, so host-side costs are free while the device
-has queued work. What a fix can save is therefore bounded:
+has queued work. What a fix can save (its share, of the step) is therefore bounded:
 
     host_sync, h2d_copy     min(syncs or copies, idle)   removing the wait lets the host run ahead
     input_pipeline          min(data_wait, exposed)
     launch_overhead         min(compute, exposed)        when the kernel window shows many tiny kernels
     low_device_utilization  min(other, exposed)          Python between the training calls, or a wait
-                                                         there (its line's thread blocked: asleep, I/O, a lock)
+                                                         there (its line's thread blocked: asleep, I/O, a lock);
+                            else idle - the shares named CUDA idle time no cause accounts for
+    cpu_only_torch          compute                      a CPU run beside a GPU
+    cpu_contention          the threads' wait for a core (on CUDA no more than idle)
 
-On the CPU the shares are the plain fractions of the step. A finding is reported when its share
-is at least MIN_SHARE; a fast input pipeline in a compute-bound loop therefore gets no
-`input_pipeline` finding. Findings are ranked by share; "none" stands alone when nothing stands
-out.
+Worker restarts and evaluation are shares of the training time instead. A finding is named at
+MIN_SHARE or more (a fast input pipeline in a compute-bound loop gets none); findings are ranked
+by share, and "none" stands alone when nothing stands out.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gpulab.host import CORE_SLACK
 from gpulab.monitor.analyze.contention import CoreUse, contention_finding
 from gpulab.monitor.analyze.devices import kernel_window
 from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE, add_support, blocked_share, finding, hottest
-from gpulab.monitor.analyze.step_costs import PHASE_NAMES, StepCosts, shown_phases
+from gpulab.monitor.analyze.step_costs import StepCosts, phases_text
 from gpulab.monitor.config import WORKERS_PER_CORE
 from gpulab.monitor.events import PASS_START_COUNT, PASSES_COUNT, TRANSFORM_PREFIX, Recording
 
@@ -43,11 +44,10 @@ TINY_KERNEL_US = 20.0  # kernels this short cost about as much to launch as to r
 MANY_KERNELS_PER_STEP = 20
 
 
-def costly_transforms(rec: Recording, step: "StepCosts") -> list[dict]:
+def costly_transforms(rec: Recording, step: StepCosts) -> list[dict]:
     """Per-sample transforms run inside the fetch, costliest first: share of a steady step, where
-    built. They are timed only in a window of steps left out of the steady ones (record/probes/
-    transforms.py): their seconds per step come from the window, or in a run too short for one,
-    from the warm-up steps that timed them."""
+    built. Timed only in a window of steps left out of the steady ones (record/probes/transforms.py),
+    or in a run too short for one, in the warm-up steps."""
     sites = rec.facts.get("transforms") or {}
     timed = [s for s in rec.steps if any(k.startswith(TRANSFORM_PREFIX) for k in s.get("counts", {}))]
     window = [s for s in timed if s.get("profiled")] or timed
@@ -65,7 +65,7 @@ def costly_transforms(rec: Recording, step: "StepCosts") -> list[dict]:
 
 @dataclass
 class _Budget:
-    """Per step: how long the device was busy and idle, and how much host work it cannot hide."""
+    """Per step: the device busy and idle, the host blocked in syncs, host work the device cannot hide."""
 
     busy: float
     source: str
@@ -83,21 +83,21 @@ def _budget(rec: Recording, step: StepCosts, busy: float, source: str, on_cuda: 
     k = kernel_window(rec)
     if k:  # the window also saw syncs inside calls gpulab does not time
         sync_blocked = max(sync_blocked, k["runtime_sync_s_per_step"] - step.copies)
-    if on_cuda:
-        host_active = step.seconds - sync_blocked - step.copies
-        exposed = max(0.0, host_active - busy)
+    if on_cuda:  # the host's time not blocked on the device, beyond the device's
+        exposed = max(0.0, step.seconds - sync_blocked - step.copies - busy)
     else:  # the CPU is the device: everything that is not compute is in its way
         exposed = step.data_wait + step.other
     return _Budget(busy, source, on_cuda, max(0.0, step.seconds - busy), sync_blocked, exposed)
 
 
 def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: str, gpus: list[dict],
-              used: list[int], cores: CoreUse | None) -> list[dict]:
-    """`cores`: how the job used its cores over the steady steps (the sampler's), None where not measured."""
+                     used: list[int], cores: CoreUse | None) -> list[dict]:
+    """`cores`: how the job used its cores over the steady steps, None where not measured."""
     b = _budget(rec, step, busy, busy_source, on_cuda=bool(used))
+    idle_share = b.idle / step.seconds if b.on_cuda else None
+    contention = contention_finding(cores, _torch_threads(rec), _workers(rec), idle_share)
     candidates = [_input_finding(rec, step, b, cores), _restart_finding(rec, step), _evaluation_finding(rec),
-                  _other_finding(rec, step, b),
-                  contention_finding(cores, _torch_threads(rec), _workers(rec), b.idle / step.seconds if b.on_cuda else None)]
+                  _other_finding(rec, step, b), contention]
     if b.on_cuda:
         candidates += [_sync_finding(rec, step, b), _h2d_finding(rec, step, b), _launch_finding(rec, step, b)]
     elif gpus and _known_not_to_use_cuda(rec):
@@ -113,37 +113,31 @@ def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: 
 
 
 def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse | None) -> dict:
-    seconds = step.seconds
-    loader = rec.fed_loader
-    evidence = f"waited {step.data_wait * 1e3:.1f} ms per step for the next batch ({step.data_wait / seconds:.0%} of the step, {step.n} steps)"
+    seconds, loader = step.seconds, rec.fed_loader
+    evidence = (f"waited {step.data_wait * 1e3:.1f} ms per step for the next batch "
+                f"({step.data_wait / seconds:.0%} of the step, {step.n} steps)")
     if loader:
-        evidence += (f"; DataLoader(batch_size={loader['batch_size']}, num_workers={loader['num_workers']}, "
-                     f"pin_memory={loader['pin_memory']})" + (f" built at {loader['built']}" if loader.get("built") else ""))
+        evidence += "; " + _loader_text(loader, pin_memory=True)
     transforms = [t for t in costly_transforms(rec, step) if t["share"] >= 0.02][:3]
     if transforms:
         evidence += "; per-sample transforms: " + ", ".join(
-            f"{t['name']} {t['share']:.0%} of the step" + (f" at {t['where']}" if t["where"] else "") for t in transforms)
+            f"{t['name']} {t['share']:.0%} of the step" + (f" at {t['where']}" if t["where"] else "")
+            for t in transforms)
     workers = loader["num_workers"] if loader else 0
-    needed = _workers_to_keep_up(step.data_wait, step.seconds, workers)
-    most = _most_workers(rec, cores)
+    needed = _workers_to_keep_up(step.data_wait, seconds, workers)
     spare = _spare_cores(rec, b.on_cuda, workers, cores)
     waits = _fetching_waits(rec) if workers == 0 else None
+    rest = f"{(seconds - step.data_wait) * 1e3:.1f} ms"
     if waits:
-        n = min(needed, most)
-        enough = (f"{n} keep up with the rest of the step ({(seconds - step.data_wait) * 1e3:.1f} ms)" if n == needed else
+        n = min(needed, _most_workers(rec, cores))
+        enough = (f"{n} keep up with the rest of the step ({rest})" if n == needed else
                   f"{n}, {WORKERS_PER_CORE} a core, come closest ({needed} would keep up with the rest of the step, "
-                  f"{(seconds - step.data_wait) * 1e3:.1f} ms)")
-        fix = (f"load batches in parallel: DataLoader(num_workers={n}, persistent_workers=True) - {waits}, so "
-               f"workers need little CPU and {enough}; torch may warn of more workers than cores: these wait, they do "
-               f"not compute; check it: gpulab profile --try num_workers={n} --steps 30 -- ...; ")
-        fix += FIXES["input_pipeline_cheaper"]
-    elif spare >= 1 and not (cores and cores.contended):
-        measured = f" (the job kept {cores.job_cores:.1f} of its {cores.cores} cores busy)" if cores else ""
-        n = min(workers + spare, needed)
-        fix = (f"load batches in parallel: DataLoader(num_workers={n}, persistent_workers=True) - "
-               f"{spare} core(s) are spare{measured}; check it: gpulab profile --try num_workers={n} "
-               f"--steps 30 -- ...; ")
-        fix += FIXES["input_pipeline_cheaper"]
+                  f"{rest})")
+        fix = _in_parallel(n, f"{waits}, so workers need little CPU and {enough}; torch may warn of more workers than "
+                              f"cores: these wait, they do not compute")
+    elif spare >= 1 and not (cores and cores.wait.contended):
+        measured = f" (the job kept {cores.job_cores:.1f} of its {cores.wait.cores} cores busy)" if cores else ""
+        fix = _in_parallel(min(workers + spare, needed), f"{spare} core(s) are spare{measured}")
     else:
         # Measured on this project's 2-core VM: with torch's threads busy on every core one worker
         # made one data-bound script 1.96x faster and another 0.86x: no rule from the recording
@@ -151,26 +145,41 @@ def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse |
         fix = (f"more DataLoader workers are no sure win here: {_taken_cores(rec, b.on_cuda, workers, cores)}, so "
                f"workers would compete with the training for them - measure before changing it: gpulab profile "
                f"--try num_workers={workers + 1} --steps 30 -- ...; ")
-        fix += FIXES["input_pipeline_cheaper"]
+    fix += FIXES["input_pipeline_cheaper"]
     if transforms:
-        fix = (f"apply {transforms[0]['name']} once per batch (on the device), not per sample in __getitem__; " + fix)
+        fix = f"apply {transforms[0]['name']} once per batch (on the device), not per sample in __getitem__; " + fix
     where = hottest(rec, "data_wait") or (loader or {}).get("where")
-    return finding("input_pipeline", min(step.data_wait, b.exposed) / seconds, evidence + b.idle_text(seconds), where, fix=fix)
+    return finding("input_pipeline", min(step.data_wait, b.exposed) / seconds, evidence + b.idle_text(seconds), where,
+                   fix=fix)
+
+
+def _in_parallel(n: int, why: str) -> str:
+    return (f"load batches in parallel: DataLoader(num_workers={n}, persistent_workers=True) - {why}; check it: "
+            f"gpulab profile --try num_workers={n} --steps 30 -- ...; ")
+
+
+def _loader_text(loader: dict, pin_memory: bool = False) -> str:
+    """"DataLoader(batch_size=64, num_workers=2) built at train.py:12"."""
+    pinned = f", pin_memory={loader['pin_memory']}" if pin_memory else ""
+    built = f" built at {loader['built']}" if loader.get("built") else ""
+    return f"DataLoader(batch_size={loader['batch_size']}, num_workers={loader['num_workers']}{pinned}){built}"
 
 
 def _fetching_waits(rec: Recording) -> str | None:
-    """Why the training thread's own fetches (no workers) mostly wait - sleeps, reads, a request -
-    rather than compute, in words: its hottest line in the data wait was blocked (stacks.py); None
-    when it computes or nothing says. Workers' fetches are not sampled: their waits are not known."""
+    """Why the training thread's own fetches (no workers) wait rather than compute, in words: its
+    hottest line in the data wait was mostly blocked (sleeps, reads, a request); None when it
+    computes or nothing says (workers' fetches are not sampled)."""
     where = hottest(rec, "data_wait")
     blocked = blocked_share(rec, "data_wait", where)
-    return f"the fetch was blocked (asleep, in I/O) {blocked:.0%} of its time at {where}" if blocked >= WAITING else None
+    if blocked < WAITING:
+        return None
+    return f"the fetch was blocked (asleep, in I/O) {blocked:.0%} of its time at {where}"
 
 
 def _workers_to_keep_up(wait_s: float, step_s: float, workers: int) -> int:
-    """Workers that make a batch as fast as the rest of the step uses one (more than `workers`):
-    each takes as long for a batch as the loop waits now without workers (`wait_s` of a `step_s`
-    step), or as `workers` of them take per step each now."""
+    """Workers that make a batch as fast as the rest of the step uses one (more than `workers`): a
+    worker takes as long for a batch as the loop waits now without workers (`wait_s` of a `step_s`
+    step), or `workers` steps with them."""
     rest = step_s - wait_s
     per_batch = wait_s if workers == 0 else workers * step_s
     needed = math.ceil(round(per_batch / max(rest, 1e-9), 6))  # 4.0000001 is 4
@@ -179,7 +188,7 @@ def _workers_to_keep_up(wait_s: float, step_s: float, workers: int) -> int:
 
 def _most_workers(rec: Recording, cores: CoreUse | None) -> int:
     """The most workers gpulab advises: WORKERS_PER_CORE a usable core."""
-    return WORKERS_PER_CORE * (cores.cores if cores else rec.start.get("cpu_count") or 1)
+    return WORKERS_PER_CORE * (cores.wait.cores if cores else rec.start.get("cpu_count") or 1)
 
 
 def _training_seconds(rec: Recording, tail: bool = False) -> float:
@@ -190,16 +199,15 @@ def _training_seconds(rec: Recording, tail: bool = False) -> float:
 
 def _restart_finding(rec: Recording, step: StepCosts) -> dict | None:
     """Worker processes started again at every pass over a DataLoader (no persistent_workers): what
-    the passes took to start beyond a batch's usual wait, as a share of the whole training time (the
-    steady steps leave these long steps out). Each loader with workers starts them once, whatever
-    its settings: those first passes do not count."""
+    the passes took to start beyond a batch's usual wait, as a share of the training time (the
+    steady steps leave these long steps out). A loader's first pass starts them whatever its
+    settings: it does not count."""
     restarting = [loader for loader in rec.loaders if loader["num_workers"] and not loader["persistent_workers"]]
     if not restarting:
         return None
     unavoidable = sum(1 for loader in rec.loaders if loader["num_workers"])
-    records = rec.steps + rec.blocks
     start_s = passes = 0.0
-    for r in records:
+    for r in rec.steps + rec.blocks:
         n = r["counts"].get(PASSES_COUNT, 0)
         if n and unavoidable > 0:  # a first pass of a loader
             unavoidable -= n
@@ -210,18 +218,17 @@ def _restart_finding(rec: Recording, step: StepCosts) -> dict | None:
     if passes < 1 or excess <= 0 or training <= 0:
         return None
     loader = max(restarting, key=lambda x: x.get("steps_fed", 0))
-    evidence = (f"{passes:.0f} passes over the DataLoader after the first each took {excess / passes:.2f} s to start beyond "
-                f"a batch's usual wait ({excess:.1f} s, {excess / training:.0%} of the training time): its "
+    evidence = (f"{passes:.0f} passes over the DataLoader after the first each took {excess / passes:.2f} s to start "
+                f"beyond a batch's usual wait ({excess:.1f} s, {excess / training:.0%} of the training time): its "
                 f"{loader['num_workers']} worker processes start again at every pass (persistent_workers=False)")
-    f = finding("input_pipeline", excess / training, evidence, loader.get("where"), "input_pipeline_restart")
-    f["share_of"] = "the training time"
-    return f
+    return finding("input_pipeline", excess / training, evidence, loader.get("where"), "input_pipeline_restart",
+                   share_of="the training time")
 
 
 def _evaluation_finding(rec: Recording) -> dict | None:
-    """Passes over DataLoaders that fed no training step - evaluations - as a share of the whole
-    run's training time (the steps they fall in, or after the last one): the steady steps leave the
-    long ones out and count the short ones' forward as compute, so neither says what they cost."""
+    """Passes over DataLoaders that fed no training step - evaluations - as a share of the training
+    time, tail included: the steady steps leave the long ones out and count the short ones' forward
+    as compute, so neither says what they cost."""
     evaluated = [loader for loader in rec.loaders if not loader.get("steps_fed") and loader.get("pass_seconds")]
     if not evaluated or not any(loader.get("steps_fed") for loader in rec.loaders):
         return None
@@ -233,27 +240,22 @@ def _evaluation_finding(rec: Recording) -> dict | None:
     loader = max(evaluated, key=lambda x: x["pass_seconds"])
     evidence = (f"{passes} passes over DataLoaders that fed no training step took {seconds:.2f} s "
                 f"({seconds / passes * 1e3:.0f} ms each, {min(seconds / training, 1.0):.0%} of the training time): "
-                f"evaluation; the most over DataLoader(batch_size={loader['batch_size']}, num_workers="
-                f"{loader['num_workers']})" + (f" built at {loader['built']}" if loader.get("built") else ""))
-    f = finding("evaluation", seconds / training, evidence, loader.get("where"), "evaluation")
-    f["share_of"] = "the training time"
-    return f
+                f"evaluation; the most over {_loader_text(loader)}")
+    return finding("evaluation", seconds / training, evidence, loader.get("where"), "evaluation",
+                   share_of="the training time")
 
 
 def _spare_cores(rec: Recording, on_cuda: bool, workers: int, cores: CoreUse | None) -> int:
     """Cores that DataLoader workers could use without taking them from the training itself.
 
-    Where the sampler measured the job: the cores it left idle over the steady steps, keeping one
-    per rank for its training thread. A data wait that is a sleep or a read leaves cores idle
-    whatever torch's thread count (an HF Trainer script at 63% of 200% CPU, torch at 2 threads on 2
-    cores, ran 3.0x faster with 2 workers). Without a measurement, from the counts: on the CPU the
-    compute uses torch's intra-op threads, on a GPU the trainer's own Python needs about one core.
-    Workers already running use one each. Every rank on this machine (Recording.local_world_size:
-    torchrun's LOCAL_WORLD_SIZE, else the ranks recorded here) takes as much as this one, and would
-    add as many workers: each gets its share of what is left."""
+    Measured: the cores the job left idle over the steady steps, less one per rank for its
+    training thread (a data wait that sleeps or reads leaves cores idle whatever torch's thread
+    count). Else from the counts: the CPU's compute uses torch's intra-op threads, a GPU trainer's
+    Python about one core. Running workers use one each. Every rank on this machine
+    (local_world_size) takes as much as this one and would add as many workers: each gets its share."""
     ranks_here = rec.local_world_size or 1
     if cores is not None:
-        idle = min(int(cores.idle_cores + CORE_SLACK), cores.cores - ranks_here * (1 + workers))
+        idle = min(int(cores.idle_cores + CORE_SLACK), cores.wait.cores - ranks_here * (1 + workers))
         return max(0, idle) // ranks_here
     count = rec.start.get("cpu_count") or 1
     trainer = 1 if on_cuda else _torch_threads(rec)
@@ -264,11 +266,11 @@ def _taken_cores(rec: Recording, on_cuda: bool, workers: int, cores: CoreUse | N
     """Why no core is spare, in words: measured contention, the measured use, or the counts."""
     users = "the trainer's own Python" if on_cuda else f"torch's {_torch_threads(rec)} compute thread(s)"
     users += f", {workers} worker(s)" if workers else ""
-    if cores is not None and cores.contended:
+    if cores is not None and cores.wait.contended:
         return (f"the job's threads already waited for a core {cores.wait.share:.0%} of the step (cpu_contention; "
-                f"other processes used {cores.others_cores:.1f} of its {cores.cores} cores)")
+                f"other processes used {cores.wait.others_cores:.1f} of its {cores.wait.cores} cores)")
     if cores is not None:
-        return f"the job kept {cores.job_cores:.1f} of its {cores.cores} cores busy ({users})"
+        return f"the job kept {cores.job_cores:.1f} of its {cores.wait.cores} cores busy ({users})"
     return f"the {rec.start.get('cpu_count')} cores are taken ({users})"
 
 
@@ -284,8 +286,7 @@ def _torch_threads(rec: Recording) -> int:
 def _other_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     """Held back (None) unless the Python between the calls takes MIN_SHARE of the step in every
     quarter of the run: a share that dips below it within one run is as likely to be under it in
-    the next (the DDP tutorial's 0.1 ms of loop Python in ~1 ms steps: 4-11% from quarter to
-    quarter, named in 2 of 4 runs before this rule)."""
+    the next (a DDP tutorial's loop Python moved between 4% and 11% from quarter to quarter)."""
     seconds = step.seconds
     quarters = step.share_by_quarter("other")
     if min(quarters) < MIN_SHARE:
@@ -294,23 +295,22 @@ def _other_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     blocked = blocked_share(rec, "other", where)
     what = (f"waiting between the training calls: at that line the thread was blocked (asleep, in I/O or on a "
             f"lock) {blocked:.0%} of its sampled time" if blocked >= WAITING else "Python between the training calls")
-    evidence = (f"{step.other * 1e3:.1f} ms per step ({step.other / seconds:.0%}; {min(quarters):.0%}-{max(quarters):.0%} across "
-                f"the run's quarters) is {what} (outside data loading, forward, backward and the optimizer)")
+    evidence = (f"{step.other * 1e3:.1f} ms per step ({step.other / seconds:.0%}; "
+                f"{min(quarters):.0%}-{max(quarters):.0%} across the run's quarters) is {what} (outside data loading, forward, backward and the optimizer)")
     share = min(step.other, b.exposed) / seconds
     prefetcher = next((loader for loader in rec.loaders if loader.get("elsewhere")), None)
     if blocked >= WAITING and prefetcher is not None:
         return _prefetched_finding(rec, step, prefetcher, share, evidence + b.idle_text(seconds), where)
-    return finding("low_device_utilization", share, evidence + b.idle_text(seconds),
-                    where, "host_wait" if blocked >= WAITING else "low_device_utilization")
+    return finding("low_device_utilization", share, evidence + b.idle_text(seconds), where,
+                   "host_wait" if blocked >= WAITING else "low_device_utilization")
 
 
 def _prefetched_finding(rec: Recording, step: StepCosts, loader: dict, share: float, evidence: str,
                         where: str | None) -> dict:
     """The loop waits at a line of its own while a DataLoader is iterated in another thread (a
     prefetching thread that fills a queue): the batches are what it waits for."""
-    evidence += (f"; meanwhile DataLoader(batch_size={loader['batch_size']}, num_workers={loader['num_workers']}) "
-                 + (f"built at {loader['built']} " if loader.get("built") else "")
-                 + f"was iterated in another thread (at {loader['where']}): the loop waits for its batches")
+    evidence += (f"; meanwhile {_loader_text(loader)} was iterated in another thread (at {loader['where']}): the "
+                 f"loop waits for its batches")
     n = min(_workers_to_keep_up(step.other, step.seconds, loader["num_workers"]), _most_workers(rec, None))
     fix = (f"feed that DataLoader faster: give it workers (DataLoader(num_workers={n}, persistent_workers=True); check "
            f"it: gpulab profile --try num_workers={n} --steps 30 -- ...); " + FIXES["input_pipeline_cheaper"])
@@ -318,7 +318,7 @@ def _prefetched_finding(rec: Recording, step: StepCosts, loader: dict, share: fl
 
 
 def _unexplained_idle(rec: Recording, step: StepCosts, b: _Budget, findings: list[dict]) -> list[dict]:
-    """Device idle time that no specific cause accounts for."""
+    """CUDA idle time that no cause named accounts for."""
     seconds = step.seconds
     unexplained = b.idle / seconds - sum(f["share"] for f in findings)
     if unexplained < MIN_SHARE or any(f["cause"] == "low_device_utilization" for f in findings):
@@ -332,7 +332,7 @@ def _unexplained_idle(rec: Recording, step: StepCosts, b: _Budget, findings: lis
 
 def _nothing_stands_out(step: StepCosts, b: _Budget) -> dict:
     seconds = step.seconds
-    parts = ", ".join(f"{PHASE_NAMES[name]} {value:.0%}" for name, value in shown_phases(step.shares()) if name != "compute")
+    parts = phases_text({k: v for k, v in step.shares().items() if k != "compute"}, ", ")
     if b.on_cuda:
         head = f"the device was busy {min(b.busy / seconds, 1):.0%} of the step ({b.source})"
     else:
@@ -346,17 +346,16 @@ def _nothing_stands_out(step: StepCosts, b: _Budget) -> dict:
 
 
 def _sync_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
-    sites = sorted((s for s in rec.sites if s["kind"] == "sync"), key=weight_in_the_steps, reverse=True)
-    if not sites and b.sync_blocked <= 0:
+    top = _top_site(rec, ("sync",))
+    if not top and b.sync_blocked <= 0:
         return None
     per_step = step.counts.get("sync", 0) + step.counts.get("sync_untimed", 0)
     evidence = (f"{per_step:.1f} host syncs per step kept the host blocked {b.sync_blocked * 1e3:.1f} ms per step, "
                 f"so the device could not run ahead while Python prepared the next step")
-    if sites:
-        top = sites[0]
+    if top:
         evidence += f"; top: {'/'.join(top['ops'])} at {top['where']} ({top['count']} calls, {top['seconds']:.2f} s)"
-    where = sites[0]["where"] if sites else None
-    return finding("host_sync", min(b.sync_blocked, b.idle) / step.seconds, evidence + b.idle_text(step.seconds), where, "host_sync")
+    return finding("host_sync", min(b.sync_blocked, b.idle) / step.seconds, evidence + b.idle_text(step.seconds),
+                   top["where"] if top else None, "host_sync")
 
 
 def _h2d_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
@@ -366,8 +365,8 @@ def _h2d_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
     pinned_blocking = step.counts.get("h2d_pinned_blocking", 0)
     if not pageable and not pinned_blocking:
         return None
-    kinds = [kind for kind, per_step in (("h2d_pageable", pageable), ("h2d_pinned_blocking", pinned_blocking)) if per_step]
-    sites = sorted((s for s in rec.sites if s["kind"] in kinds), key=weight_in_the_steps, reverse=True)
+    kinds = [kind for kind, n in (("h2d_pageable", pageable), ("h2d_pinned_blocking", pinned_blocking)) if n]
+    top = _top_site(rec, kinds)
     parts = []
     if pageable:
         mb = step.counts.get("h2d_pageable_bytes", 0) / 1e6
@@ -377,9 +376,13 @@ def _h2d_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
         parts.append(f"{pinned_blocking:.1f} per step from pinned memory without non_blocking=True, so the "
                      f"host waited anyway ({mb:.1f} MB)")
     evidence = "; ".join(parts) + f", {step.copies * 1e3:.1f} ms per step in the copy calls"
-    where = sites[0]["where"] if sites else None
-    fix = "h2d_copy" if pageable else "h2d_copy_pinned"
-    return finding("h2d_copy", min(step.copies, b.idle) / step.seconds, evidence + b.idle_text(step.seconds), where, fix)
+    return finding("h2d_copy", min(step.copies, b.idle) / step.seconds, evidence + b.idle_text(step.seconds),
+                   top["where"] if top else None, "h2d_copy" if pageable else "h2d_copy_pinned")
+
+
+def _top_site(rec: Recording, kinds) -> dict | None:
+    """The sync or copy line of one of `kinds` that weighs most on the steps."""
+    return max((s for s in rec.sites if s["kind"] in kinds), key=weight_in_the_steps, default=None)
 
 
 def weight_in_the_steps(site: dict) -> tuple:
@@ -404,8 +407,7 @@ def _launch_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:
 
 def _known_not_to_use_cuda(rec: Recording) -> bool:
     """Only what the process said of itself: a CPU-only torch, or its account of CUDA naming no
-    device. A process that died before saying (no end record, no cuda record) is not known not to
-    have used the GPU, and a finding must never claim the opposite of what was recorded."""
+    device. A process that died before saying is not known not to have used the GPU."""
     if rec.start.get("torch_cuda_build") is None:
         return True
     return rec.cuda is not None and not rec.cuda.get("devices")

@@ -20,14 +20,13 @@ RANK_FIXES = {
 
 
 def rank_findings(lanes: list[Recording], warmup_steps: int, until: float | None = None) -> list[dict]:
-    """Findings about a multi-rank job as a whole: a straggler, and ranks that ran unequal steps.
-    `until`: when a process failed; only the steps before it are judged (after it the survivors
-    wait for the dead, and their counts differ by the failure, not by their data).
+    """Findings about a multi-rank job as a whole. `until`: when a process failed; only the steps
+    before it are judged (after it the survivors wait for the dead, and their counts differ by the
+    failure, not by their data).
 
-    With synchronous data parallelism every rank waits for the slowest at each collective (for
-    DDP: inside backward, where the allreduce is waited for), so step times come out equal and
-    the straggler shows in *what* its step is made of: more time than the other ranks in one
-    host-side phase, while theirs grows in compute (waiting)."""
+    With synchronous data parallelism every rank waits for the slowest at each collective (DDP:
+    inside backward), so step times come out equal and a straggler shows in *what* its step is
+    made of: more time than the others in one host-side phase, while theirs grows in compute."""
     ranks = [r for r in trainers(lanes) if r.rank is not None]
     if until is not None:
         ranks = [_before(r, until) for r in ranks]
@@ -44,16 +43,14 @@ def rank_findings(lanes: list[Recording], warmup_steps: int, until: float | None
             f"synchronous job the ranks with more batches wait in a collective for ranks that have stopped (a hang "
             f"until the timeout)", None,
             fix="give every rank the same number of batches: DistributedSampler(drop_last=True), or the same "
-                "global batches split per rank (gpulab train does this)")
-        unequal["share_of"] = "steps"  # the steps only some ranks ran, not a share of step time
+                "global batches split per rank (gpulab train does this)", share_of="steps")  # only some ranks ran
         unequal["support"] = f"the step counts of {len(ranks)} ranks"
         findings.append(unequal)
     steps = {r.rank: StepCosts(select_steady(r.steps, warmup_steps)[0] or r.steps) for r in ranks}
     seconds = statistics.median(s.seconds for s in steps.values())
-    per_category = {"data_wait": "data_wait", "sync": "syncs", "h2d": "copies", "other": "other"}  # -> StepCosts
     worst = None
-    for category, attr in per_category.items():
-        values = {k: getattr(s, attr) for k, s in steps.items()}
+    for category in RANK_FIXES:  # the host-side phases
+        values = {k: s.mean[category] for k, s in steps.items()}
         rank = max(values, key=values.get)
         others = statistics.median(v for k, v in values.items() if k != rank)
         excess = values[rank] - others
@@ -67,12 +64,14 @@ def rank_findings(lanes: list[Recording], warmup_steps: int, until: float | None
         return findings + ([comm] if comm else [])
     lane = next(r for r in ranks if r.rank == rank)
     waiting = [k for k in steps if k != rank]
-    extra_wait = statistics.median(steps[k].compute + steps[k].collectives for k in waiting) - (steps[rank].compute + steps[rank].collectives)
+    extra_wait = (statistics.median(steps[k].compute + steps[k].collectives for k in waiting)
+                  - (steps[rank].compute + steps[rank].collectives))
     evidence = (f"rank {rank} spends {excess * 1e3:.1f} ms more per step in {PHASE_NAMES[category]} than the other "
-                f"ranks ({getattr(steps[rank], per_category[category]) * 1e3:.1f} ms vs a median of {others * 1e3:.1f} ms; "
+                f"ranks ({steps[rank].mean[category] * 1e3:.1f} ms vs a median of {others * 1e3:.1f} ms; "
                 f"{excess / seconds:.0%} of the {seconds * 1e3:.1f} ms step)")
     if extra_wait > 0:
-        evidence += (f"; rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait{'' if len(waiting) > 1 else 's'} "
+        several = len(waiting) > 1
+        evidence += (f"; rank{'s' if several else ''} {', '.join(map(str, waiting))} wait{'' if several else 's'} "
                      f"for it: {extra_wait * 1e3:.1f} ms more per step in compute and collectives, where the gradient "
                      f"allreduce is waited for")
     where = hottest(lane, category)
@@ -96,14 +95,14 @@ def _before(rec: Recording, until: float) -> Recording:
 COMM_BOUND_SHARE = 0.25
 
 
-def _communication_bound(ranks: list[Recording], steps: dict[int, "StepCosts"], seconds: float) -> dict | None:
+def _communication_bound(ranks: list[Recording], steps: dict[int, StepCosts], seconds: float) -> dict | None:
     shares = {k: s.collectives / s.seconds for k, s in steps.items() if s.seconds > 0}
     if not shares or min(shares.values()) < COMM_BOUND_SHARE:
         return None
     share = statistics.median(shares.values())
     listing = ", ".join(f"rank {k} {v:.0%}" for k, v in sorted(shares.items()))
-    evidence = (f"every rank spends a large part of its step in collectives ({listing} of a {seconds * 1e3:.1f} ms step) "
-                f"and none is late (no rank spends {MIN_SHARE:.0%} of the step more than the others in any host-side "
+    evidence = (f"every rank spends a large part of its step in collectives ({listing} of a {seconds * 1e3:.1f} ms "
+                f"step) and none is late (no rank spends {MIN_SHARE:.0%} of the step more than the others in any host-side "
                 f"phase): the gradients' allreduce itself is the cost")
     busiest = max(ranks, key=lambda r: steps[r.rank].collectives)
     bound = finding("communication_bound", share, evidence, hottest(busiest, "collective"), fix=(

@@ -1,4 +1,5 @@
-"""Steps -> the steady steps -> what each steady step is made of, on average (StepCosts):
+"""Steps -> the steady steps (no warm-up, no measurement windows, no compiling, no epoch-boundary
+outliers) -> what a steady step is made of, on average (StepCosts):
 
     seconds = data_wait    waiting for the next batch
             + copies       host->device copies
@@ -7,9 +8,6 @@
             + syncs        blocked in host syncs
             + compiling    torch.compile compiling
             + other        the user's Python between those calls
-
-Warm-up steps, the kernel window's steps and epoch-boundary outliers are left out of the steady
-steps.
 """
 
 from __future__ import annotations
@@ -17,13 +15,13 @@ from __future__ import annotations
 import statistics
 
 from gpulab.monitor.config import OUTLIER_FACTOR
-from gpulab.monitor.events import BINS_PER_OCTAVE, CATEGORIES, Recording
+from gpulab.monitor.events import BINS_PER_OCTAVE, CATEGORIES, Recording, added
 
+# The categories in the report's order, as the terminal names them.
 PHASE_NAMES = {
     "data_wait": "data wait", "compute": "compute", "collective": "collectives", "sync": "host syncs", "h2d": "copies",
     "compile": "compiling", "other": "other Python",
 }
-
 
 
 def step_seconds(step: dict) -> float:
@@ -31,8 +29,7 @@ def step_seconds(step: dict) -> float:
 
 
 def recorded_seconds(rec: Recording) -> float:
-    """How long the process was recorded: from the recorder's start to its end (or, for a process
-    that died, to the end of the last step recorded)."""
+    """From the recorder's start to its end (a process that died: to the end of its last step)."""
     if not rec.t_start:
         return 0.0
     ends = [s["t1"] for s in rec.steps[-1:]] + [b["t1"] for b in rec.blocks[-1:]]
@@ -41,8 +38,8 @@ def recorded_seconds(rec: Recording) -> float:
 
 
 def select_steady(steps: list[dict], warmup_steps: int) -> tuple[list[dict], dict]:
-    """Steps that represent the loop: warm-up, gpulab's measurement windows, steps torch.compile
-    compiled in (their compile time: analyze/compiled.py) and epoch-boundary outliers excluded."""
+    """The steps that represent the loop, and how many were left out for each reason (steps
+    torch.compile compiled in: analyze/compiled.py says what those cost)."""
     unprofiled = [s for s in steps if not s.get("profiled")]
     loop = [s for s in unprofiled if not s["excl"].get("compile", 0.0)] or unprofiled
     after_warmup = [s for s in loop if s["i"] >= warmup_steps]
@@ -65,7 +62,6 @@ def aggregate_summary(rec: Recording) -> dict | None:
     blocks = [b for b in rec.blocks if b["n"] > b["profiled"]]
     if not blocks:
         return None
-    n = sum(b["n"] for b in blocks)
     histogram: dict[int, int] = {}
     for b in blocks:
         for k, v in b["durations"].items():
@@ -73,7 +69,7 @@ def aggregate_summary(rec: Recording) -> dict | None:
     excl = {c: sum(b["excl"].get(c, 0.0) for b in blocks) for c in CATEGORIES}
     total = sum(excl.values())
     return {
-        "steps": n, "from_step": blocks[0]["i0"], "to_step": blocks[-1]["i1"],
+        "steps": sum(b["n"] for b in blocks), "from_step": blocks[0]["i0"], "to_step": blocks[-1]["i1"],
         "median_step_s": round(_histogram_quantile(histogram, 0.5), 6),
         "p90_step_s": round(_histogram_quantile(histogram, 0.9), 6),
         "phases": {c: round(v / total, 4) if total > 0 else 0.0 for c, v in excl.items()},
@@ -105,28 +101,28 @@ def shown_phases(shares: dict[str, float]) -> list[tuple[str, float]]:
     return [(name, value) for name, value in shares.items() if name not in ("collective", "compile") or value > 0]
 
 
+def phases_text(shares: dict[str, float], sep: str = "  ") -> str:
+    """"data wait 12%  compute 80%  ...": the shown phases in one line."""
+    return sep.join(f"{PHASE_NAMES[name]} {value:.0%}" for name, value in shown_phases(shares))
+
+
 class StepCosts:
-    """Mean seconds per steady step of each part of the sum above (DDP's wait for its allreduce
-    inside backward is a collective already: record/probes/ddp.py)."""
+    """Mean seconds per steady step of each part of the sum above, by category (`mean`) and by name
+    (DDP's wait for its allreduce inside backward is a collective already: record/probes/ddp.py)."""
 
     def __init__(self, steady: list[dict]):
-        n = len(steady)
-        self.n = n
-        total = {c: sum(s["excl"].get(c, 0.0) for s in steady) for c in CATEGORIES}
+        self.n = n = len(steady)
         self.seconds = sum(step_seconds(s) for s in steady) / n
+        self.mean = {c: sum(s["excl"].get(c, 0.0) for s in steady) / n for c in CATEGORIES}
         self.data_wait, self.copies, self.compute, self.collectives, self.syncs, self.compiling, self.other = (
-            total[c] / n for c in ("data_wait", "h2d", "compute", "collective", "sync", "compile", "other"))
-        counts: dict[str, float] = {}
-        for s in steady:
-            for k, v in s.get("counts", {}).items():
-                counts[k] = counts.get(k, 0) + v
-        self.counts = {k: v / n for k, v in counts.items()}
+            self.mean[c] for c in ("data_wait", "h2d", "compute", "collective", "sync", "compile", "other"))
+        self.counts = {k: v / n for k, v in added({}, *(s.get("counts", {}) for s in steady)).items()}
         self._steady = steady
 
     def share_by_quarter(self, category: str) -> list[float]:
         """The share of `category` in each quarter of the steady steps, in order (the whole, with
-        fewer than 8 steps). On a busy machine a share moves from quarter to quarter about as much
-        as it moves from run to run (the DDP tutorial's other Python: 4-11% within one run)."""
+        fewer than 8 steps): on a busy machine a share moves from quarter to quarter about as much
+        as from run to run."""
         steady, n = self._steady, len(self._steady)
         parts = [steady[j * n // 4:(j + 1) * n // 4] for j in range(4)] if n >= 8 else [steady]
         shares = []
@@ -136,9 +132,7 @@ class StepCosts:
         return shares
 
     def shares(self) -> dict[str, float]:
-        values = {"data_wait": self.data_wait, "compute": self.compute, "collective": self.collectives, "sync": self.syncs, "h2d": self.copies,
-                  "compile": self.compiling, "other": self.other}
-        return {k: round(v / self.seconds, 4) if self.seconds > 0 else 0.0 for k, v in values.items()}
+        return {c: round(self.mean[c] / self.seconds, 4) if self.seconds > 0 else 0.0 for c in PHASE_NAMES}
 
 
 def steps_found(rec: Recording) -> str:

@@ -16,7 +16,7 @@ from gpulab.monitor.alive.failure import failure_finding, job_failure
 from gpulab.monitor.alive.hang import hang_finding
 from gpulab.monitor.alive.stall import find_stalls, stall_finding
 from gpulab.monitor.analyze.memory_findings import memory_line, memory_summary, oom_finding
-from gpulab.monitor.analyze.step_costs import PHASE_NAMES, lane_summary, shown_phases, step_seconds
+from gpulab.monitor.analyze.step_costs import lane_summary, phases_text, step_seconds
 from gpulab.monitor.analyze.process import weight_in_the_steps
 from gpulab.monitor.analyze.ranks import rank_findings
 from gpulab.monitor.events import Recording, by_rank, diagnosed_lane, trainers
@@ -25,69 +25,60 @@ from gpulab.io import OutputFolder, json_bytes
 ENVIRONMENT_KEYS = ("python", "torch", "torch_cuda_build", "cpu_count", "torch_threads")
 
 
-def _process_report(rec: Recording, samples: list[dict], gpus: list[dict], sampler: dict, cfg: ProfileConfig,
-                    exit_code: int | None, process: str | None = None) -> dict:
-    """One process's part: diagnose()'s keys first (steps, step_time_s, phases, devices, findings),
-    then the evidence behind them. `process`: how findings name the process, when it is not the
-    script's own."""
-    report = diagnose(rec, samples, gpus, cfg.warmup_steps)
-    oom = oom_finding(rec, who=process)
-    if oom is not None:  # what ended the run comes first
-        report["findings"] = [oom] + [f for f in report["findings"] if f["cause"] != "none"]
-    end = rec.end or {}
-    report.update({
-        "memory": memory_summary(rec),
-        "compile": compile_summary(rec),
-        "command": rec.start.get("command"),
-        "exit_code": exit_code,
-        "complete": rec.end is not None and exit_code == 0,
-        "error": end.get("error"),
-        "syncs": sorted(rec.sites, key=weight_in_the_steps, reverse=True),
-        "data_loaders": [_fields(r) for r in rec.loaders],
-        "kernel_window": _fields(rec.kernels) if rec.kernels else None,
-        "hot_lines": rec.hot,
-        "hot_steps": rec.hot_steps,
-        "hot_blocked": rec.hot_blocked,
-        "hot_line_interval_s": rec.hot_interval_s,
-        "cuda": rec.cuda,
-        "environment": {k: rec.start.get(k) for k in ENVIRONMENT_KEYS},
-        "sampler": sampler,
-        "config": cfg.to_dict(),
-    })
-    return report
-
-
 def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dict], gpus: list[dict], sampler: dict,
                  cfg: ProfileConfig, exit_code: int | None, hang: dict | None = None,
                  stalls: list[dict] | None = None, stopped: bool = False,
                  suspended: list[tuple[float, float]] = ()) -> tuple[dict, list[Recording]]:
     """The report of a job of one or more processes (an in-process session is a job of one), and
-    the processes to draw (the diagnosed one first, then the other processes that trained).
-    `hang`, `stalls`: what the parent's hang watch saw; `stopped`: gpulab stopped the job (a hang,
-    or the user's signal to gpulab); `suspended`: when the user stopped the job at the terminal.
+    the processes to draw: the diagnosed one first (events.diagnosed_lane: the parent's evaluation
+    loop is not the verdict), then the others that trained. `hang`, `stalls`: what the parent's
+    hang watch saw; `stopped`: gpulab stopped the job (a hang, or the user's signal to gpulab);
+    `suspended`: when the user stopped the job at the terminal.
 
-    That is the script's own process when it trained, else the child that trained most (a
-    trainer started with multiprocessing): the parent's evaluation loop is not the verdict.
-    """
+    diagnose()'s keys come first (steps, step_time_s, phases, devices, findings), then the evidence."""
     main = next((r for r in lanes if r.pid == main_pid), None)
     trained = trainers(lanes)
     shown = diagnosed_lane(lanes, main_pid) or Recording([])
-    process = _who(shown, main_pid) if shown is not main and shown.pid is not None else None
-    report = _process_report(shown, samples, gpus, sampler, cfg, exit_code, process)
-    report["diagnosed_pid"] = shown.pid
-    report["processes"] = [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
-                           for r in by_rank(lanes) if r.recorded and not r.is_dataloader_worker]
+    report = diagnose(shown, samples, gpus, cfg.warmup_steps)
+    report.update({
+        "memory": memory_summary(shown),
+        "compile": compile_summary(shown),
+        "command": shown.start.get("command"),
+        "exit_code": exit_code,
+        "complete": shown.end is not None and exit_code == 0,
+        "error": (shown.end or {}).get("error"),
+        "syncs": sorted(shown.sites, key=weight_in_the_steps, reverse=True),
+        "data_loaders": [_fields(r) for r in shown.loaders],
+        "kernel_window": _fields(shown.kernels) if shown.kernels else None,
+        "hot_lines": shown.hot,
+        "hot_steps": shown.hot_steps,
+        "hot_blocked": shown.hot_blocked,
+        "hot_line_interval_s": shown.hot_interval_s,
+        "cuda": shown.cuda,
+        "environment": {k: shown.start.get(k) for k in ENVIRONMENT_KEYS},
+        "sampler": sampler,
+        "config": cfg.to_dict(),
+        "diagnosed_pid": shown.pid,
+        "processes": [{**lane_summary(r, cfg.warmup_steps), "role": _role(r, main_pid)}
+                      for r in by_rank(lanes) if r.recorded and not r.is_dataloader_worker],
+    })
+    oom = oom_finding(shown, who=_who(shown, main_pid) if shown is not main and shown.pid is not None else None)
     failure = job_failure(lanes, stopped, main_pid, exit_code)
     # a failure ends the steps worth judging across ranks: the survivors' last steps wait for the dead
     across = rank_findings(lanes, cfg.warmup_steps, until=failure["first"]["t"] if failure else None)
-    if not any(f["cause"] == "out_of_memory" for f in report["findings"]):  # another process ran out
+    if oom is None:  # another process ran out
         across += [f for r in lanes if r is not shown and (f := oom_finding(r, who=_who(r, main_pid))) is not None]
     found_stalls = find_stalls(lanes, cfg.warmup_steps, stalls or [], timeline.time_origin(lanes, samples), suspended)
     run_seconds = sum(step_seconds(s) for s in shown.steps)
     across += [stall_finding(s, run_seconds) for s in found_stalls]
+    # The findings ranked, here alone: what ended the job first (a hang, else a failure, else running out of
+    # memory), then the diagnosed process's own (diagnose's order) with those across processes among them by
+    # share. A "none" stands only alone.
+    findings = report["findings"]
+    if oom is not None:
+        findings = [oom] + _real(findings)
     if across:
-        report["findings"] = sorted(across + [f for f in report["findings"] if f["cause"] != "none"],
-                                    key=lambda f: f["share"], reverse=True)
+        findings = sorted(across + _real(findings), key=lambda f: f["share"], reverse=True)
     ranks = sum(r.rank is not None for r in trained)
     if shown.rank is not None and (shown is not main or ranks > 1):  # under Lightning the script itself is rank 0
         report["note"] = (f"{ranks} ranks trained; below, rank {shown.rank}'s steps, then findings "
@@ -96,18 +87,25 @@ def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dic
         report["note"] = (f"the training ran in {len(trained)} child process(es); the diagnosis is of pid "
                           f"{shown.pid} ({len(shown.steps)} steps), the others are listed under processes")
     elif not shown.recorded:
-        report["findings"][0]["evidence"], report["findings"][0]["fix"] = _why_nothing_was_recorded(main)
+        findings[0]["evidence"], findings[0]["fix"] = _why_nothing_was_recorded(main)
     report["stalls"] = found_stalls
+    ended = None
     if failure is not None:
         report["failure"] = failure
         report["error"] = failure["first"]["message"]
         # several processes: which failed first; none that trained: the steps' shares say nothing
-        if (len(trained) > 1 or not trained) and not any(f["cause"] == "out_of_memory" for f in report["findings"]):
-            report["findings"] = [failure_finding(failure)] + [f for f in report["findings"] if f["cause"] != "none"]
+        if (len(trained) > 1 or not trained) and not any(f["cause"] == "out_of_memory" for f in findings):
+            ended = failure_finding(failure)
     if hang is not None:
         report["hang"] = hang
-        report["findings"] = [hang_finding(hang)] + [f for f in report["findings"] if f["cause"] not in ("none", "failure")]
+        ended = hang_finding(hang)  # in place of the failure's
+    report["findings"] = [ended] + _real(findings) if ended else findings
     return report, [shown] + [r for r in trained if r is not shown]
+
+
+def _real(findings: list[dict]) -> list[dict]:
+    """All but "none" (nothing stands out), which gives way to any other finding."""
+    return [f for f in findings if f["cause"] != "none"]
 
 
 def _who(rec: Recording, main_pid: int) -> str:
@@ -158,8 +156,7 @@ def print_report(report: dict, out: Path, console: Console | None = None) -> Non
 
 def terminal_lines(report: dict, out: Path) -> list[str]:
     """The short human report: step time, where it goes, the findings with evidence, where and fix."""
-    step = report["step_time_s"]
-    lines = [""]
+    step, lines = report["step_time_s"], [""]
     head = f"[bold]gpulab profile[/]: {report['steps']} steps"
     if report["steps"]:
         head += (f" ({report['steady_steps']} measured; {report['steps_found']}), median step "
@@ -172,20 +169,19 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
     trained = [p for p in report.get("processes", []) if p["steps"]]  # ranks already in rank order
     if len(trained) > 1:
         for p in trained:
-            shares = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in shown_phases(p["phases"] or {}))
             median = f", median {p['median_step_s'] * 1e3:.1f} ms" if p["median_step_s"] else ""
-            lines.append(f"  [dim]pid {p['pid']} ({p['role']}): {p['steps']} steps{median}  {shares}[/]")
-    phases = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in shown_phases(report["phases"]))
+            lines.append(f"  [dim]pid {p['pid']} ({p['role']}): {p['steps']} steps{median}  "
+                         f"{phases_text(p['phases'] or {})}[/]")
+    phases = phases_text(report["phases"])
     busy = report.get("device_busy")
     if busy:
         phases += f"   device busy {busy['share']:.0%} ({escape(busy['source'])})"
     lines.append(f"  step time: {phases}")
     later = report.get("later_steps")
     if later:
-        shares = "  ".join(f"{PHASE_NAMES[k]} {v:.0%}" for k, v in shown_phases(later["phases"]))
         lines.append(f"  [dim]the {later['steps']} steps after the first {later['from_step']} (summed, not judged step "
                      f"by step): median {later['median_step_s'] * 1e3:.2f} ms, p90 {later['p90_step_s'] * 1e3:.2f} ms  "
-                     f"{shares}[/]")
+                     f"{phases_text(later['phases'])}[/]")
     if report.get("memory"):
         lines.append(f"  {escape(memory_line(report['memory']))}")
     if report.get("compile"):
@@ -196,18 +192,17 @@ def terminal_lines(report: dict, out: Path) -> list[str]:
     for missing in report.get("not_measured", []):
         lines.append(f"  [yellow]not measured:[/] {escape(missing)}")
     for n, f in enumerate(report["findings"], 1):
-        if f["cause"] == "none" and not report["steps"] and not report.get("device_busy"):
-            lines.append(f"  [bold yellow]nothing to diagnose[/]: {escape(f['evidence'])}")
-            lines.append(f"     [dim]fix:[/]  {escape(f['fix'])}")
-            continue
         if f["cause"] == "none":
-            lines.append(f"  [bold green]no bottleneck stands out[/]: {escape(f['evidence'])}")
-            lines.append(f"     [dim]next:[/]  {escape(f['fix'])}")
+            nothing = not report["steps"] and not report.get("device_busy")
+            head = "[bold yellow]nothing to diagnose[/]" if nothing else "[bold green]no bottleneck stands out[/]"
+            lines.append(f"  {head}: {escape(f['evidence'])}")
+            lines.append(f"     [dim]{'fix' if nothing else 'next'}:[/]  {escape(f['fix'])}")
             continue
         share = f"[red]{f['share']:.0%}[/] of {f.get('share_of', 'step time')}"
         if f.get("share_of", "").startswith("not timed"):
             share = f"[dim]({escape(f['share_of'])})[/]"
-        lines.append(f"  [bold]{n}. {f['cause']}[/] {share}" + (f" (rank {f['rank']})" if f.get("rank") is not None else ""))
+        rank = f" (rank {f['rank']})" if f.get("rank") is not None else ""
+        lines.append(f"  [bold]{n}. {f['cause']}[/] {share}{rank}")
         lines.append(f"     [dim]evidence:[/] {escape(f['evidence'])}")
         if f["where"]:
             lines.append(f"     [dim]where:[/]    {escape(f['where'])}")

@@ -1,44 +1,32 @@
 """timeline.png: utilization over time, with the steps and the time spent waiting for data.
 
-Four rows sharing the time axis, readable at a glance:
-  steps    each step as a bar split into its phases (data wait, copy, compute, sync, other)
+Four rows sharing the time axis:
+  steps    each step as a bar split into its phases, a row per process that trained
   device   GPU: NVML kernel-active % (and GPM SM-active % on Hopper+); CPU run: compute % of each step
-  memory   GPU memory used, the process's resident memory (with DataLoader workers), and torch's
-           live bytes through the step the memory window measured
+  memory   GPU memory used, the processes' resident memory, torch's live bytes in the measured step
   CPU      the training process and its workers (100 % = one core)
-Waiting for data is a strip along the bottom of every row, darker where more of that moment
-was spent waiting (readable at 10 steps or 10,000); thin lines mark step boundaries when few
-enough. Legends sit right of the plots, never on the data, and name only what occurred. The
-script's start-up (imports, data loading) is left off the time axis and said in words, so that a
-short script's training is not squeezed into its last tenth.
+Waiting for data is a strip along the bottom of every row, darker where more of that moment was
+spent waiting (readable at 10 steps or 10,000); thin lines mark step boundaries when few enough.
+Legends sit right of the plots, never on the data, and name only what occurred. The script's
+start-up is left off the time axis and said in words, so that a short script's training is not
+squeezed into its last tenth.
 """
 
 from __future__ import annotations
 
 import io
 
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
 from gpulab.monitor.events import Recording
 
-COLORS = {
-    "data_wait": "#f28e2b",
-    "h2d": "#b07aa1",
-    "compute": "#59a14f",
-    "collective": "#4e79a7",
-    "sync": "#e15759",
-    "other": "#bab0ac",
-}
-LABELS = {
-    "data_wait": "data wait",
-    "h2d": "host-to-device copy",
-    "compute": "compute",
-    "collective": "collectives (allreduce, ...)",
-    "sync": "host sync",
-    "other": "other (Python)",
-}
-_MAX_STEP_LINES = 60
-"""More step boundaries than this would grey the rows like hatching: they are left out."""
+# A step's phases, in the order drawn: colour and legend.
+COLORS = {"data_wait": "#f28e2b", "h2d": "#b07aa1", "compute": "#59a14f", "collective": "#4e79a7", "sync": "#e15759",
+          "other": "#bab0ac"}
+LABELS = {"data_wait": "data wait", "h2d": "host-to-device copy", "compute": "compute",
+          "collective": "collectives (allreduce, ...)", "sync": "host sync", "other": "other (Python)"}
+_MAX_STEP_LINES = 60  # more step boundaries would grey the rows like hatching: they are left out
 
 
 def render(lanes: list[Recording], samples: list[dict], gpus: list[dict], report: dict, title: str) -> bytes:
@@ -88,15 +76,14 @@ def figure(lanes: list[Recording], samples: list[dict], gpus: list[dict], report
     return fig
 
 
-STRIP = 0.06
-"""Height of the data-wait strip, as a share of each row."""
+STRIP = 0.06  # the data-wait strip's height, a share of each row
 STRIP_BINS = 240
 
 
 def _data_wait_strip(spans: list[tuple[float, float]]) -> tuple[list, list] | None:
-    """Time spent waiting for data, binned along the axis: (bins as (start, width), their
-    colours), each bin shaded by the share of it spent waiting (a few long waits and thousands of
-    short ones read alike); None without waits. Computed once, drawn on every row."""
+    """Time spent waiting for data, binned along the axis: (bins as (start, width), their colours),
+    each shaded by the share of it spent waiting (a few long waits and thousands of short ones read
+    alike); None without waits."""
     if not spans:
         return None
     lo, hi = min(a for a, _ in spans), max(a + w for a, w in spans)
@@ -108,8 +95,6 @@ def _data_wait_strip(spans: list[tuple[float, float]]) -> tuple[list, list] | No
             overlap = min(a + w, lo + (b + 1) * width) - max(a, lo + b * width)
             share[b] += max(0.0, overlap) / width
     bins = [(lo + b * width, width) for b in range(STRIP_BINS) if share[b] > 0]
-    from matplotlib.colors import to_rgba
-
     # Shade by share: a 1% wait stays faint, half the time waiting is solid.
     colors = [to_rgba(COLORS["data_wait"], min(1.0, 0.05 + 2 * share[b])) for b in range(STRIP_BINS) if share[b] > 0]
     return bins, colors
@@ -152,10 +137,9 @@ def _headline(report: dict, title: str) -> str:
 
 
 def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float, on_gpu: bool) -> None:
-    """Each step as a bar from its start, split into its phases in a fixed order (after the
-    detailed window, each block of steps as one bar, its phases summed); one row per
-    training process (the ranks of a torchrun job: a straggler's row looks different). Without a
-    GPU there is no host-to-device copy: a `.to()` on the CPU is Python time ("other")."""
+    """Each step (after the detailed window, each block of steps) as a bar from its start, split into
+    its phases; a row per training process. Without a GPU there is no host-to-device copy: a `.to()`
+    on the CPU is Python time ("other")."""
     for row, steps in enumerate(reversed(lanes)):
         bars: dict[str, list[tuple[float, float]]] = {c: [] for c in COLORS}
         for s in steps:
@@ -183,9 +167,8 @@ def _plot_steps(ax, lanes: list[list[dict]], names: list[str], origin: float, on
 
 
 def _mark_waiting(ax, stalls: list[dict], names: list[str], origin: float) -> None:
-    """A stall: the ranks that waited for the stalled one spent that time inside a collective (or
-    inside DDP's backward, which the recorder counts as compute): draw it as waiting, hatched over
-    their bars. Legend sits with the step row's."""
+    """A stall's waiting ranks spent it inside a collective (or DDP's backward, counted as compute):
+    hatched over their bars as waiting."""
     rows = {name: len(names) - 1 - i for i, name in enumerate(names)}
     labelled = False
     for stall in stalls:
@@ -200,10 +183,21 @@ def _mark_waiting(ax, stalls: list[dict], names: list[str], origin: float) -> No
         _legend(ax)
 
 
+def _gpu_rows(samples: list[dict], position: int, origin: float) -> tuple[list[float], list[dict]]:
+    """The times and readings of the GPU at `position` in the samples."""
+    inside = [s for s in samples if len(s["gpus"]) > position]
+    return [s["t"] - origin for s in inside], [s["gpus"][position] for s in inside]
+
+
+def _proc_rows(samples: list[dict], origin: float) -> tuple[list[float], list[dict]]:
+    """The times and readings of the training process in the samples."""
+    inside = [s for s in samples if s.get("proc")]
+    return [s["t"] - origin for s in inside], [s["proc"] for s in inside]
+
+
 def _plot_gpu_activity(ax, samples: list[dict], gpus: list[dict], origin: float) -> None:
     for position, info in enumerate(gpus):
-        t = [s["t"] - origin for s in samples if len(s["gpus"]) > position]
-        rows = [s["gpus"][position] for s in samples if len(s["gpus"]) > position]
+        t, rows = _gpu_rows(samples, position, origin)
         name = f"GPU{info['index']}"
         _line(ax, t, [r.get("kernel_active_pct") for r in rows], f"{name} kernel active % (NVML util)", "-")
         _line(ax, t, [r.get("sm_active_pct") for r in rows], f"{name} SM active % (GPM)", "--")
@@ -213,7 +207,7 @@ def _plot_gpu_activity(ax, samples: list[dict], gpus: list[dict], origin: float)
 
 
 def _plot_cpu_compute(ax, steps: list[dict], origin: float, waited: list[tuple[float, float]]) -> None:
-    """No GPU: the CPU is the device, so show how much of each step was torch compute - less the
+    """No GPU: the CPU is the device; the share of each step that was torch compute, less the
     time it waited for a stalled rank (inside DDP's backward that wait counts as compute)."""
     t = [s["t1"] - origin for s in steps]
 
@@ -229,14 +223,13 @@ def _plot_cpu_compute(ax, steps: list[dict], origin: float, waited: list[tuple[f
 
 
 def _plot_memory(ax, samples: list[dict], gpus: list[dict], origin: float, measured: dict | None) -> None:
-    """Sampled memory (NVML, psutil) over the run, and torch's live bytes through the step the
-    memory window measured (a short, tall line where that step ran)."""
+    """Sampled memory (NVML, psutil), and torch's live bytes through the step the memory window
+    measured (a short, tall line where that step ran)."""
     for position, info in enumerate(gpus):
-        t = [s["t"] - origin for s in samples if len(s["gpus"]) > position]
-        used = [s["gpus"][position].get("memory_used_mib") for s in samples if len(s["gpus"]) > position]
+        t, rows = _gpu_rows(samples, position, origin)
+        used = [r.get("memory_used_mib") for r in rows]
         _line(ax, t, [u / 1024 if u is not None else None for u in used], f"GPU{info['index']} memory used", "-")
-    t = [s["t"] - origin for s in samples if s.get("proc")]
-    procs = [s["proc"] for s in samples if s.get("proc")]
+    t, procs = _proc_rows(samples, origin)
     _line(ax, t, [p["rss_mib"] / 1024 for p in procs], "process RSS", "-.")
     if any(p["workers"] for p in procs):
         _line(ax, t, [p["workers_rss_mib"] / 1024 for p in procs], "workers RSS", ":")
@@ -249,8 +242,7 @@ def _plot_memory(ax, samples: list[dict], gpus: list[dict], origin: float, measu
 
 
 def _plot_cpu(ax, samples: list[dict], cores: int | None, origin: float) -> None:
-    t = [s["t"] - origin for s in samples if s.get("proc")]
-    procs = [s["proc"] for s in samples if s.get("proc")]
+    t, procs = _proc_rows(samples, origin)
     _line(ax, t, [p["cpu_pct"] for p in procs], "training process", "-")
     if any(p["workers"] for p in procs):
         _line(ax, t, [p["workers_cpu_pct"] for p in procs], "child processes (DataLoader workers, ranks)", "--")
@@ -259,8 +251,7 @@ def _plot_cpu(ax, samples: list[dict], cores: int | None, origin: float) -> None
 
 
 def _legend(ax) -> None:
-    """Right of the plots, never on the data. Labels name devices and processes from the recording:
-    drawn as written, never as mathtext."""
+    """Right of the plots; labels name devices and processes from the recording: never mathtext."""
     legend = ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
     for text in legend.get_texts():
         text.set_parse_math(False)

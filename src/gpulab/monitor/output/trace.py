@@ -1,12 +1,10 @@
 """trace.json: a Chrome trace-event file (open it in ui.perfetto.dev or chrome://tracing).
 
-One process track per training process - the script, each rank of a torchrun job, each child
-that trained (steps; the spans inside each step: data waits, transforms, forward, backward,
-optimizer, syncs and copies) - and one for the sampled devices, whose readings are counter
-tracks (GPU utilization, memory, CPU %). Times are microseconds since the script started, on the
-same clock as timeline.png (every process's perf_counter is the machine's monotonic clock).
-Bounded whatever the run's length: spans for the first trace_steps steps, whole steps up to the
-detailed window (detail_steps), then one event per block of summed steps.
+A process track per training process (its steps, and the spans inside each: data waits,
+transforms, forward, backward, optimizer, syncs and copies), and one for the sampled devices as
+counter tracks. Times are microseconds since the script started, as in timeline.png. Bounded
+whatever the run's length: spans for the first trace_steps steps, whole steps up to the detailed
+window (detail_steps), then an event per block of summed steps.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ def build(lanes: list[Recording], samples: list[dict], gpus: list[dict], origin:
 
 
 def _lane_events(rec: Recording, track: int, origin: float) -> list[dict]:
-    rank = rec.rank
-    name = f"rank {rank}" if rank is not None else "training process"
+    name = f"rank {rec.rank}" if rec.rank is not None else "training process"
     events: list[dict] = [
         _meta("process_name", track, 0, f"{name} (pid {rec.pid or '?'})"),
         _meta("process_sort_index", track, 0, track),
@@ -39,7 +36,8 @@ def _lane_events(rec: Recording, track: int, origin: float) -> list[dict]:
         events.append(_span(f"step {s['i']}", "step", track, _STEPS_TID, s["t0"], s["t1"], origin, args))
     for b in rec.blocks:
         args = {f"{k} ms per step": round(v * 1e3 / b["n"], 4) for k, v in b["excl"].items()} | {"steps": b["n"]}
-        events.append(_span(f"steps {b['i0']}-{b['i1']} (summed)", "steps", track, _STEPS_TID, b["t0"], b["t1"], origin, args))
+        events.append(_span(f"steps {b['i0']}-{b['i1']} (summed)", "steps", track, _STEPS_TID, b["t0"], b["t1"], origin,
+                            args))
     if rec.tail:
         events.append(_span("after the last step", "step", track, _STEPS_TID, rec.tail["t0"], rec.tail["t1"], origin))
     for s in [*rec.steps, *([rec.tail] if rec.tail else [])]:
