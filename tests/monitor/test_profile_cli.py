@@ -90,11 +90,11 @@ def test_fast_in_memory_pipeline_is_not_input_bound(tmp_path, capfd):
 
 
 def test_python_loop_between_steps_is_found_at_its_line(tmp_path, capfd):
-    """The cost of every step at the loop that runs every step, not at the job between two steps
-    that ran once and took longer (the script's own clock says so)."""
+    """The cost of every step at the loop that runs every step, not at the job in two steps that
+    took longer (the script's own clock says so)."""
     code, report, _ = profile(tmp_path, "python_overhead.py")
     assert code == 0
-    once_s, loops_s = map(float, re.search(r"a job of ([\d.]+) s once, the loop ([\d.]+) s", capfd.readouterr().out).groups())
+    once_s, loops_s = map(float, re.search(r"a job of ([\d.]+) s in two steps, the loop ([\d.]+) s", capfd.readouterr().out).groups())
     assert once_s > loops_s
     top = report["findings"][0]
     assert top["cause"] == "low_device_utilization" and top["fix"] == FIXES["low_device_utilization"]
