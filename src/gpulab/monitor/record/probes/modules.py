@@ -37,7 +37,7 @@ class ModuleProbe(Probe):
         self.patches.on_undo(hooks.remove)
         # torch warns that global hooks fire for a compiled module's wrapper too; these expect it (the
         # wrapper is the outermost call) and the warning is about gpulab, not the script.
-        self.patches.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks")
+        self.patches.filter_warnings("ignore", r"Using `torch\.compile\(module\)` when there are global hooks")
         self.patches.patch(DataLoader, "__iter__", self._paused_in(hooks, lambda: True))
         self.patches.patch(_BaseDataLoaderIter, "__next__",
                            self._paused_in(hooks, lambda: not self._fetch_modules_wanted))
