@@ -364,7 +364,7 @@ MUTATIONS = [
              ["tests/monitor/test_compile_probe.py::test_gpulab_train_compiled_and_profiled_runs_and_its_compiles_are_apart"]),
     Mutation("the replays of a CUDA graph that recorded an optimizer step not counted as steps",
              "src/gpulab/monitor/record/probes/autograd.py",
-             "            if optimizer is not None and sink.here():", "            if False:",
+             "            if optimizer is not None and self.sink.here():", "            if False:",
              ["tests/monitor/test_session.py::test_replays_of_a_graph_that_recorded_an_optimizer_step_are_the_steps"]),
     Mutation("auto precision bf16 on every bf16 GPU, recorded step or not", "src/gpulab/train/precision.py",
              "    return torch.bfloat16 if recorded and all(native_bf16(d) for d in devices) else None",

@@ -1,13 +1,10 @@
 """The kernel window probe: after warm-up, a few steps captured with torch's profiler (CUDA only:
-a CUDA device present, and the script using it).
+a CUDA device present, and the script using it): kernels per step, their median duration, and
+the time the device computed per step (a launch-bound loop shows many short kernels and a device
+idle between them).
 
-Kernels per step, their median duration, and the time the device computed per step (the union
-of kernel intervals). A launch-bound loop shows many short kernels and a device idle between them.
-
-The profiler is torch.autograd.profiler's (kineto, with the device's activity), not
-torch.profiler's: that one imports torch._inductor at its first start to read one setting
-(1.1-1.4 s inside the loop, measured here; the memory window avoids it for the same reason). The
-events are the same kineto events either way.
+The profiler is torch.autograd.profiler's (kineto, the same events), not torch.profiler's: that
+one imports torch._inductor at its first start to read one setting (1.1-1.4 s inside the loop).
 """
 
 from __future__ import annotations
@@ -26,8 +23,8 @@ _RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSy
 
 
 class KernelProbe(WindowProbe):
-    """The first of the measurement windows to take its turn (windows.py). A forked lane goes on
-    with its parent's window: one that ran there does not run again."""
+    """The first window to take its turn. A forked lane goes on with its parent's window: one that
+    ran there does not run again."""
 
     def __init__(self, after_step: int, num_steps: int):
         self._after_step = after_step
@@ -63,10 +60,10 @@ class KernelProbe(WindowProbe):
 
 
 class KernelWindow:
-    """torch.profiler over a few steps after warm-up; emits one "kernels" record."""
+    """The profiler over `num_steps` steps after `after_step`; emits one "kernels" record.
+    `device_type`: whose kernels to count - "cuda", or "cpu" in tests (its ops stand for kernels)."""
 
     def __init__(self, emit: Callable[[dict], None], after_step: int, num_steps: int, device_type: str = "cuda"):
-        """`device_type`: whose kernels to count - "cuda", or "cpu" in tests (its ops stand for kernels)."""
         self._emit = emit
         self.device_type = device_type
         self.after_step = after_step
@@ -133,8 +130,7 @@ class KernelWindow:
     def _give_up(self, error: Exception) -> None:
         self.active = False
         self.done = True
-        failed: KernelsRecord = {"type": "kernels", "error": f"{type(error).__name__}: {error}"}
-        self._emit(failed)
+        self._emit({"type": "kernels", "error": f"{type(error).__name__}: {error}"})
 
 
 def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,
@@ -142,11 +138,9 @@ def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,
     """Kernels per step, their durations, and device-busy time per step, from kineto events.
 
     `record_function` ranges (user annotations, and the `Optimizer.step#...` one torch opens every
-    step) appear on the GPU track too, spanning their first to last kernel: they are not kernels,
-    and counted as such they would fill the idle gaps. Runtime syncs that start after
-    `steps_end_ns` are the profiler's own drain, not the user's. `device_type` is CUDA except in
-    tests, which replay the same logic on the CPU profiler's events.
-    """
+    step) appear on the GPU track too, spanning their first to last kernel: they are no kernels,
+    and counted as such would fill the idle gaps. Runtime syncs that start after `steps_end_ns`
+    are the profiler's own drain, not the user's."""
     if steps <= 0:
         return None
     kernels: dict[int, list[tuple[int, int]]] = {}  # per device: (start, end) in ns

@@ -1,20 +1,15 @@
 """The transforms probe: per-sample transforms inside a DataLoader fetch, each timed as its own
-data-wait span so the report can rank them by cost, with the line that built or called them.
+data-wait span, with the line that built or called it, so the report can rank them by cost.
 
-What it sees: the modules called inside a fetch (torchvision's transforms are nn.Modules), from
-the module probe's notices (fetch_module_entered / _exited), which it asks for while it times them
-(fetch_modules_wanted); and torchvision's Compose (v1, once imported), patched: its __init__ for
-where the transforms were built, its __call__ for a span per member (v1 members are plain
-callables; v2's are nn.Modules, which the module hooks see).
+It sees the modules called inside a fetch (torchvision's transforms are nn.Modules) from the
+module probe's notices, which it asks for while it times them (fetch_modules_wanted); and patches
+torchvision's Compose, once imported: its __init__ for where the transforms were built, and v1's
+__call__ for a span per member (v1 members are plain callables; v2's are nn.Modules).
 
-Timing them costs: the module hooks that see them send every module call through torch's slow
-path, and each span reads the clock and keeps a record - a few microseconds per sample and
-transform, enough to move the data share of a loop of cheap transforms by several points.
-So they are timed only while `timing` is True: in the warm-up steps (are there any?) and then,
-if there are, in a window of WINDOW_STEPS steps once the other measurement windows are over;
-the window's steps are left out of the statistics like theirs, and the report ranks the
-transforms from them. In every other step a fetch runs with the module hooks paused
-(probes/modules.py): a per-sample transform costs nothing.
+Timing them costs a few microseconds per sample and transform (the module hooks' slow path, a
+clock read and a record per span), so they are timed only in the warm-up steps (are there any?)
+and then, if there are, in a window of WINDOW_STEPS steps once the other windows are over; the
+report ranks them from that window. In every other step the module hooks are paused in fetches.
 """
 
 from __future__ import annotations
@@ -34,16 +29,12 @@ WINDOW_STEPS = 3  # steps whose transforms are timed, after warm-up (~200 calls 
 
 
 class TransformProbe(WindowProbe):
-    """Installed after the module probe, which keeps its hooks paused in fetches until told that
-    fetch modules are wanted (here, at install: the warm-up times them)."""
-
     def __init__(self, warmup_steps: int):
-        self._warmup_steps = warmup_steps
-        self.spans: TransformSpans | None = None
+        self.spans = TransformSpans(None, warmup_steps)
         self._open: list[int | None] = []  # the spans of the fetch modules inside their calls
 
     def hook(self) -> None:
-        self.spans = TransformSpans(self.sink, self._warmup_steps)
+        self.spans.sink = self.sink
         for module, members_call in (("torchvision.transforms.transforms", True),
                                      ("torchvision.transforms.v2._container", False)):
             self.patches.on_undo(after_import(module, lambda m, c=members_call: self._patch_compose(m.Compose, c)))
@@ -71,7 +62,7 @@ class TransformProbe(WindowProbe):
         self.sink.notices.fetch_modules_wanted.send(self.spans.timing)
 
     def facts(self) -> dict:
-        return {"transforms": self.spans.calls if self.spans is not None else {}}
+        return {"transforms": self.spans.calls}
 
     def _module_entered(self, module) -> None:
         self._open.append(self.spans.begin(module))
@@ -82,8 +73,8 @@ class TransformProbe(WindowProbe):
             self.spans.end(token)
 
     def _patch_compose(self, compose, members_call: bool) -> None:
-        """torchvision's Compose: note where each transform was built; v1 (whose members need not be
-        nn.Modules): time each member as its own transform span."""
+        """torchvision's Compose: note where each transform was built; `members_call` (v1): time
+        each member as its own span."""
         sink, spans = self.sink, self.spans
 
         def wrap_init(original):
@@ -97,7 +88,7 @@ class TransformProbe(WindowProbe):
                 if not (spans.timing and sink.here() and sink.steps.loading_data()):
                     return original(composed, img)
                 for t in composed.transforms:  # what Compose.__call__ does, one span per member
-                    img = t(img) if isinstance(t, torch.nn.Module) else spans.call(t, t, img)
+                    img = t(img) if isinstance(t, torch.nn.Module) else spans.call(t, img)
                 return img
             return __call__
 
@@ -107,9 +98,9 @@ class TransformProbe(WindowProbe):
 
 
 class TransformSpans:
-    """The transforms timed, and when: `sink` takes their spans."""
+    """The transforms timed, and when."""
 
-    def __init__(self, sink: Sink, warmup_steps: int):
+    def __init__(self, sink: Sink | None, warmup_steps: int):
         self.sink = sink
         self.calls: dict[str, dict] = {}  # "Normalize" -> {calls, where}
         self._depth = 0
@@ -120,7 +111,7 @@ class TransformSpans:
 
     @property
     def timing(self) -> bool:
-        """Are transforms timed in the current step (the module hooks see them)?"""
+        """Are transforms timed in the current step?"""
         return self._phase in ("warm-up", "window")
 
     @property
@@ -129,12 +120,10 @@ class TransformSpans:
 
     @property
     def window_active(self) -> bool:
-        """Is the current step in the window (left out of the statistics)?"""
         return self._phase == "window"
 
     def on_step_end(self, steps_done: int, may_open: bool) -> None:
-        """After `steps_done` steps: the window opens once warm-up is over, if the warm-up saw
-        transforms, and when no other measurement window runs (`may_open`)."""
+        """The window opens after warm-up, if it saw transforms, when no other window runs (`may_open`)."""
         if self._phase == "warm-up" and steps_done >= self._warmup_steps:
             self._phase = "waiting" if self.calls else "done"
         if self._phase == "waiting" and may_open:
@@ -143,15 +132,13 @@ class TransformSpans:
             self._phase = "done"
 
     def new_lane(self) -> None:
-        """A new lane (a forked child): count again, from its own warm-up; where transforms were
-        built still holds."""
+        """A forked lane counts again, from its own warm-up; where transforms were built still holds."""
         self.calls = {}
         self._depth = 0
         self._phase = "warm-up"
 
     def begin(self, transform) -> int | None:
-        """A transform inside a fetch starts: its own span (None: not timing now, or nested too
-        deep: part of its parent's span)."""
+        """A transform inside a fetch starts: its span (None: not timing now, or nested in another)."""
         if not self.timing or self._depth >= _MAX_DEPTH:
             return None
         name = type(transform).__name__
@@ -167,13 +154,13 @@ class TransformSpans:
         self.sink.steps.exit(token)
         self._depth -= 1
 
-    def call(self, transform, call, *args, **kwargs):
-        """call(*args, **kwargs) as the span of `transform` (one that is no nn.Module)."""
+    def call(self, transform, img):
+        """transform(img) as its span (a transform that is no nn.Module)."""
         token = self.begin(transform)
         if token is None:
-            return call(*args, **kwargs)
+            return transform(img)
         try:
-            return call(*args, **kwargs)
+            return transform(img)
         finally:
             self.end(token)
 
