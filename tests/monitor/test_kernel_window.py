@@ -120,9 +120,9 @@ def test_non_blocking_is_read_from_keyword_or_position(args, kwargs, expected):
 
 WINDOW_WITHOUT_DYNAMO = """
 import json, sys, torch
-from gpulab.monitor.record.probes.kernels import KernelWindow
+from gpulab.monitor.record.probes.kernels import KernelProbe
 records = []
-window = KernelWindow(records.append, after_step=1, num_steps=2, device_type="cpu")
+window = KernelProbe(after_step=1, num_steps=2, device_type="cpu", emit=records.append)
 x = torch.randn(64, 64)
 for step in range(1, 5):
     x = torch.mm(x, x).tanh()

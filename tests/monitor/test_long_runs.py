@@ -28,15 +28,9 @@ def synthetic_steps(n: int, seed: int = 0) -> list[dict]:
 
 
 def written(steps: list[dict], detail_steps: int) -> list[dict]:
-    """What the writer puts out for these steps (record/writer.py does the same per record)."""
-    blocks, out = StepBlocks(detail_steps), []
-    for s in steps:
-        if blocks.detailed(s):
-            out.append(s)
-        elif (block := blocks.add(s)) is not None:
-            out.append(block)
-    last = blocks.close()
-    return out + ([last] if last else [])
+    """What the writer puts out for these steps, and at the end."""
+    blocks = StepBlocks(detail_steps)
+    return [record for s in steps for record in blocks.out(s)] + blocks.close()
 
 
 def test_steps_after_the_window_are_summed_exactly():
@@ -65,7 +59,7 @@ def test_the_reader_merges_blocks_to_a_fixed_number_keeping_the_totals():
         b = StepBlocks(0)
         for s in part:
             b.add(s)
-        block = b.close()
+        (block,) = b.close()
         block["n"] = BLOCK_STEPS
         blocks.append(block)
     rec = Recording(blocks)

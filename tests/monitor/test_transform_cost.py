@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from gpulab.cli import main
 from gpulab.monitor.config import ProfileConfig
 from gpulab.monitor.record.probes.cuda import CudaSyncProbe
-from gpulab.monitor.record.probes.transforms import WINDOW_STEPS, TransformProbe, TransformSpans
+from gpulab.monitor.record.probes.transforms import WINDOW_STEPS, TransformProbe
 from gpulab.monitor.record.recorder import Recorder
 from tests.monitor.reports import read_report
 
@@ -62,23 +62,25 @@ def test_per_sample_transforms_do_not_move_the_data_share(tmp_path, capfd):
 
 
 def test_the_window_opens_after_warm_up_and_the_other_windows_only_if_there_are_transforms():
-    spans = TransformSpans(sink=None, warmup_steps=2)
+    spans = TransformProbe(warmup_steps=2)
+    spans.sink = Recorder(ProfileConfig()).sink  # what it tells the module probe goes there
     assert spans.timing  # the warm-up: are there any?
     spans.calls["Normalize"] = {"calls": 64, "where": "data.py:3"}
     spans.on_step_end(2, may_open=False)  # the memory window runs
-    assert not spans.timing and not spans.window_active and not spans.done  # its turn is still to come
+    assert not spans.timing and not spans.active and not spans.finished  # its turn is still to come
     spans.on_step_end(4, may_open=True)
     opened = []
     for done in range(5, 5 + WINDOW_STEPS + 1):
-        opened.append(spans.timing and spans.window_active)
+        opened.append(spans.timing and spans.active)
         spans.on_step_end(done, may_open=True)
     assert opened == [True] * WINDOW_STEPS + [False] and not spans.timing
-    assert spans.done  # nothing left to do: the recorder stops asking between steps
+    assert spans.finished  # nothing left to do: the recorder stops asking between steps
 
-    none_seen = TransformSpans(sink=None, warmup_steps=2)
+    none_seen = TransformProbe(warmup_steps=2)
+    none_seen.sink = spans.sink
     none_seen.on_step_end(2, may_open=True)
-    assert not none_seen.timing and not none_seen.window_active  # no window: no steps lost
-    assert none_seen.done
+    assert not none_seen.timing and not none_seen.active  # no window: no steps lost
+    assert none_seen.finished
 
 
 class Images(Dataset):
@@ -107,7 +109,7 @@ def test_pausing_the_hooks_in_fetches_does_not_recompile_a_compiled_model():
     finally:
         rec.stop()
     transforms = next(p for p in rec.probes if isinstance(p, TransformProbe))
-    assert rec.sink.steps_done == 16 and transforms.spans.calls["Identity"]["calls"] > 0
+    assert rec.sink.steps_done == 16 and transforms.calls["Identity"]["calls"] > 0
     assert counters["stats"]["unique_graphs"] == 1
 
 

@@ -1,16 +1,11 @@
 """Inside each Python process of a profiled job: record it from its own `import torch` to its exit.
 
-autostart/sitecustomize.py calls `install()` at interpreter start-up when `gpulab profile` runs
-the job. The script runs exactly as `python script.py` would run it (its own `__main__`,
-sys.argv, tracebacks, exit code); gpulab only waits for torch.
-
-Why wait: importing torch first would change the script. OMP_NUM_THREADS, MKL_NUM_THREADS and
-friends are read when torch loads, and scripts set them before their `import torch`; a process
-that never imports torch (torchrun's agent, a tokenizer worker, the short-lived Pythons inductor
-starts to probe the CPU's vector instructions while it compiles) costs nothing more. Nothing
-more than this module, that is: it imports only `os` and interpreter.py at its top (a few
-milliseconds with the bootstrap); the recording's own modules load with torch
-(record/lifetime.py).
+autostart/sitecustomize.py calls `install()` at start-up; the script then runs exactly as
+`python script.py` would. gpulab waits for torch because importing it first would change the
+script (OMP_NUM_THREADS and friends are read when torch loads, and scripts set them before their
+`import torch`), and a process that never imports torch (torchrun's agent, the Pythons inductor
+starts while it compiles) then costs nothing more than this module, which imports only `os` and
+interpreter.py at its top: the recording's own modules load with torch (lifetime.py).
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ def install(directory: str) -> None:
 
 
 def _start_recording(directory: str) -> None:
-    # Here, not at the top: the recording's modules load in the processes that import torch only.
     from gpulab.monitor.record.lifetime import start_recording
 
     _recorders.append(start_recording(directory))

@@ -1,14 +1,11 @@
 """Steps in aggregate, so that a recording of any length stays small.
 
-The first `detail_steps` steps are written one record each (their spans, data waits, counts): the
-window every per-step rule judges. After it, steps are summed into block records of at least
-BLOCK_STEPS steps and BLOCK_S seconds: what each category took, the counts, a histogram of step
-times (bins 2^(1/8) apart, so a median read from it is within 5%) and the block's longest step
-whole (a stall is found there). A day of 100 us steps is ~86,400 blocks on disk, ~0.5 KB each,
-and the reader merges them down to a fixed number (events.py).
-
-Runs on the writer's helper thread (or at emit, for in-memory sessions): the training thread does
-no more per step than before.
+The first `detail_steps` steps are written one record each: the window every per-step rule
+judges. After it, steps are summed into blocks of at least BLOCK_STEPS steps and BLOCK_S seconds:
+what each category took, the counts, a histogram of step times (bins 2^(1/8) apart: a median read
+from it is within 5%) and the block's longest step whole (a stall is found there). The reader
+merges them down to a fixed number (events.py). Runs on the writer's helper thread (or at emit,
+in memory), not the training thread.
 """
 
 from __future__ import annotations
@@ -30,9 +27,12 @@ class StepBlocks:
         self.detail_steps = detail_steps
         self._block: BlockRecord | None = None
 
-    def detailed(self, record: dict) -> bool:
-        """Whether a record goes out as it is (everything but the steps after the window)."""
-        return record.get("type") != "step" or record["i"] < self.detail_steps
+    def out(self, record: dict) -> list[dict]:
+        """What goes out for `record`: itself, or (a step after the detailed window) its block, once complete."""
+        if record.get("type") != "step" or record["i"] < self.detail_steps:
+            return [record]
+        block = self.add(record)
+        return [block] if block else []
 
     def add(self, step: StepRecord) -> BlockRecord | None:
         """Sum a step into the open block; the block, when this step completes it."""
@@ -56,10 +56,11 @@ class StepBlocks:
             block["longest"] = {"i": step["i"], "t0": step["t0"], "t1": step["t1"], "excl": dict(step["excl"]),
                                 "counts": dict(step["counts"])}
         if block["n"] >= BLOCK_STEPS and block["t1"] - block["t0"] >= BLOCK_S:
-            return self.close()
+            self._block = None
+            return block
         return None
 
-    def close(self) -> BlockRecord | None:
-        """The open block, ended now (at the end of the recording); None if there is none."""
+    def close(self) -> list[BlockRecord]:
+        """The open block, ended now (at the end of the recording), if there is one."""
         block, self._block = self._block, None
-        return block
+        return [block] if block else []

@@ -1,10 +1,7 @@
-"""Finding the line of the *user's* code responsible for something that happens deep inside torch.
-
-A host sync is raised inside a torch C++ call, a DataLoader wait inside torch's queue code; the
-line worth showing is the innermost frame that belongs to the user: not the standard library,
-not an installed package (torch, numpy, ...), not code torch.compile generated, and not this
-profiler. gpulab's own trainer counts as user code, so `gpulab train --profile` points at the
-trainer's lines.
+"""The line of the *user's* code responsible for something that happens deep inside torch: the
+innermost frame that is not the standard library, an installed package, code torch.compile
+generated, or this profiler. gpulab's own trainer counts as user code (`gpulab train --profile`
+points at the trainer's lines).
 """
 
 from __future__ import annotations
@@ -17,9 +14,9 @@ import tempfile
 from pathlib import Path
 from types import FrameType
 
-_MONITOR_DIR = str(Path(__file__).resolve().parent.parent)  # all of gpulab/monitor
-# gpulab/memory measures the memory window's step from inside it, gpulab/compiler.py reads
-# torch.compile's callbacks and logs: the profiler's lines, not the user's
+# the profiler's lines, not the user's: gpulab/monitor, gpulab/memory (the memory window measures
+# from inside the step), gpulab/compiler.py (torch.compile's callbacks)
+_MONITOR_DIR = str(Path(__file__).resolve().parent.parent)
 _MEMORY_DIR = str(Path(__file__).resolve().parent.parent.parent / "memory")
 _COMPILER_FILE = str(Path(__file__).resolve().parent.parent.parent / "compiler.py")
 
@@ -57,20 +54,14 @@ _IS_USER: dict[str, bool] = {}
 
 def is_user_file(filename: str) -> bool:
     """True for the user's source files ("<string>" from `python -c` included)."""
-    known = _IS_USER.get(filename)
-    if known is not None:
-        return known
     global _ROOTS
-    if _ROOTS is None:
-        _ROOTS = _library_roots()
-    if filename == "<string>":
-        result = True
-    elif filename.startswith("<"):  # <frozen ...>, <stdin>, generated code
-        result = False
-    else:
-        result = not os.path.realpath(filename).startswith(_ROOTS)
-    _IS_USER[filename] = result
-    return result
+    known = _IS_USER.get(filename)
+    if known is None:
+        _ROOTS = _ROOTS or _library_roots()
+        # not <frozen ...>, <stdin>, generated code
+        known = _IS_USER[filename] = filename == "<string>" or (
+            not filename.startswith("<") and not os.path.realpath(filename).startswith(_ROOTS))
+    return known
 
 
 def format_site(filename: str, lineno: int) -> str:

@@ -1,8 +1,6 @@
-"""What the recorder needs from the Python interpreter itself: to run code right after a module
-is imported (after_import), and to keep signals away from its helper threads
-(block_signals_in_this_thread). Standard library only, and `signal` only where a thread needs it:
-every Python process of a profiled job imports this module at start-up (attach.py), and `signal`
-brings `enum`.
+"""What the recorder needs from the interpreter: code run right after a module is imported, and
+signals kept away from its helper threads. Standard library only, and `signal` (it brings `enum`)
+only where a thread needs it: every Python process of a profiled job imports this at start-up.
 """
 
 from __future__ import annotations
@@ -11,14 +9,12 @@ import sys
 
 
 def after_import(name: str, callback):
-    """callback(module) once module `name` has been imported and executed (now, if it already
-    has been); returns an undo that drops the hook if it has not fired yet.
+    """callback(module) once module `name` has been imported and executed (now, if it already has
+    been); returns an undo that drops the hook if it has not fired yet.
 
-    A finder at the head of sys.meta_path waits for the import of `name`, finds the real spec
-    with the finders after it, and runs `callback` right after the module's own code. It leaves
-    sys.meta_path when the module is executed, not when it is looked for: a script (or gpulab)
-    may ask importlib.util.find_spec(name) without importing it, and the hook must still be
-    there for the import."""
+    A finder at the head of sys.meta_path finds the real spec with the finders after it and runs
+    `callback` right after the module's own code. It leaves sys.meta_path when the module is
+    executed, not when it is looked for: importlib.util.find_spec(name) imports nothing."""
     if name in sys.modules:
         callback(sys.modules[name])
         return lambda: None
@@ -29,8 +25,9 @@ def after_import(name: str, callback):
                 return None
             later = sys.meta_path[sys.meta_path.index(self) + 1:]
             sys.meta_path.remove(self)  # a finder after it that asks the import system again finds the real spec
-            try:
-                spec = _find_spec(later, fullname, path, target)
+            try:  # each asked as the import system asks them (importlib.util would import more)
+                specs = (f.find_spec(fullname, path, target) for f in later if hasattr(f, "find_spec"))
+                spec = next((spec for spec in specs if spec is not None), None)
             finally:
                 sys.meta_path.insert(0, self)
             if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -55,23 +52,10 @@ def after_import(name: str, callback):
     return undo
 
 
-def _find_spec(finders: list, fullname: str, path, target):
-    """The spec the first of `finders` finds, each asked as the import system asks them
-    (importlib.util.find_spec would ask sys.meta_path the same way, and importing it brings more:
-    this module loads at the start of every process of a profiled job)."""
-    for other in finders:
-        find = getattr(other, "find_spec", None)
-        spec = find(fullname, path, target) if find is not None else None
-        if spec is not None:
-            return spec
-    return None
-
-
 def block_signals_in_this_thread() -> None:
-    """Leave signals to the script's main thread (for gpulab's helper threads in the script). A
-    signal the kernel hands to a helper thread does not interrupt the main thread's blocking call
-    (time.sleep, a join), so the script's own handler would wait for it - for ever, in a process
-    sleeping in a child."""
+    """Leave signals to the script's main thread: one the kernel hands to a helper thread does not
+    interrupt the main thread's blocking call (a sleep, a join), so the script's handler would
+    wait for it - for ever, in a process sleeping in a child."""
     import signal
 
     if hasattr(signal, "pthread_sigmask"):

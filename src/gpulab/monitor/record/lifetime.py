@@ -1,10 +1,7 @@
-"""A recording's life in one process of a profiled job, from its `import torch` to its end: the
-Recorder started, its end at interpreter exit (atexit), at the end of a multiprocessing child
-(which leaves with os._exit, skipping atexit: probes/processes.py patches Process._bootstrap), or
-on SIGTERM / SIGHUP when the script has no handler of its own (flush, then die of the signal as
-before); a fatal signal's stack in a file of its own; an uncaught exception noted.
-
-Loaded by attach.py when the process imports torch, never before (attach.py says why).
+"""A recording's life in one process of a profiled job, from its `import torch` (attach.py) to
+its end: at interpreter exit (atexit), at the end of a multiprocessing child (probes/processes.py),
+or on SIGTERM / SIGHUP when the script has no handler of its own; a fatal signal's stack in a file
+of its own; an uncaught exception noted.
 """
 
 from __future__ import annotations
@@ -37,9 +34,9 @@ def start_recording(directory: str) -> Recorder:
 
 
 def _write_crashes_to(path) -> None:
-    """A fatal signal (SIGSEGV in an extension, SIGABRT from a C++ check, SIGBUS) kills the process
-    before any Python handler runs: faulthandler writes its Python stack to a file for the report.
-    A script that turned faulthandler on itself (-X faulthandler, PYTHONFAULTHANDLER) keeps its own."""
+    """A fatal signal (SIGSEGV in an extension, SIGABRT from a C++ check) kills the process before
+    any Python handler runs: faulthandler writes its Python stack to a file for the report. A
+    script that turned faulthandler on itself keeps its own."""
     if faulthandler.is_enabled():
         return
     try:
@@ -64,9 +61,8 @@ def _note_uncaught_exceptions(recorder) -> None:
 
 
 def _flush_on_termination(recorder) -> None:
-    """On SIGTERM/SIGHUP (timeout, Slurm, Kubernetes, gpulab passing one on), write what was
-    recorded, then die of the signal as the script would have. A script's own handler wins, also
-    one that calls this one in turn."""
+    """On SIGTERM/SIGHUP (timeout, Slurm, gpulab passing one on), write what was recorded, then die
+    of the signal as the script would have. A script's own handler wins, also one that calls this one."""
     if threading.current_thread() is not threading.main_thread():
         return
 

@@ -1,14 +1,8 @@
-"""The small notices probes send one another through the sink: a fact one probe sees that others
-need, delivered to whoever listens - never a look into another probe's state.
-
-The memory window, say, must know the models the loop calls, the optimizers it steps and the
-batches it fetches. The module hooks, the optimizer hooks and the DataLoader patches see those;
-each sends a notice, and the memory window (and anyone else) listens. A notice nobody listens to
-costs a loop over an empty list.
-
-Each notice is a field of Notices, one recording's set: a probe holds the notice itself
-(`notices.step_ended.send`, `self.listen(notices.module_called, ...)`), so a hot path binds its
-send once and a misspelt notice fails at once.
+"""What probes tell one another through the sink: a fact one probe sees that others need
+(the memory window must know the models the loop calls, which the module hooks see), delivered
+to whoever listens - never a look into another probe's state. Each notice is a field of Notices,
+held by reference (`notices.step_ended.send`), so a hot path binds its send once and a misspelt
+notice fails at once; one nobody listens to costs a loop over an empty list.
 """
 
 from __future__ import annotations
@@ -26,12 +20,7 @@ class Notice:
     def listen(self, listener: Callable) -> Callable[[], None]:
         """Call `listener(*what the notice carries)` on each send; returns the undo."""
         self._listeners.append(listener)
-
-        def stop_listening() -> None:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
-        return stop_listening
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
     def send(self, *args) -> None:
         for listener in self._listeners:
@@ -39,8 +28,7 @@ class Notice:
 
 
 def _notice():
-    """A field of Notices: each recording its own Notice (its own listeners)."""
-    return field(default_factory=Notice)
+    return field(default_factory=Notice)  # each recording its own listeners
 
 
 @dataclass

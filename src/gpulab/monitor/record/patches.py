@@ -1,21 +1,15 @@
 """How a probe changes PyTorch and Python while it records, and takes every change out again.
 
-Each probe holds one `Patches`: the patches and hooks it put in, undone in reverse order when
-the probe is removed. PyTorch's own hooks where they exist (their handles' remove() goes in as an
-undo), a patch where none does; docs/profiling.md lists them all, with the torch version they
-were checked against (2.13.0), and why each patch is one.
+Each probe holds one `Patches`: its patches and hooks, undone in reverse order. PyTorch's own
+hooks where they exist, a patch where none does (docs/profiling.md lists them, and why). Every
+patch keeps the signature, name and docstring of what it replaces (`inspect.signature` follows
+`__wrapped__`): Lightning re-creates a DataLoader from the parameters of `DataLoader.__init__`.
 
-Every patch keeps the signature, name and docstring of what it replaces (functools.update_wrapper:
-`inspect.signature` follows `__wrapped__`), so frameworks that introspect them work: Lightning
-re-creates a DataLoader from the parameters of `DataLoader.__init__`.
-
-Invisible to torch.compile: compiled code traces, breaks and recompiles as it does without
-gpulab. While torch.compile compiles, the patches are out (`lift`, `relink`): dynamo traces
-torch's own functions, never a wrapper. Between a compiled function's pieces (after a graph
-break) code runs eagerly, and dynamo compiles each Python frame called there as a frame of its
-own - a hook's or a wrapper's too, frames the script does not have; so the recorder's code, and
-all it calls, is marked for dynamo to run uncompiled (`mark_recorder_frames`), but for a
-wrapper's call of torch's original, which dynamo treats as it would without gpulab.
+Invisible to torch.compile: while it compiles, the patches are out (`lift`, `relink`), so dynamo
+traces torch's own functions. After a graph break, dynamo compiles each Python frame called
+eagerly as a frame of its own - a hook's or a wrapper's too, frames the script does not have; so
+the recorder's code, and all it calls, is marked for dynamo to run uncompiled
+(`mark_recorder_frames`), but for a wrapper's call of torch's original.
 """
 
 from __future__ import annotations
@@ -43,8 +37,7 @@ class Patches:
         self._undo: list = []
 
     def patch(self, owner, name: str, make_wrapper) -> None:
-        """Replace owner.name by make_wrapper(original) until undo(); the wrapper takes the
-        original's signature, name and docstring."""
+        """Replace owner.name by make_wrapper(original) until undo()."""
         global _in_place
         had_own = name in vars(owner)
         original = getattr(owner, name)
@@ -69,9 +62,9 @@ class Patches:
     def on_undo(self, undo) -> None:
         self._undo.append(undo)
 
-    def ignore_warning(self, message: str) -> None:
-        """Hide a warning that gpulab's own hooks cause (`message`: a regex of its start)."""
-        warnings.filterwarnings("ignore", message=message)
+    def filter_warnings(self, action: str, message: str) -> None:
+        """warnings.filterwarnings(action, message=message) until undo()."""
+        warnings.filterwarnings(action, message=message)
         added = warnings.filters[0]
 
         def undo():
@@ -93,10 +86,10 @@ _leave_uncompiled: Callable[..., None] | None = None
 
 
 def mark_recorder_frames(leave_uncompiled: Callable[..., None] | None = None) -> None:
-    """Have dynamo run every frame of the recorder's own code, and what it calls, uncompiled -
-    but for a patch's wrapper, whose call of torch's original is dynamo's as without it.
-    `leave_uncompiled(code)`: gpulab.compiler's, given once torch._dynamo is imported (the compile
-    probe); until then nothing can compile. Modules imported since are marked on the next call."""
+    """Have dynamo run every frame of the recorder's own code, and what it calls, uncompiled - but
+    for a patch's wrapper, whose call of torch's original dynamo treats as without it.
+    `leave_uncompiled(code)`: gpulab.compiler's, given by the compile probe once torch._dynamo is
+    imported (nothing compiles before). Modules imported since are marked on the next call."""
     global _leave_uncompiled
     _leave_uncompiled = leave_uncompiled or _leave_uncompiled
     if _leave_uncompiled is None:
@@ -112,8 +105,7 @@ def mark_recorder_frames(leave_uncompiled: Callable[..., None] | None = None) ->
 
 
 def _code_of(module: ModuleType) -> list[CodeType]:
-    """Every code object of a module's functions and classes, the functions they define inside
-    them (wrappers, closures, lambdas) included."""
+    """Every code object of a module's functions and classes, nested ones (closures, lambdas) included."""
     functions = []
     for obj in vars(module).values():
         if getattr(obj, "__module__", None) != module.__name__:

@@ -1,21 +1,11 @@
 """What every probe is: one recorded concern that puts its own hooks and patches in, writes only
-through the sink (sink.py), learns what other probes see only from notices (notices.py), and takes
-its hooks out again.
+through the sink, hears what other probes see only from notices, and takes its hooks out again.
 
-The recorder calls, on each of its probes in turn:
-
-    install(sink)      hooks and patches in (hook() does the probe's own), through self.patches
-    after_fork()       in any forked child, a DataLoader worker too: drop what stayed in the
-                       parent (a timer, a thread, a call that was open)
-    new_lane()         in a forked child that records as its own lane: tally again from zero
-    finish()           the run ends, hooks still in: close what is open, write the last records
-    remove()           every hook and patch out, in reverse order
-    snapshots()        whole-run tallies, as records (also read from the writer's thread: they
-                       may not call into torch's running parts)
-    facts()            fields of the "facts" snapshot
-    end_fields()       fields of the "end" record
-
-A WindowProbe also measures in a window of steps after warm-up (windows.py: they take turns).
+The recorder calls, on each probe in turn: install(sink); after_fork() in any forked child (drop
+what stayed in the parent: a timer, a thread); new_lane() in a forked child that records as its
+own lane (tally again from zero); finish() as the run ends, hooks still in; remove(); and
+snapshots(), facts(), end_fields() for the records it writes (snapshots are also read from the
+writer's thread: they may not call into torch's running parts).
 """
 
 from __future__ import annotations
@@ -40,7 +30,7 @@ class Probe:
         """Put this probe's hooks and patches in (through self.patches and self.listen)."""
 
     def listen(self, notice: Notice, listener: Callable) -> None:
-        """Listen to `notice` (one of the sink's notices) until the probe is removed."""
+        """Listen to `notice` until the probe is removed."""
         self.patches.on_undo(notice.listen(listener))
 
     def after_fork(self) -> None:
@@ -66,17 +56,12 @@ class Probe:
 
 
 class WindowProbe(Probe):
-    """A probe that measures in a window of steps (left out of the statistics)."""
+    """A probe that measures in a window of steps after warm-up, its steps left out of the
+    statistics. The windows take turns, in the recorder's order (kernels, memory, transforms):
+    two torch profilers cannot run at once, and a step measured by one would carry another's cost."""
 
-    @property
-    def active(self) -> bool:
-        """Is the next step inside this window?"""
-        return False
-
-    @property
-    def finished(self) -> bool:
-        """Done for good in this lane: nothing left to open, measure or close."""
-        return False
+    active = False  # is the next step inside this window?
+    finished = False  # done for good in this lane: nothing left to open, measure or close
 
     @property
     def holds_back_later_windows(self) -> bool:
@@ -87,11 +72,19 @@ class WindowProbe(Probe):
         """Between two steps: open (when `may_open`), measure, or close."""
 
 
+def take_turns(windows: list[WindowProbe], steps_done: int) -> bool:
+    """Let each window open, measure or close; whether the next step is inside one."""
+    may_open = True
+    for window in windows:
+        window.on_step_end(steps_done, may_open)
+        may_open = may_open and not window.holds_back_later_windows
+    return any(window.active for window in windows)
+
+
 def timed(sink: Sink, category: str, name, before=None, after=None):
-    """A make_wrapper for Patches.patch: the original call, timed as a `category` span in the
-    recorded thread. `name`: the span's name, or a function of the call's first argument that
-    gives it; `before(first argument)`: what the probe notes first (a step that ended, a
-    DataLoader it has not seen); `after(result)`: what it notes of the result (a batch)."""
+    """A make_wrapper for Patches.patch: the call, in the recorded thread, as a `category` span.
+    `name`: the span's, or a function of the call's first argument that gives it;
+    `before(first argument)`, `after(result)`: what the probe notes around it."""
     steps = sink.steps
 
     def make_wrapper(original):

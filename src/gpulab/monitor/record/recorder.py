@@ -1,17 +1,4 @@
-"""One process's recording, from outside the user's code: the list of probes plus the sink.
-
-Each recorded concern is a probe (probes/): it installs its own hooks and patches, writes only
-through the sink (span, count, emit, the step rules; sink.py), learns what other probes see only
-from notices (notices.py), and takes its hooks out again. Around them the Recorder is the session:
-
-    steps.StepAccounting    where each moment of the training thread goes; where steps end
-    sink.Sink               what the probes write through (the step accounting, the writer, notices)
-    windows.MeasurementWindows   the probes that measure in a window of steps, taking turns
-    writer.EventWriter      records out (format: monitor/events.py)
-    alive.child.Heartbeat   progress for the parent's hang watch (progress, rank_known notices)
-
-It starts and stops the probes, gives a forked child its own lane (forked), ends a
-multiprocessing child's recording (process_ending), and says what happens between two steps.
+"""One process's recording: the probes (probes/, each a recorded concern) around one sink.
 
 Only the thread that started the recorder is recorded (other threads' calls pass straight
 through). A process forked from a recorded one is its own lane (its own events file) - unless it
@@ -36,7 +23,7 @@ from gpulab.monitor.events import EndRecord, ProcessRecord, StartRecord, events_
 from gpulab.monitor.record import patches
 from gpulab.monitor.record.frames import format_site, is_user_file
 from gpulab.monitor.record.notices import Notices
-from gpulab.monitor.record.probe import Probe, WindowProbe
+from gpulab.monitor.record.probe import Probe, WindowProbe, take_turns
 from gpulab.monitor.record.probes.autograd import AutogradProbe
 from gpulab.monitor.record.probes.compiled import CompileProbe
 from gpulab.monitor.record.probes.cuda import CudaSyncProbe
@@ -51,15 +38,14 @@ from gpulab.monitor.record.probes.stacks import StackProbe
 from gpulab.monitor.record.probes.transforms import TransformProbe
 from gpulab.monitor.record.sink import Sink
 from gpulab.monitor.record.steps import StepAccounting
-from gpulab.monitor.record.windows import MeasurementWindows
 from gpulab.monitor.record.writer import EventWriter
 
 
 def make_probes(cfg: ProfileConfig) -> list[Probe]:
-    """Every probe, in the order they are installed (and removed in reverse). The modules probe
-    comes after the loaders probe (its pause in fetches goes around their fetch spans) and before
-    the transforms probe (which tells it, at install, that the warm-up wants the modules called
-    in fetches); the windows take their turns in this order: kernels, memory, transforms."""
+    """Every probe, in the order they are installed (removed in reverse) and the windows take
+    their turns. The modules probe comes after the loaders probe (its pause in fetches goes around
+    their fetch spans) and before the transforms probe (which asks it, at install, for the modules
+    called in fetches)."""
     return [
         LoaderProbe(cfg.dataloader_overrides),
         ModuleProbe(),
@@ -83,7 +69,7 @@ class Recorder:
         self._steps = StepAccounting(cfg.trace_steps, self.writer.emit, self._between_steps)
         self.sink = Sink(self._steps, self.writer.emit, Notices())
         self.probes = make_probes(cfg)
-        self._windows = MeasurementWindows([p for p in self.probes if isinstance(p, WindowProbe)])
+        self._windows = [p for p in self.probes if isinstance(p, WindowProbe)]
         self.error: str | None = None  # an uncaught exception (note_exception)
         self.error_where: str | None = None  # the innermost user line of its traceback
         self._recording = False
@@ -92,17 +78,14 @@ class Recorder:
         self.sink.notices.forked.listen(self._after_fork_in_child)
         self.sink.notices.process_ending.listen(self.stop_in_any_process)
         self.sink.notices.rank_known.listen(self._rank_known)
-        self._stop_listening_to_progress = None
+        self.sink.notices.progress.listen(lambda: self._progress.made())  # this lane's
         self._new_lane_state()
 
     def _new_lane_state(self) -> None:
-        """What each process keeps for the parent's hang watch (a forked lane starts again from here)."""
+        """What each process keeps for the parent's hang watch (a forked lane starts again here)."""
         self._pid = os.getpid()
         folder = self.writer.path.parent if self.writer.path is not None else None
         self._progress = Progress(folder, self._pid)
-        if self._stop_listening_to_progress is not None:
-            self._stop_listening_to_progress()
-        self._stop_listening_to_progress = self.sink.notices.progress.listen(self._progress.made)
         self._heartbeat: Heartbeat | None = None
         if folder is not None:
             self._heartbeat = Heartbeat(folder, self._pid, _env_int("RANK"), lambda: self.sink.ident, self._progress)
@@ -147,8 +130,7 @@ class Recorder:
         self._recording = False
 
     def stop_in_any_process(self, exit_code: int | None = None, error: str | None = None) -> None:
-        """stop(), if this process's recording is still running (atexit, signals, multiprocessing
-        children: whichever comes first)."""
+        """stop(), if this process's recording still runs (atexit, a signal, a multiprocessing child's end)."""
         if self.recording() and not self.writer.silenced and self._pid == os.getpid():
             self.stop(exit_code=exit_code, error=error)
 
@@ -162,9 +144,8 @@ class Recorder:
             self._steps.mark_step()
 
     def note_exception(self, error: BaseException, tb) -> None:
-        """The exception that ends the script (attach.py's excepthook, or the session's block): the
-        recorder keeps it for the end record; the probes hear of it (out of memory: the memory
-        probe says what was in use, and where, while the failing frames still hold it)."""
+        """The exception that ends the script (lifetime.py's excepthook, or the session's block),
+        for the end record and the probes (the memory probe reads an out-of-memory error's frames)."""
         self.sink.notices.exception.send(error, tb)
 
     def _note_error(self, error: BaseException, tb) -> None:
@@ -183,21 +164,20 @@ class Recorder:
     # ------------------------------------------------------------------ between steps
 
     def _between_steps(self, steps_done: int) -> bool:
-        """The recorder's own work after each step; whether the next one is inside a measurement
-        window (kernels, memory, transforms), whose steps are left out of the statistics."""
+        """The recorder's own work after each step; whether the next one is inside a measurement window."""
         self._progress.step_done(steps_done)
         self.sink.notices.step_ended.send(steps_done)
         profiled = False
-        if self._windows.pending():
+        if not all(window.finished for window in self._windows):  # most of a run: all are
             with self.sink.own_work():  # the windows' synchronize and profilers are gpulab's, not the user's
-                profiled = self._windows.on_step_end(steps_done)
+                profiled = take_turns(self._windows, steps_done)
         if self.cfg.stop_after_steps and steps_done >= self.cfg.stop_after_steps:
             self._end_process_early()
         return profiled
 
     def _end_process_early(self) -> None:
-        """`--try` measures the first K steps: write the record and leave at once (whatever the
-        script would do next is not measured; gpulab stops what the process leaves behind)."""
+        """`--try` measures the first K steps: write the record and leave at once (gpulab stops
+        what the process leaves behind)."""
         self.stop(exit_code=0)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -213,18 +193,9 @@ class Recorder:
         for probe in self.probes:
             probe.after_fork()  # what stayed in the parent: the stack sampler's timer or thread
         if self.writer.path is None or self._steps.loading_data():
-            self._detach()
-        else:
-            self._become_forked_lane()
-
-    def _detach(self) -> None:
-        """In a DataLoader worker: record nothing, write nothing, leave the parent's patches inert."""
-        self.sink.ident = None
-        self.writer.silenced = True
-
-    def _become_forked_lane(self) -> None:
-        """In a child forked from a recorded process (multiprocessing's fork/forkserver, os.fork):
-        record this process from here on, in its own events file."""
+            self.sink.ident = None  # the parent's patches stay, inert
+            self.writer.silenced = True
+            return
         self._new_lane_state()
         self._steps.new_lane()
         self.writer.new_lane(events_file(self.writer.path.parent, self._pid))
@@ -240,8 +211,7 @@ class Recorder:
     # ------------------------------------------------------------------ output
 
     def _snapshots(self) -> list[dict]:
-        """The whole-run tallies, written now and then and at the end (the reader keeps the last);
-        also read from the writer's thread, so nothing here may call into torch's running parts."""
+        """The whole-run tallies (the reader keeps the last); also read from the writer's thread."""
         steps = self._steps
         facts = {"type": "facts", "step_rule": steps.rule, "backward_calls": steps.backward_calls,
                  "optimizer_steps": steps.optimizer_steps}

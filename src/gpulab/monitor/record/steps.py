@@ -1,30 +1,16 @@
 """Where each moment of the recorded thread goes, and where one training step ends.
 
-Time is charged, at every transition, to the category of the span on top of the stack (or to
-"other" when none is open): accounting is exclusive, so a sync inside a forward counts as sync,
-not compute. Categories (events.CATEGORIES):
+Time is charged, at every transition, to the category of the span on top of the stack, "other"
+when none is open: a sync inside a forward counts as sync, not compute. Categories
+(events.CATEGORIES): data_wait (inside a DataLoader's iter() or fetch, transforms and collate
+included), h2d (a batch copied to the device), compute (a module's forward, backward, an
+optimizer's step or zero_grad), collective (torch.distributed, DDP's allreduce wait), sync (a host
+sync on CUDA), compile, other (the user's Python, torch ops outside any module).
 
-    data_wait  blocked in a DataLoader (creating its iterator, or fetching the next batch) -
-               everything that runs inside the fetch: Dataset.__getitem__, transforms (also
-               those that are nn.Modules, like torchvision's), collate
-    h2d        copying a batch host -> device (CUDA), or the trainer's scatter to its devices
-    compute    inside a module's forward, autograd's backward, an optimizer's step or zero_grad
-    collective inside a torch.distributed call (all_reduce, broadcast, barrier, ...) or waiting
-               for an asynchronous one (Work.wait), and gpulab's own wait for its gradient
-               buckets; DDP's wait for its allreduce at the end of backward, in C++, found
-               from gradient hooks (probes/ddp.py)
-    sync       blocked in a host sync on CUDA (`.item()`, `print(t)`, `.cpu()`, synchronize, ...)
-    other      anything else: the user's Python between those calls (and torch ops called
-               outside any nn.Module, e.g. a functional loss or a manual SGD update)
-
-Steps, by the first rule that applies (the report says which):
-    explicit   `p.step()` calls (the Python API)
-    optimizer  a torch.optim optimizer's step() (the first optimizer that steps, for a GAN)
-    backward   otherwise each top-level backward() (or autograd.grad): the step ends when the
-               loop comes back for the next batch or the next forward, so a manual update
-               (`p.data.add_(...)`) after backward belongs to its step
-Steps ended by a weaker rule before a stronger one shows up (gradient accumulation before the
-first optimizer.step()) are folded into the first step of the stronger rule.
+Steps, by the strongest rule seen (docs/profiling.md, Steps): explicit (`p.step()`) > optimizer
+(the first optimizer to step) > backward (a top-level backward ends a step when the loop comes
+back for data or a forward, so a manual update after it belongs to its step). Steps ended by a
+weaker rule before a stronger one shows up are folded into the first step of the stronger one.
 """
 
 from __future__ import annotations
@@ -34,18 +20,15 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 
-from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX, FoldRecord, RuleRecord, StepRecord
+from gpulab.monitor.events import CATEGORIES, TRANSFORM_PREFIX, StepRecord
 
 _MAX_DATA_SPANS_PER_STEP = 64
 _RULE_STRENGTH = {None: 0, "backward": 1, "optimizer": 2, "explicit": 3}
 
 
 class StepAccounting:
-    """The span stack, the time per category of the current step, and the step rules.
-
-    `emit(record)` writes a record; `after_step(steps_done)` is the recorder's own work between
-    two steps (it may flush, or end the process), returning whether the next step runs inside
-    a measurement window. Its time belongs to neither step."""
+    """`after_step(steps_done)`: the recorder's work between two steps, whose time belongs to
+    neither; it says whether the next step runs inside a measurement window."""
 
     def __init__(self, trace_steps: int, emit: Callable[[dict], None], after_step: Callable[[int], bool]):
         self.trace_steps = trace_steps
@@ -54,8 +37,7 @@ class StepAccounting:
         self.new_lane()
 
     def new_lane(self) -> None:
-        """Everything from scratch: at the start, and in a forked child that records as its own
-        lane (in place, so that the methods the sink hands out stay this object's)."""
+        """Everything from scratch: at the start, and in place in a forked child's own lane."""
         self._stack: list[tuple[str, str, float]] = []  # (name, category, t0)
         self._t_last: float | None = None  # charged up to here; None before the first event
         self.index = 0  # steps done
@@ -71,8 +53,8 @@ class StepAccounting:
     # ------------------------------------------------------------------ spans
 
     def charged_category(self) -> str | None:
-        """The category being charged right now, for the stack sampler's thread: None before
-        anything was charged, or when the stack changed while it was read."""
+        """The category charged now, for the stack sampler: None before anything was charged, or
+        when the stack changed while it was read (from another thread)."""
         if self._t_last is None:
             return None
         try:
@@ -82,7 +64,7 @@ class StepAccounting:
             return None
 
     def loading_data(self) -> bool:
-        """Is the recorded thread inside a DataLoader fetch right now?"""
+        """Is the recorded thread inside a DataLoader fetch?"""
         stack = self._stack
         return bool(stack) and stack[-1][1] == "data_wait"
 
@@ -104,7 +86,7 @@ class StepAccounting:
             self._close_span(name, category, t0, now)
 
     def add_closed_span(self, name: str, category: str, t0: float, t1: float) -> None:
-        """Charge [t0, t1] to `category`: for calls classified only after they returned (a sync)."""
+        """Charge [t0, t1] to `category`: a call classified only after it returned (a sync)."""
         if self._t_last is None:
             self._begin(t0)
         t0 = max(t0, self._t_last)
@@ -157,8 +139,8 @@ class StepAccounting:
             self.end_step()
 
     def optimizer_stepped(self, optimizer) -> None:
-        """Optimizer rule. With several optimizers (a GAN, gpulab's per-replica optimizers) the
-        first one to step marks the training step; if it is garbage-collected, the next one takes over."""
+        """Optimizer rule: with several optimizers (a GAN, gpulab's per-replica ones) the first to
+        step marks the training step; once it is garbage-collected, the next one."""
         self.optimizer_steps += 1
         if not self._use_rule("optimizer"):
             return
@@ -178,12 +160,10 @@ class StepAccounting:
             if self.index > 0:
                 # Steps ended by the weaker rule belong to the first step of this one; the reader
                 # (events.Recording) merges them, since some may already be in the file.
-                fold: FoldRecord = {"type": "fold"}
-                self._emit(fold)
+                self._emit({"type": "fold"})
                 self.index = 0
             self.rule = rule
-            said: RuleRecord = {"type": "rule", "rule": rule}
-            self._emit(said)
+            self._emit({"type": "rule", "rule": rule})
         return True
 
     def end_step(self) -> None:

@@ -1,11 +1,10 @@
 """Records out: kept in memory (the in-process API) or appended to this process's events file.
 
-To a file, a helper thread writes the new records every FLUSH_EVERY_S, so what a process
-recorded survives it however it ends: a rank blocked inside a collective (whose main thread never
-comes back to Python) is written in full, one killed by SIGKILL loses at most its last quarter
-second. The whole-run tallies (snapshots) are appended every SNAPSHOT_EVERY_S and at the end;
-the reader keeps the last one of each kind. Steps after the detailed window go out summed in
-blocks (blocks.py), on the helper thread.
+To a file, a helper thread writes the new records every FLUSH_EVERY_S, so a recording survives
+its process however it ends: a rank blocked inside a collective (its main thread never back in
+Python) is written in full, one killed by SIGKILL loses at most its last quarter second. The
+whole-run tallies (snapshots) are appended every SNAPSHOT_EVERY_S and at the end (the reader
+keeps the last of each kind). Steps after the detailed window go out summed in blocks (blocks.py).
 """
 
 from __future__ import annotations
@@ -45,17 +44,9 @@ class EventWriter:
 
     def emit(self, record: dict) -> None:
         if self.path is None:  # in memory: nothing drains it, so the steps are summed here
-            self._pending.extend(self._aggregated(record))
+            self._pending.extend(self._blocks.out(record))
         else:
             self._pending.append(record)
-
-    def _aggregated(self, record: dict) -> list[dict]:
-        """What goes out for `record`: itself, or (a step after the detailed window) nothing until
-        its block is complete."""
-        if self._blocks.detailed(record):
-            return [record]
-        block = self._blocks.add(record)
-        return [block] if block else []
 
     def new_lane(self, path: Path) -> None:
         """In a forked child: its own file, from scratch (the parent's thread and lock stay behind)."""
@@ -91,7 +82,7 @@ class EventWriter:
     def close(self) -> None:
         """Write what is pending, with the whole-run tallies, and end the lane."""
         if self.path is None:
-            self._pending.extend(self._closed_block() + self._snapshots())
+            self._pending.extend(self._blocks.close() + self._snapshots())
             return
         self._write(with_snapshots=True, final=True)
 
@@ -99,10 +90,6 @@ class EventWriter:
         """Write nothing from now on, no tick either; a write or tick under way finishes first."""
         with self._lock, self._ticking:
             self.silenced = True
-
-    def _closed_block(self) -> list[dict]:
-        block = self._blocks.close()
-        return [block] if block else []
 
     def _write(self, with_snapshots: bool, final: bool = False) -> None:
         with self._lock:
@@ -113,9 +100,9 @@ class EventWriter:
             snapshots = [json.dumps(r) for r in self._snapshots()] if with_snapshots else []
             lines = []
             while self._pending:
-                lines.extend(json.dumps(r) for r in self._aggregated(self._pending.popleft()))
+                lines.extend(json.dumps(r) for r in self._blocks.out(self._pending.popleft()))
             if final:
-                lines.extend(json.dumps(r) for r in self._closed_block())
+                lines.extend(json.dumps(r) for r in self._blocks.close())
             lines.extend(snapshots)
             if with_snapshots:
                 self._last_snapshot = time.monotonic()

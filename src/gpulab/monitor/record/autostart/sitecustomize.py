@@ -1,14 +1,10 @@
 """Put every Python process of a profiled job under gpulab's recorder.
 
 `gpulab profile` puts this folder first on the PYTHONPATH of the command it runs, so Python
-imports this file at start-up in the script, and in every Python process it starts: spawned
-multiprocessing children, torchrun's ranks, plain subprocesses. Only standard-library imports
-here: it runs in processes that never touch torch, and it must cost them nothing but this.
-
-Each process writes one line saying it exists (or why gpulab could not load there, e.g. another
-interpreter without gpulab's dependencies), then waits for its own `import torch`
-(gpulab.monitor.record.attach). Any other sitecustomize on the path is run after this one, as if
-this file were not there.
+imports this file at start-up in the script and every Python process it starts. Only standard-
+library imports: it runs in processes that never touch torch, and must cost them nothing but
+this. Each process writes one line saying it exists (or why gpulab could not load there), then
+waits for its own `import torch` (attach.py). Any other sitecustomize on the path runs after it.
 """
 
 import os
@@ -25,10 +21,9 @@ def _note_process(directory: str, error: str | None = None) -> None:
 
 
 def to_json(value) -> str:
-    """What json.dumps writes for the process record's values (None, numbers, strings, lists,
-    dicts of them). Not json itself: it brings `re` and `enum` into every Python process of the
-    job, most of which never import torch (an inductor compile starts six, and waits for each:
-    docs/profiling.md, Overhead)."""
+    """What json.dumps writes for the process record's values. Not json itself: it brings `re` and
+    `enum` into every Python process of the job, most of which never import torch (an inductor
+    compile starts six, and waits for each)."""
     if value is None:
         return "null"
     if isinstance(value, bool):

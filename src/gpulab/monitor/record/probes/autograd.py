@@ -1,18 +1,8 @@
 """The autograd and optimizer probe: backward, autograd.grad, the optimizers' step and zero_grad,
-each a compute span, and the two step rules they carry (steps.py).
-
-    torch.autograd.backward, .grad   patched: autograd's hooks are per tensor or per graph node
-                                     (register_hook, register_multi_grad_hook); nothing fires when
-                                     a backward call starts and ends. The top-level call is the
-                                     span; a step ends after it when the loop comes back (backward
-                                     rule); backward_ending just before it returns (DDP's wait)
-    Optimizer.step                   global step pre/post hooks (public): the span; optimizer_stepped
-                                     (the memory window's optimizers), then the optimizer rule
-    Optimizer.zero_grad              patched: the global optimizer hooks cover step() only
-    CUDAGraph capture and replay     patched: an optimizer step recorded into a CUDA graph (a whole
-                                     step captured with torch.cuda.graph) did not run; each replay
-                                     of that graph runs it, with no Python call to hook: the
-                                     replay is the optimizer step (gpulab train --compile graphs)
+each a compute span, and the two step rules they carry (steps.py). Why each patch is one:
+docs/profiling.md. A CUDA graph that captured an optimizer step (a whole step captured with
+torch.cuda.graph) did not run it; each replay of that graph does, with no Python call to hook:
+the replay is the optimizer step (gpulab train --compile graphs).
 """
 
 from __future__ import annotations
@@ -31,7 +21,6 @@ class AutogradProbe(Probe):
         self._graph_steps: dict[int, object] = {}  # id(CUDA graph) -> the optimizer it recorded a step of
 
     def hook(self) -> None:
-        self._optimizer_stepped = self.sink.notices.optimizer_stepped.send
         self.patches.patch(torch.autograd, "backward", self._timed_backward("backward"))
         self.patches.patch(torch.autograd, "grad", self._timed_backward("autograd.grad"))
         self.patches.patch(torch.optim.Optimizer, "zero_grad",
@@ -81,17 +70,19 @@ class AutogradProbe(Probe):
             self._optimizer_tokens[id(optimizer)] = self.sink.steps.enter(f"{type(optimizer).__name__}.step", "compute")
 
     def _optimizer_step_ended(self, optimizer, args, kwargs) -> None:
-        sink = self.sink
-        if torch.compiler.is_compiling() or not sink.here():
+        if torch.compiler.is_compiling() or not self.sink.here():
             return
         token = self._optimizer_tokens.pop(id(optimizer), None)
         if token is not None:
-            sink.steps.exit(token)
+            self.sink.steps.exit(token)
         if self._capturing is not None:  # recorded, not run: the graph's replays are the steps
             self._graph_steps.setdefault(id(self._capturing), optimizer)
-            return
-        self._optimizer_stepped(optimizer)  # the notice first: a step that ends here may open the memory window
-        sink.steps.optimizer_stepped(optimizer)
+        else:
+            self._stepped(optimizer)
+
+    def _stepped(self, optimizer) -> None:
+        self.sink.notices.optimizer_stepped.send(optimizer)  # first: a step that ends here may open the memory window
+        self.sink.steps.optimizer_stepped(optimizer)
 
     def _capture_begins(self, original):
         def wrapper(graph, *args, **kwargs):
@@ -112,14 +103,11 @@ class AutogradProbe(Probe):
         return wrapper
 
     def _replayed(self, original):
-        sink = self.sink
-
         def wrapper(graph, *args, **kwargs):
             result = original(graph, *args, **kwargs)
             optimizer = self._graph_steps.get(id(graph))
-            if optimizer is not None and sink.here():
-                self._optimizer_stepped(optimizer)
-                sink.steps.optimizer_stepped(optimizer)
+            if optimizer is not None and self.sink.here():
+                self._stepped(optimizer)
             return result
 
         return wrapper

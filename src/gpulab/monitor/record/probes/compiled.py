@@ -1,17 +1,10 @@
-"""The compile probe: torch.compile in the recorded process - its compiles as time of their own
-("compile"), and what it says of recompiles, graph breaks and CUDA graphs it skips, each with the
-script's line. Each compile is also a compiled notice (the memory window then adds no global
-module hooks, on which compiled code guards).
-
-gpulab.compiler reads torch's two private doors (compile callbacks, log artifacts); this probe
-turns what it reads into records. It installs when the script's process imports torch._dynamo
-(a script that never compiles still does, for its optimizer: torch.optim imports it), and costs
-nothing between compiles: no hook runs on a step. gpulab.compiler is imported then, not before:
-it imports torch._dynamo itself, ~1 s that a script which never does is spared. A compile in
-the recorded thread is a closed span of category "compile", so the step it happened in says how
-much of it was compiling; every compile, recompile, graph break and skip is also one "compile"
-record (they are few: one per compile of a frame, and torch stops recompiling a frame after its
-recompile limit).
+"""The compile probe: torch.compile in the recorded process - each compile a span and a record of
+its own ("compile"), and its recompiles, graph breaks and skipped CUDA graphs as records with the
+script's line; each compile also a compiled notice (the memory window then adds no global module
+hooks, on which compiled code guards). gpulab.compiler reads torch's private doors (compile
+callbacks, log artifacts); nothing runs on a step. It starts when the process imports
+torch._dynamo (torch.optim does), not before: gpulab.compiler imports it, ~1 s a script that
+never does is spared.
 """
 
 from __future__ import annotations

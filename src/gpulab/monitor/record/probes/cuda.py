@@ -1,29 +1,15 @@
-"""The CUDA probe: host syncs and host->device copies, each with the user's line (sites.py), and
-a "cuda" record as soon as the script has memory on a GPU (the kernel window is kernels.py's).
+"""The CUDA probe: host syncs and host->device copies, each with the user's line, and a "cuda"
+record as soon as the script has memory on a GPU (the kernel window is kernels.py's).
 
-Host syncs. A CUDA call returns before the GPU has run it; `.item()`, `print(t)`, `.cpu()`,
-`if t:` and friends make the host wait until the device has caught up, so the GPU idles while
-Python prepares the next step. Two mechanisms, used together:
-- torch's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`, sync_debug.py) makes torch
-  report every synchronizing operation it knows of as a warning; gpulab intercepts those warnings
-  (the user never sees them) and notes the user's line;
-- the Python-level entry points that sync (Tensor.item/tolist/cpu/numpy/nonzero, bool/int/float/
-  index/repr/format of a tensor, Tensor.to(cpu), torch.cuda.synchronize, Event/Stream.synchronize)
-  are wrapped and timed, so the time the host sat blocked is known. A wrapped call counts as a
-  sync only if torch reported one while it ran (a non_blocking copy to pinned memory does not).
-  Syncs torch reports inside calls gpulab does not wrap (boolean-mask indexing, ...) are counted,
-  with their line, but not timed.
-
-Copies. `Tensor.to(cuda)` / `.cuda()` from a CPU tensor are timed, with their size and whether
-the source was pinned: from pageable memory the copy is staged through a driver buffer and, unless
-non_blocking, waits for the device like a sync.
-
-Why Tensor-method wrappers and not one torch.overrides.TorchFunctionMode, which sees the same
-calls: a mode is entered for every torch op of the step, the wrappers only for these methods
-(docs/profiling.md has the measurement).
-
-Nothing here is installed without a CUDA device. gpulab's own CUDA calls (a window's profiler,
-its synchronize) run inside the sink's own_work(), where these wrappers record nothing.
+A sync (`.item()`, `print(t)`, `.cpu()`, `if t:`, ...) makes the host wait for the device. Two
+mechanisms, used together: torch's sync debug mode (sync_debug.py) reports every sync torch
+knows of, with the user's line; and the Python entry points that sync are wrapped and timed.
+A wrapped call counts as a sync only if torch reported one while it ran (a non_blocking copy to
+pinned memory does not); a sync reported inside a call gpulab does not wrap (x[mask]) is
+counted, with its line, but not timed. `Tensor.to(cuda)` / `.cuda()` from a CPU tensor are
+timed as copies, with their size and whether the source was pinned (from pageable memory the
+copy is staged through a driver buffer). Tensor-method wrappers rather than one
+TorchFunctionMode, which is entered for every torch op of the step: docs/profiling.md.
 """
 
 from __future__ import annotations
@@ -31,14 +17,12 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import torch
 
-from gpulab.monitor.events import CudaRecord, CudaUsage
+from gpulab.monitor.events import CudaUsage
 from gpulab.monitor.record.frames import user_site
 from gpulab.monitor.record.probe import Probe
-from gpulab.monitor.record.probes.sites import SyncSites
 from gpulab.monitor.record.probes.sync_debug import SyncDebugMode
 
 # Tensor methods that wait for the device when called on a CUDA tensor.
@@ -76,18 +60,14 @@ class CudaSyncProbe(Probe):
         self._debug_mode = SyncDebugMode(self._on_sync_reported)
         self._usage_written = False  # the "cuda" record: the script put work on the GPU
 
-    # ------------------------------------------------------------------ install
-
     def hook(self) -> None:
         # Only with a CUDA device to use: on a CUDA build without one the wrappers would cost the
-        # script's every .to() and tensor repr for nothing (a fifth of a small data fetch). With a device the wrappers are inert until a CUDA tensor shows up.
+        # script's every .to() and tensor repr for nothing (a fifth of a small data fetch).
         if not cuda_device_present():
             return
-        self._debug_mode.install()
         self.wrap_sync_points(self.patches.patch)
-        self.patches.on_undo(self.sink.guard_own_work(self.suppressed))
         self.listen(self.sink.notices.step_ended, self._step_ended)
-        self.patches.on_undo(self._debug_mode.uninstall)  # first out: sync debug mode and the warning filter
+        self._debug_mode.install(self.patches)  # first out: sync debug mode and the warning filter
 
     def wrap_sync_points(self, patch) -> None:
         """Replace, through `patch(owner, name, make_wrapper)`, the Python entry points that sync or copy."""
@@ -95,23 +75,11 @@ class CudaSyncProbe(Probe):
             patch(torch.Tensor, name, lambda orig, name=name: self._timed_sync(orig, f"Tensor.{name}"))
         patch(torch.Tensor, "to", lambda orig: self._timed_copy(orig, "Tensor.to"))
         patch(torch.Tensor, "cuda", lambda orig: self._timed_copy(orig, "Tensor.cuda"))
-        patch(torch.cuda, "synchronize", lambda orig: self._timed_explicit(orig, "torch.cuda.synchronize"))
-        patch(torch.cuda.Event, "synchronize", lambda orig: self._timed_explicit(orig, "Event.synchronize"))
-        patch(torch.cuda.Stream, "synchronize", lambda orig: self._timed_explicit(orig, "Stream.synchronize"))
+        for owner, op in ((torch.cuda, "torch.cuda"), (torch.cuda.Event, "Event"), (torch.cuda.Stream, "Stream")):
+            patch(owner, "synchronize", lambda orig, op=op: self._timed_sync(orig, f"{op}.synchronize", explicit=True))
 
     def new_lane(self) -> None:
         self.sites = SyncSites(self._warmup_steps)
-
-    @contextmanager
-    def suppressed(self):
-        """gpulab's own CUDA calls (profiler start/stop) are not the user's syncs."""
-        self._state.depth += 1
-        try:
-            yield
-        finally:
-            self._state.depth -= 1
-
-    # ------------------------------------------------------------------ what is recorded
 
     def _note_sync(self, op: str, t0: float, t1: float, where: str | None) -> None:
         sink = self.sink
@@ -140,24 +108,23 @@ class CudaSyncProbe(Probe):
         sink.steps.count(kind + "_bytes", nbytes)
         self.sites.note(kind, op, where, sink.steps_done, seconds=t1 - t0, nbytes=nbytes)
 
-    # ------------------------------------------------------------------ wrappers
-
-    def _timed_sync(self, original, op: str):
+    def _timed_sync(self, original, op: str, explicit: bool = False):
+        """A Tensor method that syncs when its tensor is on CUDA, or (`explicit`) a synchronize."""
         sink, state, mode, note_sync = self.sink, self._state, self._debug_mode, self._note_sync
         is_compiling = torch.compiler.is_compiling
 
-        def wrapper(tensor, *args, **kwargs):
+        def wrapper(*args, **kwargs):
             # is_compiling() first: under torch.compile the rest folds away and the call is traced as is.
-            if is_compiling() or state.depth or not tensor.is_cuda or not sink.here():
-                return original(tensor, *args, **kwargs)
+            if is_compiling() or state.depth or not (explicit or args[0].is_cuda) or not sink.here():
+                return original(*args, **kwargs)
             state.depth, state.synced = 1, False
             t0 = time.perf_counter()
             try:
-                return original(tensor, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 t1 = time.perf_counter()
                 state.depth = 0
-                if state.synced or not mode.on:
+                if explicit or state.synced or not mode.on:  # sync debug mode does not report synchronize
                     note_sync(op, t0, t1, user_site(sys._getframe(1)))
 
         return wrapper
@@ -192,39 +159,16 @@ class CudaSyncProbe(Probe):
 
         return wrapper
 
-    def _timed_explicit(self, original, op: str):
-        sink, state, note_sync = self.sink, self._state, self._note_sync
-
-        def wrapper(*args, **kwargs):
-            if state.depth or not sink.here():
-                return original(*args, **kwargs)
-            state.depth = 1
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                t1 = time.perf_counter()
-                state.depth = 0
-                note_sync(op, t0, t1, user_site(sys._getframe(1)))
-
-        return wrapper
-
-    # ------------------------------------------------------------------ steps and the end
-
     def _step_ended(self, steps_done: int) -> None:
-        if not self._debug_mode.on and torch.cuda.is_initialized():
-            self._debug_mode.enable()  # torch without _lazy_call: enable once CUDA is up
-        if not self._usage_written and torch.cuda.is_initialized():
-            self._write_usage()
-
-    def _write_usage(self) -> None:
-        """Once the script has memory on a GPU, say so at once: a process that dies before its end
-        record must still read as a GPU job, not as one that never used the GPU."""
-        usage = cuda_usage(self._debug_mode.used)
-        if usage["devices"]:
+        if not torch.cuda.is_initialized():
+            return
+        if not self._debug_mode.on:
+            self._debug_mode.enable()  # a torch without _lazy_call: once CUDA is up
+        # The "cuda" record as soon as the script has memory on a GPU: a process that dies before
+        # its end record must still read as a GPU job.
+        if not self._usage_written and (usage := cuda_usage(self._debug_mode.used))["devices"]:
             self._usage_written = True
-            record: CudaRecord = {"type": "cuda", **usage}
-            self.sink.emit(record)
+            self.sink.emit({"type": "cuda", **usage})
 
     def snapshots(self) -> list[dict]:
         return [self.sites.snapshot()]
@@ -253,3 +197,34 @@ def cuda_usage(sync_debug_used: bool) -> CudaUsage:
             "peak_allocated_mib": peak / 2**20,
         })
     return out
+
+
+class SyncSites:
+    """The user's lines that made the host wait, per (kind, file:line): ops, calls, seconds,
+    untimed syncs, bytes; and the calls and seconds after warm-up (`steady_count`,
+    `steady_seconds`), so that a finding about the steps points at the line the steps wait at,
+    not at a set-up call (the model's one `.to(device)`, which also pays for CUDA's start-up)."""
+
+    def __init__(self, warmup_steps: int):
+        self._sites: dict[str, dict] = {}
+        self.warmup_steps = warmup_steps
+
+    def note(self, kind: str, op: str, where: str | None, steps_done: int, seconds: float = 0.0, untimed: int = 0,
+             nbytes: int = 0) -> None:
+        key = f"{kind}|{where}"
+        site = self._sites.get(key)
+        if site is None:
+            site = self._sites[key] = {"kind": kind, "where": where, "ops": [], "count": 0, "seconds": 0.0,
+                                       "untimed": 0, "bytes": 0, "steady_count": 0, "steady_seconds": 0.0}
+        if op not in site["ops"]:
+            site["ops"].append(op)
+        site["count"] += 1
+        site["seconds"] += seconds
+        site["untimed"] += untimed
+        site["bytes"] += nbytes
+        if steps_done >= self.warmup_steps:
+            site["steady_count"] += 1
+            site["steady_seconds"] += seconds
+
+    def snapshot(self) -> dict:
+        return {"type": "sites", "sites": list(self._sites.values())}

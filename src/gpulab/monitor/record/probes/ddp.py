@@ -1,19 +1,14 @@
 """DistributedDataParallel's wait for its gradients' allreduce, inside backward (part of the
 distributed probe, which hands it module_called and backward_ending).
 
-DDP starts each bucket's allreduce while backward still computes, and waits for the last ones at
-the end of backward, in C++ (an autograd callback) where no Python hook reaches: the recorder
-would count that wait as compute. What a public hook does show
-(`Tensor.register_post_accumulate_grad_hook` on each parameter of a DDP module) is when the last
-gradient was ready. From then until backward returns the thread only hands the last bucket to
-the allreduce, waits for it and copies the averaged gradients back: that part of the backward
-span is charged to collective, as a span of its own (WAIT_SPAN), at every step.
-
-DDP's own timers (`_get_ddp_logging_data`, a private API) were read for this before: they time
-only the iterations DDP samples (its first ten, then every 100th), so a run of 64 sub-millisecond
-steps was judged on its start-up, or not at all. The hook costs one clock read per parameter
-and backward. On CUDA the hook runs when the gradient's kernels are queued and NCCL's wait does
-not block the host: what is seen there is the host's wait, as everywhere in the step accounting.
+DDP waits for its last buckets' allreduce at the end of backward, in C++ (an autograd callback)
+where no Python hook reaches: the recorder would count that wait as compute. A public hook
+(`Tensor.register_post_accumulate_grad_hook` on each parameter of a DDP module) shows when the
+last gradient was ready; from then until backward returns the thread only hands the last bucket
+to the allreduce, waits for it and copies the averaged gradients back: that part of backward is
+a collective span of its own (WAIT_SPAN), at every step (DDP's own timers sample only some
+iterations). On CUDA the hook runs when the gradient's kernels are queued: what is seen is the
+host's wait, as everywhere in the step accounting.
 """
 
 from __future__ import annotations

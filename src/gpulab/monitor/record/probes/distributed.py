@@ -1,13 +1,7 @@
-"""The distributed probe: time inside torch.distributed, as its own category ("collective"), and
-this process's rank, however the job was launched.
-
-    torch.distributed's collectives (DISTRIBUTED_CALLS), Work.wait   patched: c10d has no
-        Python-level hook per call (DDP's comm hooks see DDP's buckets only); each call a
-        collective span, then progress (for the hang watch: a collective finished)
-    torch.distributed.init_process_group   patched: c10d has no hook for a process group coming
-        up; once it is up, a "rank" record and rank_known (the heartbeat's rank)
-    DDP's wait for its allreduce at the end of backward, in C++ out of reach of these patches:
-        ddp.DdpWait finds it from gradient hooks (module_called, backward_ending)
+"""The distributed probe: time inside torch.distributed's collectives and Work.wait, as
+"collective" (c10d has no Python-level hook per call), each then progress for the hang watch;
+this process's rank once its process group is up (a "rank" record, rank_known); and DDP's wait
+for its allreduce at the end of backward (ddp.py).
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ class DistributedProbe(Probe):
                            timed(self.sink, "collective", "Work.wait", after=lambda result: collective_done()))
 
     def _note_the_rank(self, c10d) -> None:
-        """init_process_group, under every name torch's own modules call it by (device_mesh's too)."""
+        """init_process_group, patched under every name torch's modules call it by (device_mesh's too)."""
         original = c10d.init_process_group
         note = self._process_group_up
 
@@ -73,10 +67,8 @@ class DistributedProbe(Probe):
             self.patches.patch(owner, "init_process_group", lambda orig, w=init_process_group: w)
 
     def _process_group_up(self) -> None:
-        """torch.distributed's default group is up: this process's rank, however the job was
-        launched (torchrun also sets RANK; Lightning's DDP, mp.spawn and others pass the rank to
-        init_process_group), noted from any thread (the rank is the process's). The parent's
-        hang watch asks for it too."""
+        """The default group is up, in any thread: this process's rank, however the job was launched
+        (Lightning's DDP, mp.spawn and others pass it to init_process_group, not in RANK)."""
         dist = torch.distributed
         record: RankRecord = {"type": "rank", "t": time.perf_counter(), "rank": dist.get_rank(),
                               "world_size": dist.get_world_size()}

@@ -1,13 +1,10 @@
 """The kernel window probe: after warm-up, a few steps captured with torch's profiler (CUDA only:
-a CUDA device present, and the script using it).
+a CUDA device present, and the script using it): kernels per step, their median duration, and
+the time the device computed per step (a launch-bound loop shows many short kernels and a device
+idle between them).
 
-Kernels per step, their median duration, and the time the device computed per step (the union
-of kernel intervals). A launch-bound loop shows many short kernels and a device idle between them.
-
-The profiler is torch.autograd.profiler's (kineto, with the device's activity), not
-torch.profiler's: that one imports torch._inductor at its first start to read one setting
-(1.1-1.4 s inside the loop, measured here; the memory window avoids it for the same reason). The
-events are the same kineto events either way.
+The profiler is torch.autograd.profiler's (kineto, the same events), not torch.profiler's: that
+one imports torch._inductor at its first start to read one setting (1.1-1.4 s inside the loop).
 """
 
 from __future__ import annotations
@@ -26,70 +23,46 @@ _RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSy
 
 
 class KernelProbe(WindowProbe):
-    """The first of the measurement windows to take its turn (windows.py). A forked lane goes on
-    with its parent's window: one that ran there does not run again."""
+    """The profiler over `num_steps` steps after `after_step`, the first window to take its turn;
+    one "kernels" record. A forked lane goes on with its parent's window: one that ran there does
+    not run again. `device_type`: whose kernels to count - "cuda", or "cpu" in tests (its ops stand
+    for kernels; `emit` takes the record)."""
 
-    def __init__(self, after_step: int, num_steps: int):
-        self._after_step = after_step
-        self._num_steps = num_steps
-        self.enabled = False
-        self.window: KernelWindow | None = None
-
-    def hook(self) -> None:
-        self.enabled = cuda_device_present()
-        self.window = KernelWindow(self.sink.emit, self._after_step, self._num_steps)
-
-    @property
-    def active(self) -> bool:
-        return self.window.active
-
-    @property
-    def finished(self) -> bool:
-        return not self.enabled or self.window.done
-
-    @property
-    def holds_back_later_windows(self) -> bool:
-        """Running, or about to: it goes first whenever the script uses CUDA."""
-        window = self.window
-        return window.active or (not window.done and self.enabled and torch.cuda.is_initialized())
-
-    def on_step_end(self, steps_done: int, may_open: bool) -> None:
-        if self.enabled:
-            self.window.on_step_end(steps_done)
-
-    def finish(self) -> None:
-        if self.enabled:
-            self.window.finish(self.sink.steps_done)
-
-
-class KernelWindow:
-    """torch.profiler over a few steps after warm-up; emits one "kernels" record."""
-
-    def __init__(self, emit: Callable[[dict], None], after_step: int, num_steps: int, device_type: str = "cuda"):
-        """`device_type`: whose kernels to count - "cuda", or "cpu" in tests (its ops stand for kernels)."""
+    def __init__(self, after_step: int, num_steps: int, device_type: str = "cuda",
+                 emit: Callable[[dict], None] | None = None):
+        self.after_step, self.num_steps, self.device_type = after_step, num_steps, device_type
         self._emit = emit
-        self.device_type = device_type
-        self.after_step = after_step
-        self.num_steps = num_steps
+        self.enabled = device_type != "cuda"  # CUDA: with a device present, once installed
         self.active = False
         self.done = num_steps == 0
         self._prof = None
         self._started_at = 0
 
-    def on_step_end(self, steps_done: int) -> None:
-        if self.done:
+    def hook(self) -> None:
+        self._emit = self.sink.emit
+        self.enabled = cuda_device_present()
+
+    @property
+    def finished(self) -> bool:
+        return not self.enabled or self.done
+
+    @property
+    def holds_back_later_windows(self) -> bool:
+        """Running, or about to: it goes first whenever the script uses CUDA."""
+        return self.active or (not self.done and self.enabled and torch.cuda.is_initialized())
+
+    def on_step_end(self, steps_done: int, may_open: bool = True) -> None:
+        if not self.enabled or self.done:
             return
-        if not self.active and steps_done >= self.after_step and self._device_in_use():
+        in_use = self.device_type != "cuda" or torch.cuda.is_initialized()
+        if not self.active and steps_done >= self.after_step and in_use:
             self._start(steps_done)
         elif self.active and steps_done - self._started_at >= self.num_steps:
             self._stop(steps_done)
 
-    def finish(self, steps_done: int) -> None:
+    def finish(self) -> None:
         if self.active:
-            self._stop(steps_done)
-
-    def _device_in_use(self) -> bool:
-        return self.device_type != "cuda" or torch.cuda.is_initialized()
+            self._stop(self.sink.steps_done)
 
     def _start(self, steps_done: int) -> None:
         use_device = self.device_type if self.device_type != "cpu" else None
@@ -133,8 +106,7 @@ class KernelWindow:
     def _give_up(self, error: Exception) -> None:
         self.active = False
         self.done = True
-        failed: KernelsRecord = {"type": "kernels", "error": f"{type(error).__name__}: {error}"}
-        self._emit(failed)
+        self._emit({"type": "kernels", "error": f"{type(error).__name__}: {error}"})
 
 
 def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,
@@ -142,11 +114,9 @@ def kernel_statistics(events, steps: int, steps_end_ns: int | None = None,
     """Kernels per step, their durations, and device-busy time per step, from kineto events.
 
     `record_function` ranges (user annotations, and the `Optimizer.step#...` one torch opens every
-    step) appear on the GPU track too, spanning their first to last kernel: they are not kernels,
-    and counted as such they would fill the idle gaps. Runtime syncs that start after
-    `steps_end_ns` are the profiler's own drain, not the user's. `device_type` is CUDA except in
-    tests, which replay the same logic on the CPU profiler's events.
-    """
+    step) appear on the GPU track too, spanning their first to last kernel: they are no kernels,
+    and counted as such would fill the idle gaps. Runtime syncs that start after `steps_end_ns`
+    are the profiler's own drain, not the user's."""
     if steps <= 0:
         return None
     kernels: dict[int, list[tuple[int, int]]] = {}  # per device: (start, end) in ns

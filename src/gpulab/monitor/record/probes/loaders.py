@@ -1,25 +1,14 @@
-"""The data-loading probe: every DataLoader's fetches as data wait, the line that built each
-loader, its real batch size, and which one the training steps waited on.
+"""The data-loading probe: every DataLoader's iter() and fetches as data wait, the line that built
+each loader, its real batch size, and which one the training steps waited on (patches: torch.utils.data
+has no hooks). A pass's start - iter() and its first batch, which waits for worker processes to
+start - is also counted apart (PASS_START_COUNT): loaders without persistent_workers pay it every epoch.
 
-Patches (torch.utils.data has no hooks):
-    DataLoader.__init__          where each loader was built; `gpulab profile --try`: the DataLoader
-                                 settings tried, forced on every loader the script builds
-    DataLoader.__iter__          a new pass: a data wait (its workers start here); the loop is back
-    _BaseDataLoaderIter.__next__ a fetch: a data wait; the loop is back; which loader fed the step
-Notices sent: batch_fetched (the memory window's inputs).
-
-A pass's start - iter() and its first batch, which waits for worker processes to start (for
-spawned ones, to import torch) - is also counted apart in the step it falls in (PASS_START_COUNT):
-DataLoaders without persistent_workers pay it every epoch.
-
-Frameworks make this harder than it looks. Lightning iterates the validation loader first (its
-sanity check) and calls every loader from inside `trainer.fit(...)`; under DDP it re-creates the
-user's loaders with a DistributedSampler. Accelerate (and HF Trainer through it) iterates a
-DataLoader of its own over the user's dataset, with a batch sampler, so its `batch_size` is None.
-So: a loader is credited with each step whose last batch came from it; a framework's copy of a
-loader takes the line of the loader it copied (the live one over the same dataset), else the
-framework's own line and the user's line that led there; the batch size comes from the batch
-sampler where the DataLoader has none.
+Frameworks make this harder than it looks (docs/profiling.md, Which DataLoader): Lightning runs
+its validation loader first and re-creates the user's loaders under DDP; Accelerate iterates a
+DataLoader of its own, with a batch sampler (its `batch_size` is None). So a loader is credited
+with each step whose last batch came from it; a framework's copy of a loader takes the line of
+the live one it copied, else the framework's own line and the user's line that led there; the
+batch size comes from the batch sampler where the DataLoader has none.
 """
 
 from __future__ import annotations
@@ -72,9 +61,7 @@ class LoaderProbe(Probe):
         return [self.loaders.snapshot()] if self.loaders is not None else []  # none before install
 
     def _building(self, original):
-        """Every DataLoader built: note the line that built it (from any thread: a loader made
-        elsewhere may be iterated in the training thread). `--try num_workers=4`: each one gets
-        these settings."""
+        """Every DataLoader built, in any thread: the line that built it; `--try`'s settings forced."""
         overrides, loaders = self._overrides, self.loaders
         signature = inspect.signature(original)
 
@@ -93,8 +80,8 @@ class LoaderProbe(Probe):
         return __init__
 
     def _iterating(self, original):
-        """A new pass over a DataLoader: a data wait (its workers start here); a backward-rule step
-        ended (the loop is back for data); note the loader and which iterator is its."""
+        """A new pass over a DataLoader: a data wait (its workers start here), after a backward-rule
+        step ended (the loop is back for data); which iterator is the loader's."""
         sink, loaders = self.sink, self.loaders
         timed_iter = timed(sink, "data_wait", "DataLoader.__iter__")(original)
 
@@ -115,8 +102,7 @@ class LoaderProbe(Probe):
 
 
 class Loaders:
-    """The loaders seen, where each was built, and the steps each fed; `emit(record)`: where a
-    loader's record goes."""
+    """The loaders seen, where each was built, and the steps each fed."""
 
     def __init__(self, emit):
         self._emit = emit
@@ -156,8 +142,8 @@ class Loaders:
         return next(iter(same_batches or [site for _, site in same_data]), None)
 
     def iterated(self, loader, iterator, caller: FrameType, elsewhere: bool = False, started: float | None = None) -> None:
-        """DataLoader.__iter__, called at `started` (None: not timed), returned `iterator` to
-        `caller` (`elsewhere`: in a thread other than the training thread)."""
+        """DataLoader.__iter__, called at `started` (None: not timed, `elsewhere`: not in the
+        training thread), returned `iterator` to `caller`."""
         record: LoaderRecord = {
             "type": "loader",
             "where": user_site(caller),
@@ -235,8 +221,7 @@ def batch_size(loader) -> int | None:
 
 def _builder(loader, frame: FrameType | None) -> FrameType | None:
     """The frame that asked for `loader`: the first one above the calls that construct it (its
-    class's __init__ chain, a framework's wrapper around __init__), which all take it as their
-    first argument."""
+    __init__ chain, a framework's wrapper), which all take it as their first argument."""
     while frame is not None:
         code = frame.f_code
         if not (code.co_argcount and frame.f_locals.get(code.co_varnames[0]) is loader):

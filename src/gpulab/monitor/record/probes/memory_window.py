@@ -1,14 +1,12 @@
-"""The memory window probe: one step after warm-up (and after the kernel window) measured for
-memory by gpulab.memory.step - the peak and what it is made of - emitted as one "memory" record;
-and, when the script runs out of memory, what was in use and where ("oom", gpulab.memory.oom).
+"""The memory window probe: one step after warm-up (and after the kernel window) measured by
+gpulab.memory.step - the peak and what it is made of - as one "memory" record; and, when the
+script runs out of memory, what was in use and where ("oom", gpulab.memory.oom).
 
-Two steps: the one before is where torch's autograd profiler starts (it reports a free only for a block it
-saw allocated), the second is measured. Both are marked profiled, so their time is left out of
-the statistics, as the kernel window's are. What the step holds is found from what the other
-probes already see, from their notices: the outermost modules the loop calls (module_called), the
-optimizers it steps (optimizer_stepped), and the batch (the DataLoader's, batch_fetched, else the
-tensors passed to the outermost module). A process that has compiled code (compiled) gets no
-global module hooks from the window, on which compiled code guards.
+The window is two steps, both left out of the statistics: torch's autograd profiler starts in the
+first (it reports a free only for a block it saw allocated), the second is measured. What the
+step holds comes from the other probes' notices: the outermost modules called, the optimizers
+stepped, the batch (the DataLoader's, else the tensors passed to the outermost module). After a
+compile the window adds no global module hooks, on which compiled code guards.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ from gpulab.monitor.record.probe import WindowProbe
 
 
 class Seen:
-    """Objects seen, held weakly; noting one already seen costs a dict lookup (it is done on every
-    outermost module call and every optimizer step, where a WeakSet would make a weakref each time)."""
+    """Objects seen, held weakly; noting one already seen costs a dict lookup (on every outermost
+    module call and optimizer step, where a WeakSet would make a weakref each time)."""
 
     def __init__(self):
         self._refs: dict[int, weakref.ref] = {}
@@ -51,14 +49,13 @@ class MemoryProbe(WindowProbe):
 
     def hook(self) -> None:
         self.listen(self.sink.notices.module_called, self._module_called)
-        self.listen(self.sink.notices.optimizer_stepped, self._optimizer_stepped)
+        self.listen(self.sink.notices.optimizer_stepped, lambda optimizer: self.optimizers.add(optimizer))
         self.listen(self.sink.notices.batch_fetched, self._note_inputs)
         self.listen(self.sink.notices.compiled, self._compiled_code)
         self.listen(self.sink.notices.exception, self._out_of_memory)
 
     def new_lane(self) -> None:
-        """What each process measures for itself (a forked lane starts again: the parent's window
-        is the parent's)."""
+        """What each process measures for itself (a forked lane starts again)."""
         self.done = not self._enabled
         self.models = Seen()  # outermost modules called (also for reading an out-of-memory error)
         self.optimizers = Seen()  # optimizers stepped
@@ -71,9 +68,6 @@ class MemoryProbe(WindowProbe):
         if self._measuring:
             self._probe.note_inputs(args)
 
-    def _optimizer_stepped(self, optimizer) -> None:
-        self.optimizers.add(optimizer)
-
     def _note_inputs(self, batch) -> None:
         if self._measuring:
             self._probe.note_inputs(batch)
@@ -83,7 +77,6 @@ class MemoryProbe(WindowProbe):
 
     @property
     def active(self) -> bool:
-        """Inside one of the window's two steps."""
         return self._probe is not None
 
     @property
@@ -104,28 +97,21 @@ class MemoryProbe(WindowProbe):
                 self._measuring, self._step = True, steps_done
             else:
                 record: MemoryRecord = {"type": "memory", "step": self._step, **self._probe.end()}
-                self._finish()
-                self.sink.emit(record)
+                self._end(record)
         except Exception as e:  # another profiler running, an unusual tensor type: no memory figures
-            self._give_up(e)
+            self._end({"type": "memory", "error": f"{type(e).__name__}: {e}"})
 
     def finish(self) -> None:
         """The run ends: a window still open leaves a record saying so (and no hooks)."""
         if self._probe is not None:
-            self._probe.close()
-            self._finish()
-            failed: MemoryRecord = {"type": "memory", "error": "the run ended during the memory window"}
-            self.sink.emit(failed)
+            self._end({"type": "memory", "error": "the run ended during the memory window"})
 
-    def _finish(self) -> None:
-        self._probe, self._measuring, self.done = None, False, True
-
-    def _give_up(self, error: Exception) -> None:
+    def _end(self, record: MemoryRecord) -> None:
+        """The window is over, its hooks out whatever its state: `record` says how."""
         if self._probe is not None:
             self._probe.close()
-        self._finish()
-        failed: MemoryRecord = {"type": "memory", "error": f"{type(error).__name__}: {error}"}
-        self.sink.emit(failed)
+        self._probe, self._measuring, self.done = None, False, True
+        self.sink.emit(record)
 
     def _device(self) -> torch.device:
         """Where the step's model lives: the first parameter of a module called, else of an optimizer."""

@@ -1,16 +1,12 @@
 """The modules probe: nn.Module calls, through torch's global forward pre/post hooks
-(register_module_forward_pre_hook / register_module_forward_hook, always_call: the span also
-ends when forward raises).
+(always_call: the span also ends when forward raises).
 
-The outermost module call is a compute span (a model's submodules add nothing but cost), and a
-module_called notice (DDP's gradient hooks, the memory window's models and inputs); when it
-returns, progress (for the hang watch: an evaluation loop is no hang). A module called inside a
-DataLoader fetch is a transform: while the transforms probe wants them (fetch_modules_wanted), it
-hears of each (fetch_module_entered / _exited). In every other fetch the hooks are paused, by a
-patch of DataLoader.__iter__ and _BaseDataLoaderIter.__next__ around the loaders probe's: global
-hooks send every module call through torch's slow path (~1.3 us each, more with what they do),
-which per-sample transforms pay per sample, enough to move a loop's data share by points. The
-iterator's start is paused too: DataLoader workers are forked there, and run without the hooks.
+The outermost module call is a compute span and a module_called notice; its return is progress
+(an evaluation loop is no hang). A module called inside a DataLoader fetch is a transform: while
+the transforms probe wants them (fetch_modules_wanted), it hears of each (fetch_module_entered /
+_exited). In every other fetch, and in the iterator's start (where DataLoader workers are forked),
+the hooks are paused: global hooks send every module call through torch's slow path (~1.3 us
+each), which per-sample transforms pay per sample, enough to move a loop's data share by points.
 """
 
 from __future__ import annotations
@@ -24,8 +20,6 @@ from gpulab.monitor.record.probe import Probe
 
 
 class ModuleProbe(Probe):
-    """Installed after the loaders probe: its pause goes around their fetch spans."""
-
     def __init__(self):
         self._in_forward = False  # inside the outermost module call: inner calls add nothing but cost
         self._open_calls: list[tuple[torch.nn.Module, int | None]] = []  # (module, span token; None: in a fetch)
@@ -37,7 +31,7 @@ class ModuleProbe(Probe):
         self.patches.on_undo(hooks.remove)
         # torch warns that global hooks fire for a compiled module's wrapper too; these expect it (the
         # wrapper is the outermost call) and the warning is about gpulab, not the script.
-        self.patches.ignore_warning(r"Using `torch\.compile\(module\)` when there are global hooks")
+        self.patches.filter_warnings("ignore", r"Using `torch\.compile\(module\)` when there are global hooks")
         self.patches.patch(DataLoader, "__iter__", self._paused_in(hooks, lambda: True))
         self.patches.patch(_BaseDataLoaderIter, "__next__",
                            self._paused_in(hooks, lambda: not self._fetch_modules_wanted))
@@ -93,8 +87,7 @@ class ModuleProbe(Probe):
         return after
 
     def _paused_in(self, hooks: "PausableHooks", pause):
-        """A make_wrapper: the original with the module hooks paused, when `pause()` says so (in
-        the recorded thread)."""
+        """A make_wrapper: the original with the module hooks paused, in the recorded thread when `pause()`."""
         sink = self.sink
 
         def make_wrapper(original):
@@ -113,10 +106,10 @@ class ModuleProbe(Probe):
 
 
 class PausableHooks:
-    """Global hooks that can be paused: taken out of torch's hook dicts and put back under the
-    same key. Not remove() and a new registration: that gives them a new key each time, and
-    torch.compile, which guards on those keys, then recompiles the model at every call (measured,
-    torch 2.13). The dicts are the ones each hook's RemovableHandle removes it from."""
+    """Global hooks that can be paused: taken out of torch's hook dicts (the ones each hook's
+    RemovableHandle removes it from) and put back under the same key. Not remove() and a new
+    registration: that gives them a new key each time, and torch.compile, which guards on those
+    keys, then recompiles the model at every call."""
 
     def __init__(self, *handles):
         self._handles = handles

@@ -1,14 +1,6 @@
-"""The processes probe: the process itself - the children it forks, how a multiprocessing child
-ends, and torch's threads under `gpulab profile --try threads=N`.
-
-    os.register_at_fork            a forked child: forked (the recorder gives it its own lane, or,
-                                   a DataLoader worker, nothing)
-    BaseProcess._bootstrap         patched: a multiprocessing child leaves with os._exit, which
-                                   skips atexit: process_ending (the recorder stops); its target's
-                                   exception never reaches sys.excepthook either: exception
-    torch.set_num_threads          patched, for --try threads=N only: the threads tried
-It also tells the "facts" snapshot how many threads torch uses, and whether this process is a
-DataLoader worker.
+"""The processes probe: the children a process forks (forked), how a multiprocessing child ends
+(process_ending, and its target's exception), torch's threads under `--try threads=N`, and in the
+"facts" snapshot how many threads torch uses and whether this process is a DataLoader worker.
 """
 
 from __future__ import annotations
@@ -31,23 +23,23 @@ class ProcessProbe(Probe):
 
     def hook(self) -> None:
         self._installed = True
-        self.patches.on_undo(self._uninstalled)
         self.patches.patch(multiprocessing.process.BaseProcess, "_bootstrap", self._ending_the_recording)
         if self._torch_threads:
-            self._force_torch_threads(self._torch_threads)
+            torch.set_num_threads(self._torch_threads)
+            self.patches.patch(torch, "set_num_threads", self._forcing_torch_threads)
         self._follow_forks()
+
+    def remove(self) -> None:
+        self._installed = False
+        super().remove()
 
     def facts(self) -> dict:
         return {"dataloader_worker": torch.utils.data.get_worker_info() is not None,
                 "torch_threads": torch.get_num_threads()}
 
-    def _uninstalled(self) -> None:
-        self._installed = False
-
     def _ending_the_recording(self, original):
-        """A multiprocessing child leaves with os._exit(), skipping atexit: end its recording here.
-        Its target's exception never reaches sys.excepthook either (_bootstrap prints it itself):
-        it is noted on its way out of run()."""
+        """A multiprocessing child leaves with os._exit(), skipping atexit: its recording ends here.
+        Its target's exception never reaches sys.excepthook either: it is noted on its way out of run()."""
         notices = self.sink.notices
 
         def _bootstrap(process, *args, **kwargs):
@@ -68,23 +60,16 @@ class ProcessProbe(Probe):
 
         return _bootstrap
 
-    def _force_torch_threads(self, threads: int) -> None:
-        """`--try threads=N`: torch's intra-op threads are N in this process, also when the script sets
-        its own (its torch.set_num_threads(k) sets N instead), as --try forces DataLoader settings."""
-        torch.set_num_threads(threads)
+    def _forcing_torch_threads(self, original):
+        """`--try threads=N`: torch's intra-op threads are N, whatever the script sets."""
+        def set_num_threads(requested: int) -> None:
+            return original(self._torch_threads)
 
-        def wrap(original):
-            def set_num_threads(requested: int) -> None:
-                return original(threads)
-
-            return set_num_threads
-
-        self.patches.patch(torch, "set_num_threads", wrap)
+        return set_num_threads
 
     def _follow_forks(self) -> None:
-        """A fork's child inherits the patches and the recorder's state; forked lets the recorder
-        decide what it records. Fork handlers cannot be removed: this one holds the probe weakly
-        and does nothing once the probe is removed."""
+        """forked, in a forked child (the recorder decides what it records). Fork handlers cannot be
+        removed: this one holds the probe weakly and does nothing once the probe is removed."""
         if not hasattr(os, "register_at_fork"):  # not POSIX: nothing forks
             return
         ref = weakref.ref(self)

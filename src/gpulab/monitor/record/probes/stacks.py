@@ -1,40 +1,24 @@
 """The stack probe: where the time goes, by line - samples of the training thread's Python stack,
-each weighing the wall time it stands for, tallied under the category charged at that moment
-(the sink's charged_category()): the hottest user line of each category. Each line also counts
-the steps its samples fell in: a cost paid every step belongs at a line that runs in many of
-them, not at one that ran once and long (analyze/findings.hottest). A step's samples are held
-until it ends, and those of a step OUTLIER_FACTOR times the recent median (an evaluation, a
-checkpoint, an epoch's start: the steps the steady statistics leave out) are dropped: the lines
-place the steady steps' costs.
+each weighing the wall time it stands for, tallied under the category charged at that moment:
+the hottest user lines of each category, with the steps each line was sampled in (a cost paid
+every step belongs at a line that runs in many of them). A step's samples are held until it
+ends, and dropped if it was an outlier (OUTLIER_FACTOR times the recent median: an evaluation,
+a checkpoint). How, and why (docs/profiling.md):
 
-A sample is taken one of two ways:
+- By signal, while SIGALRM is free: a wall-clock timer (ITIMER_REAL) raises it every
+  `interval_s`, and Python runs the handler in the main thread between two bytecodes, on the
+  frame it interrupted - wall time, so a sleep is seen. Inside a long C call no handler runs:
+  each sample weighs the time since the one before. Interrupted system calls are restarted.
+- By thread otherwise (the recorded thread is not the main thread, the script has a SIGALRM
+  handler or alarm, or takes SIGALRM while recording: hand_signal_back_on_request; or calls
+  signal.pause(), which the sampler's signal would end): sys._current_frames(), whose samples
+  land where the training thread lets the GIL go.
 
-- By signal, whenever the signal is free: a wall-clock interval timer (setitimer ITIMER_REAL)
-  raises SIGALRM every `interval_s`; Python runs the handler in the main thread between two
-  bytecodes, and the handler reads the frame it interrupted. So a sample lands where the thread
-  is - in a pure-Python loop, in a torch call, in a sleep (the signal wakes the sleep, Python runs
-  the handler and sleeps on) - and wall time counts, not CPU time: a data wait that sleeps is
-  seen. A handler cannot run inside a C call, so a call longer than the interval yields one late
-  sample where several were due: each sample weighs the wall time since the previous one. System
-  calls the signal interrupts are restarted (siginterrupt False), so torch's and gloo's blocking
-  calls never see EINTR.
-- By thread, the fallback: a helper thread reads sys._current_frames(). It needs the GIL to look,
-  so its samples land where the training thread lets the GIL go (the torch call after a long
-  stretch of pure Python), not where the time went (a thin collate wrapper would get the samples
-  of the per-pixel Python before it). It is used where SIGALRM is not gpulab's to
-  take: the recorded thread is not the main thread (Python runs handlers only there), the script
-  has a SIGALRM handler or an alarm of its own, or it takes SIGALRM while recording - then the
-  timer stops and SIGALRM's default is back before the script's own call goes through
-  (`hand_signal_back_on_request`), and the thread goes on from there. So does signal.pause(),
-  which returns at the first handled signal: the sampler's would end the script's wait.
-
-Each sample also says how much of the time it stands for the thread was blocked - asleep, in I/O,
-on a lock: neither on a core nor waiting on a run queue for one (the kernel's schedstat for the
-thread, ~10 us a read) - so a line where the loop waits is told from a line where it computes.
-
-The tally has one writer at a time (the handler, or the sampling thread) and is copied by the
-event writer's thread: each dict copy is atomic under the GIL, so no lock is taken - a handler
-waiting for a lock the main thread holds would never return.
+Each sample also says how much of its time the thread was blocked (schedstat), so a line where
+the loop waits is told from one where it computes. The tally has one writer at a time (the
+handler, or the sampling thread) and is copied by the event writer's thread: each dict copy is
+atomic under the GIL, so no lock is taken - a handler waiting for a lock the main thread holds
+would never return.
 """
 
 from __future__ import annotations
@@ -115,16 +99,14 @@ class StackProbe(Probe):
 
 class StackSampler:
     """`ident()`: the recorded thread (None: none); `category()`: the category charged now (None:
-    nothing charged yet, or the span stack changed while it was read); step_ended(seconds) at the
-    end of each step. `method`: "signal" or "thread" once started."""
+    none yet); `own_work()`: the sink's own_work_seconds. `method`: "signal" or "thread" once started."""
 
     def __init__(self, interval_s: float, ident: Callable[[], int | None], category: Callable[[], str | None],
                  own_work: Callable[[], tuple[float, bool]] = lambda: (0.0, False)):
         self.interval_s = interval_s
         self._ident = ident
         self._category = category
-        # gpulab's own work in the recorded thread (the sink's own_work_seconds): never the script's time
-        self._own_work = own_work
+        self._own_work = own_work  # never the script's time
         self._own_at_last_sample = 0.0
         self._seconds: dict[str, dict[str, float]] = {}  # category -> user line -> seconds
         self._blocked: dict[str, dict[str, float]] = {}  # category -> user line -> seconds of them blocked
@@ -146,22 +128,19 @@ class StackSampler:
             self._start_thread()
 
     def stop(self) -> None:
-        """Disarm the timer or end the thread; the handler found at the start is restored; the
-        samples since the last step (the run's tail) count."""
+        """Disarm the timer or end the thread, the default handler back; the run's tail counts."""
         if self.method == "signal":
             _set_timer(_ITIMER_REAL, 0)
         elif self.method == "thread":
             self._stop_thread.set()
             if self._thread is not None:
                 self._thread.join(timeout=1.0)  # never hang an exiting process on the profiler
-            self._restore_switch_interval()
-        self._give_handler_back()
-        self.method = None
+        self.forget_in_child()
         self._tally_held()
 
     def forget_in_child(self) -> None:
-        """In a forked child: neither the timer nor the thread came along (POSIX); give back what
-        did - our SIGALRM handler, the thread sampler's switch interval."""
+        """Give back the SIGALRM handler and the switch interval: all that comes along into a forked
+        child (neither the timer nor the thread does)."""
         if self.method == "thread":
             self._restore_switch_interval()
         self._give_handler_back()
@@ -169,7 +148,7 @@ class StackSampler:
 
     def hand_back_signal(self) -> None:
         """The script is about to take SIGALRM or the real-time timer: stop ours, give the signal
-        back (_give_handler_back), and go on sampling by thread."""
+        back, and go on sampling by thread."""
         if self.method != "signal":
             return
         self.method = "handing back"
@@ -187,8 +166,7 @@ class StackSampler:
                 "blocked": blocked}
 
     def _note(self, frame, seconds: float, blocked: float) -> None:
-        """One sample: `frame` stood for `seconds` of the category charged now, `blocked` of them
-        with the thread blocked; held until the step ends."""
+        """One sample: `frame` stood for `seconds` of the category charged now, `blocked` of them blocked."""
         category = self._category()
         if category is None:
             return

@@ -2,10 +2,10 @@
 operation it knows of as a warning (`torch.cuda.set_sync_debug_mode("warn")`); gpulab intercepts
 those warnings (the user never sees them) and passes each on to `on_sync_reported()`.
 
-Enabling the mode needs CUDA initialised, and gpulab must not initialise it itself (a script
+Turning the mode on needs CUDA initialised, and gpulab must not initialise it itself (a script
 that never uses the GPU must not get a CUDA context, or fork-unsafe DataLoader workers): it is
-queued to run when the script's first CUDA call initialises CUDA (torch.cuda._lazy_call), or,
-with a torch that has no such queue, enabled at the first step end after CUDA is up.
+queued for the script's first CUDA call (torch.cuda._lazy_call), or, with a torch that has no
+such queue, turned on at the first step end after CUDA is up.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Callable
 
 import torch
+
+from gpulab.monitor.record.patches import Patches
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
@@ -26,12 +28,24 @@ class SyncDebugMode:
         self.on = False  # torch's sync debug mode is on (our sync detector)
         self.used = False  # ... and was, at some point of the session
         self._previous_mode = 0
-        self._warning_filter = None
-        self._original_showwarning = None
 
-    def install(self) -> None:
+    def install(self, patches: Patches) -> None:
+        """Intercept the sync warnings, and turn the mode on once CUDA is up, until patches.undo()."""
         self._installed = True
-        self._intercept_sync_warnings()
+        # "always": Python's default shows a warning once per line, and every sync counts.
+        patches.filter_warnings("always", re.escape(SYNC_WARNING))
+        original = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if str(message).startswith(SYNC_WARNING):
+                self._on_sync_reported()
+                return
+            original(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        patches.on_undo(lambda: setattr(warnings, "showwarning", original)
+                        if warnings.showwarning is showwarning else None)
+        patches.on_undo(self._turn_off)
         lazy_call = getattr(torch.cuda, "_lazy_call", None)
         if lazy_call is not None:
             lazy_call(self.enable)
@@ -51,26 +65,8 @@ class SyncDebugMode:
         except (AttributeError, RuntimeError):
             self.on = False
 
-    def uninstall(self) -> None:
+    def _turn_off(self) -> None:
         self._installed = False
         if self.on and torch.cuda.is_initialized():
             torch.cuda.set_sync_debug_mode(self._previous_mode)
         self.on = False
-        if warnings.showwarning is self._showwarning:
-            warnings.showwarning = self._original_showwarning
-        if self._warning_filter in warnings.filters:
-            warnings.filters.remove(self._warning_filter)
-            warnings._filters_mutated()
-
-    def _intercept_sync_warnings(self) -> None:
-        # "always": Python's default shows a warning once per line, and every sync counts.
-        warnings.filterwarnings("always", message=re.escape(SYNC_WARNING))
-        self._warning_filter = warnings.filters[0]
-        self._original_showwarning = warnings.showwarning
-        warnings.showwarning = self._showwarning
-
-    def _showwarning(self, message, category, filename, lineno, file=None, line=None):
-        if str(message).startswith(SYNC_WARNING):
-            self._on_sync_reported()
-            return
-        self._original_showwarning(message, category, filename, lineno, file, line)

@@ -1,6 +1,5 @@
-"""The trainer-phases probe: gpulab's own trainer reports its phases through PhaseTimer, and each
-phase is a span of the category it belongs to (gpulab.train.step.add_phase_listener, once
-that module is imported: public, gpulab's own hook).
+"""The trainer-phases probe: gpulab's own trainer reports its phases through PhaseTimer
+(gpulab.train.step.add_phase_listener, once that module is imported), each a span of its category.
 """
 
 from __future__ import annotations
@@ -8,7 +7,6 @@ from __future__ import annotations
 from gpulab.monitor.record.interpreter import after_import
 from gpulab.monitor.record.probe import Probe
 
-# gpulab's own trainer reports its phases through PhaseTimer; this is where each one belongs.
 PHASE_CATEGORY = {
     "data": "data_wait",
     "scatter": "h2d",
@@ -26,5 +24,4 @@ class TrainerPhasesProbe(Probe):
         self.patches.on_undo(phases.add_phase_listener(self._phase))
 
     def _phase(self, name: str):
-        """A phase of gpulab's own trainer is a span of its category."""
         return self.sink.span(name, PHASE_CATEGORY.get(name, "compute"))
