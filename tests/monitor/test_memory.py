@@ -74,6 +74,18 @@ def test_running_out_of_memory_in_a_child_process_names_it(tmp_path):
     assert oom["where"].endswith(f"out_of_memory.py:{planted_line('out_of_memory.py')}")
 
 
+def test_a_launcher_s_child_that_runs_out_before_its_first_step_is_named_as_running_out(tmp_path):
+    """The job's main process never imports torch (it starts the trainer and waits), its child runs
+    out of memory in its first step: the out-of-memory finding keeps its own evidence and fix."""
+    out = tmp_path / "prof"
+    launcher = ("import subprocess, sys; "
+                f"sys.exit(subprocess.call([sys.executable, {str(SCRIPTS / 'out_of_memory.py')!r}, '--first-step']))")
+    code = main(["profile", "--out", str(out), "--", sys.executable, "-c", launcher])
+    first = read_report(out)["findings"][0]
+    assert code == 1 and first["cause"] == "out_of_memory", first
+    assert "asked for 128.0 MiB" in first["evidence"] and "never imported torch" not in first["evidence"]
+
+
 def test_the_size_of_an_allocation_is_read_from_either_allocator():
     cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
            "allocate 134217728 bytes. Error code 12 (Cannot allocate memory)")

@@ -3,8 +3,9 @@ own address space (RLIMIT_AS) to what it uses plus 300 MB and trains on a batch 
 first layer's output (128 MB) fits, and a later layer's does not.
 Activations are then the largest thing in use (256 MB; parameters 19 MB, Adam 38 MB).
 
-usage: out_of_memory.py [--in-child | --cuda]   (--in-child: the training runs in a forked child
-process; --cuda: on the GPU, the caching allocator limited the same way)"""
+usage: out_of_memory.py [--in-child | --cuda | --first-step]   (--in-child: the training runs in a
+forked child process; --cuda: on the GPU, the caching allocator limited the same way;
+--first-step: the large batch comes first, so no step ends)"""
 
 import multiprocessing as mp
 import resource
@@ -29,15 +30,15 @@ def limit_memory(device: str) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def main(device: str = "cpu"):
+def main(device: str = "cpu", batches: tuple[int, ...] = (64, 64, 16384)):
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
     model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters())
-    for step, batch in enumerate((64, 64, 16384)):
+    for batch in batches:
         X, y = torch.randn(batch, 256, device=device), torch.randint(0, 10, (batch,), device=device)
-        if step == 2:
+        if batch == batches[-1]:
             limit_memory(device)
         optimizer.zero_grad(set_to_none=True)
         out = model(X)  # planted: runs out of memory here, in a layer of the forward
@@ -51,4 +52,4 @@ if __name__ == "__main__":
         child.start()
         child.join()
         sys.exit(child.exitcode)
-    main("cuda" if "--cuda" in sys.argv else "cpu")
+    main("cuda" if "--cuda" in sys.argv else "cpu", (16384,) if "--first-step" in sys.argv else (64, 64, 16384))

@@ -71,6 +71,11 @@ def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dic
     found_stalls = find_stalls(lanes, cfg.warmup_steps, stalls or [], timeline.time_origin(lanes, samples), suspended)
     run_seconds = sum(step_seconds(s) for s in shown.steps)
     across += [stall_finding(s, run_seconds) for s in found_stalls]
+    note = _note(shown, main, trained)
+    if note:
+        report["note"] = note
+    elif not shown.recorded:  # said in diagnose's own finding, before any other is ranked above it
+        report["findings"][0]["evidence"], report["findings"][0]["fix"] = _why_nothing_was_recorded(main)
     # The findings ranked, here alone: what ended the job first (a hang, else a failure, else running out of
     # memory), then the diagnosed process's own (diagnose's order) with those across processes among them by
     # share. A "none" stands only alone.
@@ -79,15 +84,6 @@ def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dic
         findings = [oom] + _real(findings)
     if across:
         findings = sorted(across + _real(findings), key=lambda f: f["share"], reverse=True)
-    ranks = sum(r.rank is not None for r in trained)
-    if shown.rank is not None and (shown is not main or ranks > 1):  # under Lightning the script itself is rank 0
-        report["note"] = (f"{ranks} ranks trained; below, rank {shown.rank}'s steps, then findings "
-                          f"across ranks (straggler, communication-bound, unbalanced data) and rank {shown.rank}'s own")
-    elif shown is not main and shown.pid is not None:
-        report["note"] = (f"the training ran in {len(trained)} child process(es); the diagnosis is of pid "
-                          f"{shown.pid} ({len(shown.steps)} steps), the others are listed under processes")
-    elif not shown.recorded:
-        findings[0]["evidence"], findings[0]["fix"] = _why_nothing_was_recorded(main)
     report["stalls"] = found_stalls
     ended = None
     if failure is not None:
@@ -101,6 +97,18 @@ def build_report(lanes: list[Recording], main_pid: int | None, samples: list[dic
         ended = hang_finding(hang)  # in place of the failure's
     report["findings"] = [ended] + _real(findings) if ended else findings
     return report, [shown] + [r for r in trained if r is not shown]
+
+
+def _note(shown: Recording, main: Recording | None, trained: list[Recording]) -> str | None:
+    """Which process the diagnosis is of, where that is not simply the script's."""
+    ranks = sum(r.rank is not None for r in trained)
+    if shown.rank is not None and (shown is not main or ranks > 1):  # under Lightning the script itself is rank 0
+        return (f"{ranks} ranks trained; below, rank {shown.rank}'s steps, then findings across ranks "
+                f"(straggler, communication-bound, unbalanced data) and rank {shown.rank}'s own")
+    if shown is not main and shown.pid is not None:
+        return (f"the training ran in {len(trained)} child process(es); the diagnosis is of pid {shown.pid} "
+                f"({len(shown.steps)} steps), the others are listed under processes")
+    return None
 
 
 def _real(findings: list[dict]) -> list[dict]:
