@@ -204,7 +204,9 @@ def test_a_busy_process_beside_compute_bound_steps_is_the_first_finding(tmp_path
     with busy_processes():
         shared = profile(tmp_path, "shared", "shared_cpu.py", "20")
     step_s, wait = own_truth(capfd.readouterr().out)
-    quiet = profile(tmp_path, "quiet", "shared_cpu.py", "20")
+    # more steps alone: the steady steps must span the half second a core-use measurement needs
+    # (20 steps took 0.9 s here, less on a faster CPU)
+    quiet = profile(tmp_path, "quiet", "shared_cpu.py", "50")
     quiet_step_s, quiet_wait = own_truth(capfd.readouterr().out)
     top = shared["findings"][0]
     assert top["cause"] == "cpu_contention", shared["findings"]
