@@ -137,8 +137,7 @@ def failure_finding(failure: dict) -> dict:
     fix = _FIXES[first["how"]].format(who=first["who"])
     if "DataLoader worker" in (first["message"] or ""):
         fix = _WORKER_DIED + fix
-    f = finding("failure", 1.0, evidence, first["where"], fix=fix)
-    f["share_of"] = "the run (it ended it)"
+    f = finding("failure", 1.0, evidence, first["where"], fix=fix, share_of="the run (it ended it)")
     if first["rank"] is not None:
         f["rank"] = first["rank"]
     return f

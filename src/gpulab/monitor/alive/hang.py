@@ -91,6 +91,4 @@ def hang_finding(hang: dict) -> dict:
     where = next((line_of(r) for r in ranks if r.get("collective")), None) or next(
         (line_of(r) for r in ranks), None)
     evidence = f"{describe(hang)[0]}: " + "; ".join(rank_line(r) for r in ranks) + f" - {hang['mismatch']}"
-    f = finding("hang", 1.0, evidence, where, fix=HANG_FIX)
-    f["share_of"] = "the run (it stopped it)"
-    return f
+    return finding("hang", 1.0, evidence, where, fix=HANG_FIX, share_of="the run (it stopped it)")

@@ -100,8 +100,7 @@ def stall_finding(stall: dict, run_seconds: float) -> dict:
         "see what that line waits for: I/O (a slow or network filesystem, a download), work one rank does alone "
         "(a checkpoint, an evaluation, logging: the others wait in their next collective - share it out, or do "
         "it in a background thread), a lock, a debugger; `py-spy dump --pid PID` while it stands still shows "
-        "the native stack too"))
-    f["share_of"] = "the training time"
+        "the native stack too"), share_of="the training time")
     if stall["rank"] is not None:
         f["rank"] = stall["rank"]
     return f
