@@ -315,6 +315,12 @@ MUTATIONS = [
     Mutation("plan names a largest batch beyond the training set", "src/gpulab/plan/render.py",
              "    if not total or largest * k < total:", "    if True:",
              ["tests/plan/test_plan.py::test_the_largest_batch_is_named_only_below_a_device_s_share_of_the_training_set"]),
+    Mutation("a dead DataLoader iterator's entry dropped by a finalizer (a Python frame where it dies)",
+             "src/gpulab/monitor/record/probes/loaders.py",
+             "        self._iterators[id(iterator)] = (ref, [index, True])\n",
+             "        self._iterators[id(iterator)] = (ref, [index, True])\n"
+             "        weakref.finalize(iterator, self._iterators.pop, id(iterator), None)\n",
+             ["tests/monitor/test_compile_unchanged.py"]),
     Mutation("--shard fsdp in bf16 shards a BatchNorm unit twice", "src/gpulab/parallel/sharded.py",
              "            if not any(unit is bn for bn in fp32):", "            if True:",
              ["tests/parallel/test_torchrun.py::test_fsdp_in_bf16_takes_a_batchnorm_that_is_a_unit_of_its_own"]),

@@ -113,8 +113,11 @@ class Loaders:
     def new_lane(self) -> None:
         """What each process tallies for itself (a forked lane starts again from here)."""
         self._index: dict[tuple, int] = {}  # a loader's record -> its place (re-made each epoch: one loader)
-        # iterator -> [its loader's place, whether its first batch is still to come]
-        self._iterators: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # id(iterator) -> (a weak reference to it, [its loader's place, whether its first batch is still
+        # to come]). Not a WeakKeyDictionary: its callback is a Python frame that runs where the
+        # iterator dies, inside a compiled function too, where torch.compile would count it as the
+        # script's; the entries of dead iterators go when the next one is added.
+        self._iterators: dict[int, tuple[weakref.ref, list]] = {}
         self._steps_fed: list[int] = []
         self._last: int | None = None  # the loader of the latest fetch in this step
         self._first_fetch_since: float | None = None  # perf_counter when a pass's first fetch began
@@ -167,9 +170,11 @@ class Loaders:
             self._passes[index] += 1
             self._work_on(index, started)
         try:
-            self._iterators[iterator] = [index, True]
+            ref = weakref.ref(iterator)
         except TypeError:  # a subclass's iterator that takes no weak reference: its steps go uncounted
-            pass
+            return
+        self._iterators = {key: (r, entry) for key, (r, entry) in self._iterators.items() if r() is not None}
+        self._iterators[id(iterator)] = (ref, [index, True])
 
     def _work_on(self, index: int | None, now: float) -> None:
         """From `now` the loop works on loader `index`'s batches (None: on none of them)."""
@@ -180,7 +185,8 @@ class Loaders:
 
     def fetching(self, iterator) -> None:
         """next() on a DataLoader's iterator (after the step it ends, if any, was counted)."""
-        entry = self._iterators.get(iterator)  # one weak lookup per fetch, on the hot path
+        found = self._iterators.get(id(iterator))  # one lookup per fetch, on the hot path
+        entry = found[1] if found is not None and found[0]() is iterator else None
         self._last, first = (entry[0], entry[1]) if entry is not None else (None, False)
         if first:
             entry[1] = False
