@@ -120,7 +120,7 @@ OPTIMIZER_HOOKS_INLINE_ONE_FRAME = {"training step", "training step with a break
 def test_torch_compile_counts_the_same_with_the_recorder_in_place(case):
     fn, args, cuda_wrappers = cases()[case]
     # The first compile of a case in a process traces more than later ones (a DataLoader's
-    # iterator: 57 frames, then 4): counted once, untouched by the recorder, then compared.
+    # iterator: dozens of frames, then 3): counted once, untouched by the recorder, then compared.
     torchs_counters(fn, args, recording=False)
     plain = torchs_counters(fn, args, recording=False)
     recorded = torchs_counters(fn, args, recording=True, cuda_wrappers=cuda_wrappers)
