@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpulab import io
+from gpulab.errors import UserError
 from tests.conftest import disk_full_for
 
 
@@ -100,3 +101,14 @@ def test_a_trial_file_or_folder_says_where_nothing_can_be_made_and_leaves_nothin
     if os.path.isdir("/sys/kernel"):  # os.access says yes to root there
         assert io.cannot_create_in(Path("/sys/kernel")) is not None
         assert io.cannot_create_in(Path("/sys/kernel"), a_folder=True) is not None
+
+
+def test_a_full_disk_is_said_as_a_full_disk_not_as_permissions(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(io.tempfile, "mkdtemp", full)
+    with pytest.raises(UserError) as refused:
+        io.check_writable(tmp_path / "run")
+    assert str(refused.value) == (f"--out {tmp_path / 'run'}: nothing can be made in {tmp_path} (No space left on "
+                                  f"device): free space or choose another directory")

@@ -35,7 +35,7 @@ import torch
 
 from gpulab import models
 from gpulab.errors import UserError
-from gpulab.io import OutputFolder, cannot_create_in, given_path, json_bytes
+from gpulab.io import OutputFolder, cannot_create_in, given_path, json_bytes, not_writable
 from gpulab.train.rundir import (CHECKPOINT, LOCK, RUN_FILES, RunDir, Trust, has_lock_file, parse_config,
                                  read_sharded_model)
 
@@ -88,8 +88,8 @@ def check_out(out: Path) -> None:
         raise UserError(f"--out {out}: folder {parent} does not exist; create it or choose another --out")
     if not parent.is_dir():
         raise UserError(f"--out {out}: {parent} is a file, not a folder; choose another --out")
-    if cannot_create_in(parent):
-        raise UserError(f"--out {out}: {parent} is not writable; choose another --out")
+    if (refused := cannot_create_in(parent)) is not None:
+        raise UserError(f"--out {out}: {not_writable(parent, refused, 'choose another --out')}")
     taken = next((name for name in (out.name, report_path(out).name) if name in (*RUN_FILES, LOCK)), None)
     if taken and has_lock_file(parent):  # --force would replace the run itself
         raise UserError(f"--out {out}: {parent / taken} is a file of the run in {parent}, never replaced by an "

@@ -136,8 +136,16 @@ def check_writable(out: Path, option: str = "--out") -> None:
     # file has an x bit, and mkdir would then fail with a traceback.
     if not parent.is_dir():
         raise UserError(f"{option} {out}: {parent} is a file, not a folder; choose another directory")
-    if cannot_create_in(parent, a_folder=True):
-        raise UserError(f"{option} {out}: {parent} is not writable; choose another directory")
+    if (refused := cannot_create_in(parent, a_folder=True)) is not None:
+        raise UserError(f"{option} {out}: {not_writable(parent, refused, 'choose another directory')}")
+
+
+def not_writable(folder: Path, error: OSError, fix: str) -> str:
+    """Why nothing can be made in `folder`, and `fix` or what else to do: a full disk is no
+    permission problem."""
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
+        return f"{folder} is not writable; {fix}"
+    return f"nothing can be made in {folder} ({error.strerror or error}): {remedy(error)} or {fix}"
 
 
 def cannot_create_in(folder: Path, a_folder: bool = False) -> OSError | None:

@@ -1,8 +1,12 @@
 """One step's memory measured by StepMemoryProbe, held against plain PyTorch's own counts, and
 what the probe leaves on the script's tensors: nothing (issue 33)."""
 
+import os
+import subprocess
+import sys
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -150,3 +154,28 @@ def test_inputs_are_the_batch_while_it_lives_never_a_model_s_output_handed_on():
     memory = measured(enc, optimizer, step)
     assert memory["at_peak"]["inputs"] == 2 * MIB
     assert memory["sizes"]["inputs"] == 4 * MIB  # both micro-batches, over the step
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc/self/task")
+def test_the_profiler_s_own_threads_leave_the_script_s_signals_to_its_main_thread(tmp_path):
+    """torch's profiler starts a thread of its own (kineto's) when the probe starts it: a SIGTERM the
+    kernel hands to that thread never wakes a main thread blocked in a lock (a Pool worker waiting
+    for its next task), and the script's handler would never run. Checked in a fresh process, where
+    the profiler starts its thread."""
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import os, signal, torch\n"
+        "from gpulab.memory.step import StepMemoryProbe\n"
+        "before = set(os.listdir('/proc/self/task'))\n"
+        "probe = StepMemoryProbe(torch.device('cpu'))\n"
+        "probe.prepare()\n"
+        "for tid in sorted(set(os.listdir('/proc/self/task')) - before) + [str(os.getpid())]:\n"
+        "    status = open(f'/proc/self/task/{tid}/status').read()\n"
+        "    blocked = int(status.split('SigBlk:')[1].split()[0], 16)\n"
+        "    print(bool(blocked >> (signal.SIGTERM - 1) & 1))\n"
+        "probe.close()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    *started, main = out.stdout.split()
+    assert started, "the profiler started no thread: the case proves nothing"
+    assert started == ["True"] * len(started) and main == "False"  # the main thread still takes them

@@ -44,6 +44,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from gpulab.io import native_stderr_hidden
 from gpulab.memory.allocations import Allocations, allocations_of
 from gpulab.memory.records import StepMemory
+from gpulab.signals import threads_started_inside_block_signals
 from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_from,
                                    script_roots, storage_span, tensors_in)
 
@@ -127,7 +128,7 @@ class StepMemoryProbe:
         # torch._inductor to read one setting (1.1-1.4 s measured here, in the middle of the loop).
         self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
         before = torch.empty(256)  # allocated before the profiler starts, freed right after:
-        with native_stderr_hidden():
+        with native_stderr_hidden(), threads_started_inside_block_signals():
             self._profiler.__enter__()
             # c10 warns once per process, on stderr, when a block from before the profiler is
             # freed; it is gpulab's to see, not the user's: have it now, hidden.

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 
-from gpulab.monitor.record.interpreter import after_import, block_signals_in_this_thread
+from gpulab.monitor.record.interpreter import after_import
+from gpulab.signals import block_signals_in_this_thread
 
 _PARENT_POLL_S = 0.5
 _REMOVE_TRIES = 10  # the recordings' folder, while the job's other processes may still write to it

@@ -50,14 +50,3 @@ def after_import(name: str, callback):
             sys.meta_path.remove(finder)
 
     return undo
-
-
-def block_signals_in_this_thread() -> None:
-    """Leave signals to the script's main thread: one the kernel hands to a helper thread does not
-    interrupt the main thread's blocking call (a sleep, a join), so the script's handler would
-    wait for it - for ever, in a process sleeping in a child."""
-    import signal
-
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
-                                                  signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD})

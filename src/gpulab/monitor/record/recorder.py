@@ -200,6 +200,9 @@ class Recorder:
         self._steps.new_lane()
         self.writer.new_lane(events_file(self.writer.path.parent, self._pid))
         self.sink.ident = threading.get_ident()  # the forking thread is the child's only thread
+        # a fork from another thread while the parent's training thread was in gpulab's own work:
+        # that work stayed in the parent, and with it here() False for ever
+        self.sink.own_work_since, self.sink.own_work_done = None, 0.0
         for probe in self.probes:
             probe.new_lane()
         argv = list(getattr(sys, "orig_argv", sys.argv))

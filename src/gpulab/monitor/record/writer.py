@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpulab.monitor.record.blocks import StepBlocks
-from gpulab.monitor.record.interpreter import block_signals_in_this_thread
+from gpulab.signals import block_signals_in_this_thread
 
 FLUSH_EVERY_S = 0.25
 SNAPSHOT_EVERY_S = 2.0  # snapshots are whole tallies, rewritten each time: not every flush

@@ -68,7 +68,7 @@ class KernelProbe(WindowProbe):
         use_device = self.device_type if self.device_type != "cpu" else None
         try:
             self._prof = torch.autograd.profiler.profile(use_device=use_device, use_kineto=True)
-            with native_stderr_hidden():
+            with native_stderr_hidden(), threads_started_inside_block_signals():
                 self._prof.__enter__()
         except Exception as e:  # CUPTI missing or busy (another profiler): no kernel statistics
             self._give_up(e)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from gpulab.host import schedstat
 from gpulab.monitor.config import OUTLIER_FACTOR
 from gpulab.monitor.record.frames import user_site
-from gpulab.monitor.record.interpreter import block_signals_in_this_thread
+from gpulab.signals import block_signals_in_this_thread
 from gpulab.monitor.record.probe import Probe
 
 # A thread running pure Python hands the GIL over only every sys.getswitchinterval() (5 ms by
