@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 
 from gpulab.monitor.record.interpreter import after_import
-from gpulab.signals import block_signals_in_this_thread
 
 _PARENT_POLL_S = 0.5
 _REMOVE_TRIES = 10  # the recordings' folder, while the job's other processes may still write to it
@@ -45,6 +44,8 @@ def _stop_the_job_if_gpulab_dies(directory: str) -> None:
     import signal
     import threading
     import time
+
+    from gpulab.signals import block_signals_in_this_thread
 
     parent = os.getppid()
 

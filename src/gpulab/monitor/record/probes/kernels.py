@@ -18,6 +18,7 @@ from gpulab.io import native_stderr_hidden
 from gpulab.monitor.events import KernelsRecord
 from gpulab.monitor.record.probe import WindowProbe
 from gpulab.monitor.record.probes.cuda import cuda_device_present
+from gpulab.signals import threads_started_inside_block_signals
 
 _RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
