@@ -44,9 +44,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from gpulab.io import native_stderr_hidden
 from gpulab.memory.allocations import Allocations, allocations_of
 from gpulab.memory.records import StepMemory
-from gpulab.signals import threads_started_inside_block_signals
 from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_from,
                                    script_roots, storage_span, tensors_in)
+from gpulab.signals import threads_started_inside_block_signals
 
 MAX_CURVE_POINTS = 400
 TOP_MODULES = 8

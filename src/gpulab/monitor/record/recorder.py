@@ -199,10 +199,7 @@ class Recorder:
         self._new_lane_state()
         self._steps.new_lane()
         self.writer.new_lane(events_file(self.writer.path.parent, self._pid))
-        self.sink.ident = threading.get_ident()  # the forking thread is the child's only thread
-        # a fork from another thread while the parent's training thread was in gpulab's own work:
-        # that work stayed in the parent, and with it here() False for ever
-        self.sink.own_work_since, self.sink.own_work_done = None, 0.0
+        self.sink.new_lane(threading.get_ident())
         for probe in self.probes:
             probe.new_lane()
         argv = list(getattr(sys, "orig_argv", sys.argv))

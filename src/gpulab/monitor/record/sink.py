@@ -26,6 +26,12 @@ class Sink:
         self.own_work_since: float | None = None  # perf_counter when gpulab's own work began; None: none under way
         self.own_work_done = 0.0  # seconds of it that have ended, in all
 
+    def new_lane(self, ident: int) -> None:
+        """In a forked child: `ident`, the forking thread, is its only thread; gpulab's own work, if
+        the parent's training thread was in some, stayed in the parent (else here() is False for good)."""
+        self.ident = ident
+        self.own_work_since, self.own_work_done = None, 0.0
+
     def here(self) -> bool:
         """Is the caller the recorded (training) thread, outside gpulab's own work? Only its calls count."""
         return threading.get_ident() == self.ident and self.own_work_since is None
