@@ -63,14 +63,19 @@ def parse_overrides(items: list[str]) -> dict:
         raise UserError(f"--try num_workers={workers}: this machine has {cores} usable cores, and more than "
                         f"{WORKERS_PER_CORE * cores} workers ({WORKERS_PER_CORE} per core) only compete for them: "
                         f"try num_workers={_workers_to_try()}")
-    for key in WORKER_SETTINGS if workers == 0 else ():
-        if key in overrides:
+    for key in WORKER_SETTINGS:
+        if workers == 0 and key in overrides:
             raise UserError(f"--try {_item(key, overrides[key])} with num_workers=0: {key} only acts with "
                             f"num_workers > 0: try it with --try num_workers={_workers_to_try()}")
     if threads is not None and threads > cores:
         raise UserError(f"--try threads={threads}: this machine has {cores} usable cores, and torch's threads "
                         f"beyond them only wait for each other: try threads=1 .. {cores}")
     return overrides
+
+
+def loader_settings(change: dict) -> dict:
+    """A change's DataLoader arguments: all but threads, which act without a loader."""
+    return {key: value for key, value in change.items() if key != "threads"}
 
 
 def _workers_to_try() -> int:
@@ -82,7 +87,7 @@ def check_change_acts(overrides: dict, loaders: list[dict]) -> None:
     """After the run as it is: a DataLoader setting where the run iterated no DataLoader, or a
     worker setting (prefetch_factor, persistent_workers) on loaders that all have num_workers=0,
     changes nothing (DataLoader ignores it), so it is refused, not measured."""
-    overrides = {key: value for key, value in overrides.items() if key != "threads"}  # acts without a loader
+    overrides = loader_settings(overrides)
     if overrides and not loaders:
         key = next(iter(overrides))
         raise UserError(f"--try {_item(key, overrides[key])}: the script iterated no DataLoader in the run as it is, "
@@ -156,8 +161,7 @@ class _Trial:
         """Run the first steps with `change`: the measured steps' times, and the loaders the
         diagnosed process iterated."""
         warmup = self.cfg.warmup_steps
-        loader_settings = {key: value for key, value in change.items() if key != "threads"}
-        cfg = replace(self.cfg, stop_after_steps=warmup + self.steps, dataloader_overrides=loader_settings,
+        cfg = replace(self.cfg, stop_after_steps=warmup + self.steps, dataloader_overrides=loader_settings(change),
                       torch_threads=change.get("threads", 0))
         job = run_job(self.argv, cfg, self.out)
         if job.stopped and job.hang is None:
