@@ -3,11 +3,12 @@ script's objects reach - against what Python and torch themselves say."""
 
 import sys
 import warnings
+import weakref
 
 import torch
 from torch import nn
 
-from gpulab.memory.tensors import MAX_OBJECTS, Storages, reachable_from, script_roots, storage_span
+from gpulab.memory.tensors import MAX_OBJECTS, Storages, frame_locals, reachable_from, script_roots, storage_span
 
 
 def test_a_storage_is_counted_once_whatever_views_of_it_are_seen():
@@ -62,6 +63,28 @@ def test_the_walk_starts_from_the_frames_of_the_script():
     kept_here = torch.zeros(256)  # a local of this frame: 1024 bytes
     found = reachable_from(script_roots(sys._getframe()), torch.device("cpu"))
     assert storage_span(kept_here)[0] in found.bytes_by_key
+
+
+def test_the_walk_leaves_the_frames_holding_nothing_more():
+    """Read through f_locals, a function's locals stay on its frame until it reads them again: a
+    batch the loop has replaced, a tensor the script deleted, would live on."""
+    batch = torch.zeros(256)
+    replaced = weakref.ref(batch)
+    reachable_from(script_roots(sys._getframe()), torch.device("cpu"))
+    batch = torch.ones(256)
+    assert replaced() is None
+    deleted = torch.zeros(256)
+    gone = weakref.ref(deleted)
+    assert frame_locals(sys._getframe())["deleted"] is deleted
+    del deleted
+    assert gone() is None
+
+
+def test_a_function_s_own_locals_dict_is_left_as_it_is():
+    kept = torch.zeros(4)
+    mine = locals()  # the same dict as the frame's snapshot: the function may read it later
+    frame_locals(sys._getframe())
+    assert mine["kept"] is kept
 
 
 def test_the_walk_keeps_no_reference_and_stops_at_its_limit():

@@ -37,8 +37,11 @@ def test_the_memory_split_matches_what_the_script_counts_itself(tmp_path, model)
     assert code == 0
     truth = json.loads((tmp_path / "truth.json").read_text())
     memory = report["memory"]
+    dataset = truth.pop("dataset")
     for category, expected in truth.items():  # parameters, gradients, optimizer state, activations, inputs
         assert memory["sizes"][category] == pytest.approx(expected, rel=0.10), category
+    # What the step keeps beyond those is the dataset in memory, not one batch more.
+    assert memory["at_peak"]["other_kept"] == pytest.approx(dataset, rel=0.03)
     assert set(memory["at_peak"]) == set(CATEGORIES)
     assert sum(memory["at_peak"].values()) == pytest.approx(memory["peak"], rel=0.01)
     # Each case has its own peak: Adam's step over 6 MiB of parameters; the CNN's backward, its
@@ -50,6 +53,15 @@ def test_the_memory_split_matches_what_the_script_counts_itself(tmp_path, model)
     assert top_class == "ReLU" and top_bytes > 0  # ReLU saves its output: the largest saver in both
     assert report["excluded_steps"]["profiler_window"] == 2  # the window's two steps are not statistics
     assert report["steps"] == 8
+
+
+def test_profiling_keeps_alive_nothing_the_script_lets_go_of(tmp_path):
+    """The DataLoader probe reads the frame that built the loader, the CPU memory window every
+    frame's locals: neither may hold what the script drops afterwards."""
+    code, report = profile(tmp_path, "lets_go.py", str(tmp_path / "found.json"))
+    assert code == 0 and report["memory"]["batch"] == 32  # the memory window measured a step
+    assert json.loads((tmp_path / "found.json").read_text()) == {
+        "raw_data_freed": True, "steps_whose_previous_batch_lived_on": []}
 
 
 def test_running_out_of_memory_is_the_first_finding(tmp_path):

@@ -16,7 +16,7 @@ import types
 import torch
 
 from gpulab.memory.records import OutOfMemory
-from gpulab.memory.tensors import (Storages, gradients, optimizer_state, parameters_and_buffers, reachable_from,
+from gpulab.memory.tensors import (Storages, frame_locals, gradients, optimizer_state, parameters_and_buffers, reachable_from,
                                    script_roots, tensors_in)
 
 _CPU_OOM = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
@@ -87,7 +87,7 @@ def _device_of(error: BaseException, modules: list[torch.nn.Module]) -> torch.de
 def _phase(frames: list[types.FrameType], names: dict[int, str]) -> tuple[str | None, str]:
     """(module, phase) from the innermost frame that says what the step was doing."""
     for frame in reversed(frames):
-        owner = frame.f_locals.get("self")
+        owner = frame_locals(frame).get("self")
         code = frame.f_code
         if isinstance(owner, torch.nn.Module) and code.co_name in ("forward", "_call_impl", "_wrapped_call_impl"):
             name = names.get(id(owner))
@@ -116,7 +116,7 @@ def _count_in_use(oom: OutOfMemory, device: torch.device, frames, modules, optim
     # Frames inside backward (a tensor hook, a custom Function's backward) hold the gradients
     # flowing through it - no batch, no activation: they count as "other".
     backward = next((i for i, frame in enumerate(frames) if _runs_backward(frame)), len(frames))
-    local = [t for frame in frames[:backward + 1] for value in frame.f_locals.values() for t in tensors_in(value)]
+    local = [t for frame in frames[:backward + 1] for value in frame_locals(frame).values() for t in tensors_in(value)]
     for t in local:
         if any(t in k for k in kept):
             continue

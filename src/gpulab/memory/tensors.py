@@ -16,6 +16,7 @@ import gc
 import sys
 import types
 from collections.abc import Iterable
+from inspect import CO_OPTIMIZED
 
 import torch
 
@@ -141,11 +142,26 @@ def script_roots(frame: types.FrameType | None) -> list:
     script's own files: a script that trains at module level keeps its model and data there)."""
     roots: list = []
     while frame is not None:
-        roots.append(frame.f_locals)
+        roots.append(frame_locals(frame))
         if _is_script_file(frame.f_code.co_filename):
             roots.append(frame.f_globals)
         frame = frame.f_back
     return roots
+
+
+def frame_locals(frame: types.FrameType) -> dict:
+    """A frame's local variables, read without keeping them alive. Before Python 3.13, reading a
+    function frame's `f_locals` leaves a snapshot of them on the frame, which holds each value
+    until the frame reads them again or returns: the batch the loop has since replaced, a tensor
+    the script deleted. The snapshot is emptied again when nothing else holds it (a function's
+    own `locals()` is that same dict; then it stays); the next reader fills it afresh."""
+    snapshot = frame.f_locals
+    values = dict(snapshot)
+    # 3: the frame's reference, `snapshot` and getrefcount's argument. From 3.13 f_locals is a
+    # view that writes through to the frame, and keeps nothing.
+    if type(snapshot) is dict and frame.f_code.co_flags & CO_OPTIMIZED and sys.getrefcount(snapshot) <= 3:
+        snapshot.clear()
+    return values
 
 
 def _is_script_file(filename: str) -> bool:

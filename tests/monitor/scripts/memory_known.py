@@ -24,8 +24,9 @@ def model_and_data(kind: str):
     return model, TensorDataset(torch.randn(64 * STEPS, 3, 32, 32), torch.randint(0, 10, (64 * STEPS,))), 64
 
 
-def truth(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> dict:
-    """The sizes by hand, and the activations as autograd saves them (one forward and backward)."""
+def truth(model: nn.Module, X: torch.Tensor, y: torch.Tensor, data: TensorDataset) -> dict:
+    """The sizes by hand, the activations as autograd saves them (one forward and backward), and
+    the dataset the script keeps in memory."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
@@ -40,7 +41,7 @@ def truth(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> dict:
     loss.backward()
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"parameters": n, "gradients": n, "optimizer_state": 2 * n, "activations": sum(saved.values()),
-            "inputs": X.nbytes + y.nbytes}
+            "inputs": X.nbytes + y.nbytes, "dataset": sum(t.nbytes for t in data.tensors)}
 
 
 def main():
@@ -57,7 +58,7 @@ def main():
         loss.backward()
         optimizer.step()
     with open(sys.argv[2], "w") as f:
-        json.dump(truth(model, X, y), f)
+        json.dump(truth(model, X, y, data), f)
 
 
 if __name__ == "__main__":

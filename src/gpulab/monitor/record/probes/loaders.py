@@ -23,6 +23,7 @@ from types import FrameType
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from gpulab.memory.tensors import frame_locals
 from gpulab.monitor.events import PASS_START_COUNT, PASSES_COUNT, LoaderRecord, LoaderUseRecord
 from gpulab.monitor.record.frames import format_site, is_user_file, user_site
 from gpulab.monitor.record.probe import Probe, timed
@@ -230,7 +231,7 @@ def _builder(loader, frame: FrameType | None) -> FrameType | None:
     __init__ chain, a framework's wrapper), which all take it as their first argument."""
     while frame is not None:
         code = frame.f_code
-        if not (code.co_argcount and frame.f_locals.get(code.co_varnames[0]) is loader):
+        if not (code.co_argcount and frame_locals(frame).get(code.co_varnames[0]) is loader):
             return frame
         frame = frame.f_back
     return None
