@@ -54,16 +54,23 @@ def recording(n: int = 20, torch_threads: int = 2, cores: int = 2, loader_worker
 
 
 def samples(job_cores: float, wait_share: float, others_cores: float = 0.0, cores: int = 2, busy_threads: int = 2,
-            t0: float = 99.0, seconds: float = 20.0, interval: float = 0.1, idle_waited: float = 0.0) -> list[dict]:
+            t0: float = 99.0, seconds: float = 20.0, interval: float = 0.1, idle_waited: float = 0.0,
+            workers_cores: float | None = None) -> list[dict]:
     """Sampler rows as CoreReader writes them (running totals) for a job whose busy threads kept
     `job_cores` busy and waited `wait_share` of the time they had work; its other threads waited
-    `idle_waited` seconds a second and ran for no time worth counting."""
+    `idle_waited` seconds a second and ran for no time worth counting. `workers_cores`: the
+    training process's children (its DataLoader workers) kept that many cores busy, as
+    ProcessReader reads them (None: no process rows)."""
+    proc = None
+    if workers_cores is not None:
+        proc = {"cpu_pct": 100 * (job_cores - workers_cores), "rss_mib": 200.0, "threads": 4, "workers": 1,
+                "workers_cpu_pct": 100 * workers_cores, "workers_rss_mib": 100.0}
     rows = []
     for k in range(int(seconds / interval) + 1):
         elapsed = k * interval
         ran = job_cores * elapsed
         busy_waited = ran * wait_share / (1 - wait_share)
-        rows.append({"t": t0 + elapsed, "gpus": [], "proc": None, "cores": {
+        rows.append({"t": t0 + elapsed, "gpus": [], "proc": proc, "cores": {
             "ran_s": ran, "waited_s": busy_waited + idle_waited * elapsed, "busy_ran_s": ran,
             "busy_waited_s": busy_waited, "busy_threads": busy_threads, "cores": cores,
             "cores_busy_s": (job_cores + others_cores) * elapsed, "pressure_s": 0.5 * elapsed}})
@@ -156,6 +163,19 @@ def test_a_fetch_that_waits_gets_the_workers_that_keep_up_with_the_step_whatever
     assert "DataLoader(num_workers=1, " in diagnose(rec, samples(0.6, 0.01), [], warmup_steps=2)["findings"][0]["fix"]
 
 
+def test_workers_that_wait_get_the_workers_that_keep_up_with_the_step_whatever_the_cores():
+    # 1 worker (sampled: 0.01 of a core busy) makes a batch a step, 100 ms, and the rest of the step
+    # is 20 ms: 5 keep up. Counted by cores, the trainer's 2 threads and the worker take both.
+    rec = recording(data_wait=80, compute=15, other=5, loader_workers=1)
+    fix = diagnose(rec, samples(0.6, 0.01, workers_cores=0.01), [], warmup_steps=2)["findings"][0]["fix"]
+    assert fix.startswith("load batches in parallel: DataLoader(num_workers=5, persistent_workers=True) - the loop "
+                          "waited on its 1 worker(s), yet they kept 0.01 core(s) busy: their fetches wait (asleep, "
+                          "in I/O) more than they compute, so workers need little CPU and 5 keep up"), fix
+    # a worker that computes keeps to what the cores allow
+    fix = diagnose(rec, samples(1.9, 0.01, workers_cores=0.95), [], warmup_steps=2)["findings"][0]["fix"]
+    assert "no sure win" in fix and "load batches in parallel" not in fix
+
+
 def test_cores_the_job_keeps_busy_get_no_workers_advice():
     rec = recording(data_wait=80, compute=15, other=5, loader_workers=0)
     fix = diagnose(rec, samples(1.92, 0.02), [], warmup_steps=2)["findings"][0]["fix"]
@@ -235,6 +255,20 @@ def test_a_sleeping_dataset_gets_workers_at_torch_s_default_threads(tmp_path):
     assert os.cpu_count() <= workers <= 4 * os.cpu_count()
     assert f"--try num_workers={workers} --steps 30" in top["fix"]
     assert report["cores"]["job_cores"] < 0.75  # it sleeps
+
+
+@linux_only
+@two_cores
+def test_sleeping_workers_get_more_workers_than_the_cores(tmp_path):
+    """The same slow reads in one DataLoader worker: the worker sleeps, the cores sit idle, and the
+    loop still waits - more workers pay though the trainer's threads and the worker take every core
+    by count (measured: 6 workers in place of 1, 17-26x in 5 pairs of --try runs)."""
+    report = profile(tmp_path, "sleepy", "sleepy_dataset.py", "1")
+    top = report["findings"][0]
+    assert top["cause"] == "input_pipeline"
+    workers = int(re.match(r"load batches in parallel: DataLoader\(num_workers=(\d+), persistent_workers=True\) - the "
+                           r"loop waited on its 1 worker\(s\), yet they kept 0\.\d\d core\(s\) busy", top["fix"]).group(1))
+    assert 2 <= workers <= 4 * os.cpu_count()
 
 
 @linux_only

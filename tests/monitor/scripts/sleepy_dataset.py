@@ -1,8 +1,11 @@
 """Planted: a data wait that is a sleep (a slow read per sample) with torch at its default threads
 (one per core), as an HF Trainer script runs: the training's threads take every core by count, yet
 the cores sit idle while the main thread sleeps in __getitem__. DataLoader workers pay here.
+
+usage: sleepy_dataset.py [WORKERS]   (default 0: the main thread reads)
 """
 
+import sys
 import time
 
 import torch
@@ -23,7 +26,8 @@ def main():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for X, y in DataLoader(SlowReads(), batch_size=16, shuffle=True):
+    workers = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    for X, y in DataLoader(SlowReads(), batch_size=16, shuffle=True, num_workers=workers):
         loss = nn.functional.cross_entropy(model(X), y)
         optimizer.zero_grad()
         loss.backward()

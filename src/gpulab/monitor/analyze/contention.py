@@ -28,6 +28,7 @@ class CoreUse:
 
     wait: CoreWait  # the job's threads: busy ones, ran, waited; other processes' use of the same cores
     pressure: float | None  # the share of the time some task of the machine waited for a core (PSI)
+    children_cores: float | None = None  # cores the training process's children kept busy (its DataLoader workers)
 
     @property
     def job_cores(self) -> float:
@@ -63,9 +64,11 @@ def core_use(samples: list[dict], window: tuple[float, float] | None) -> CoreUse
     others = max(0.0, last["cores_busy_s"] - first["cores_busy_s"] - ran)
     pressure = (last["pressure_s"] - first["pressure_s"]) / seconds if last["pressure_s"] is not None else None
     busy_threads = statistics.median(s["cores"]["busy_threads"] for s in rows[1:])  # each of the intervals
+    children = [s["proc"]["workers_cpu_pct"] / 100 for s in rows if s.get("proc")]
     return CoreUse(
         wait=CoreWait(seconds, last["cores"], busy_threads, ran, waited, busy_ran, busy_waited, others),
         pressure=min(max(pressure, 0.0), 1.0) if pressure is not None else None,
+        children_cores=statistics.mean(children) if children else None,
     )
 
 
