@@ -64,6 +64,19 @@ def test_profiling_keeps_alive_nothing_the_script_lets_go_of(tmp_path):
         "raw_data_freed": True, "steps_whose_previous_batch_lived_on": []}
 
 
+def test_batches_waiting_in_a_loader_s_iterator_are_kept_memory(tmp_path):
+    """With workers, batches that arrive ahead wait in the iterator a `for` loop holds - no local
+    of the script's - and the next batch is no allocation of this process's: counted from the
+    frames alone, the step began without them and 'other kept' came out a batch below the
+    dataset it holds."""
+    code, report = profile(tmp_path, "batches_ahead.py", str(tmp_path / "sizes.json"))
+    sizes = json.loads((tmp_path / "sizes.json").read_text())
+    assert code == 0
+    kept = report["memory"]["at_peak"]["other_kept"]
+    # the dataset, and no more batches than 2 workers x prefetch_factor 2 send ahead
+    assert sizes["dataset"] <= kept <= sizes["dataset"] + 4 * sizes["batch"]
+
+
 def test_running_out_of_memory_is_the_first_finding(tmp_path):
     code, report = profile(tmp_path, "out_of_memory.py")
     assert code == 1  # the script's own exit code

@@ -137,10 +137,12 @@ class StepMemoryProbe:
     # ------------------------------------------------------------------ the measured step
 
     def begin(self, modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer],
-              per_module: bool = True) -> None:
+              per_module: bool = True, held: list = ()) -> None:
         """`per_module`: charge each saved tensor to the module that saved it, through global module
         hooks - which torch.compile guards on: compiled code recompiles when they come and go, so a
-        compiling process measures without them (every activation then "(outside any module)")."""
+        compiling process measures without them (every activation then "(outside any module)").
+        `held`: what holds the script's tensors out of its frames' locals, for a CPU's count - the
+        DataLoader iterators `for` loops keep, with the batches their workers sent ahead."""
         if self._profiler is None:
             self.prepare()
         self._begun = True
@@ -151,7 +153,7 @@ class StepMemoryProbe:
             self.live_start = torch.cuda.memory_allocated(self.device)
             self.how = "CUDA caching allocator (memory_allocated) + the autograd profiler's allocation records"
         else:
-            self.live_start = reachable_from(script_roots(sys._getframe(1)), self.device).nbytes
+            self.live_start = reachable_from(script_roots(sys._getframe(1)) + list(held), self.device).nbytes
             self.how = ("tensors the script reaches at the step's start + the autograd profiler's allocation "
                         "records (the CPU allocator keeps no count)")
         self._anchor = (time.time_ns(), time.perf_counter())

@@ -44,6 +44,8 @@ class Notices:
     fetch_modules_wanted: Notice = _notice()
     """(wanted,): whether module calls inside a fetch should be seen from now on; the module hooks
     stay paused in fetches until someone wants them (transforms, in their windows)."""
+    loader_iterated: Notice = _notice()
+    """(iterator,): iter() on a DataLoader returned a new pass's iterator, in any thread (loaders)."""
     batch_fetched: Notice = _notice()
     """(batch,): next() on a DataLoader returned a batch (loaders)."""
     backward_ending: Notice = _notice()

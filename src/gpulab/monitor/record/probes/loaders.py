@@ -85,11 +85,13 @@ class LoaderProbe(Probe):
         step ended (the loop is back for data); which iterator is the loader's."""
         sink, loaders = self.sink, self.loaders
         timed_iter = timed(sink, "data_wait", "DataLoader.__iter__")(original)
+        loader_iterated = sink.notices.loader_iterated.send
 
         def __iter__(loader):
             if not sink.here():  # not timed; noted: the training thread may wait on a queue it feeds
                 iterator = original(loader)
                 loaders.iterated(loader, iterator, sys._getframe(1), elsewhere=sink.ident is not None)
+                loader_iterated(iterator)
                 return iterator
             sink.steps.end_step_after_backward()
             t0 = time.perf_counter()
@@ -97,6 +99,7 @@ class LoaderProbe(Probe):
             sink.steps.count(PASS_START_COUNT, time.perf_counter() - t0)
             sink.steps.count(PASSES_COUNT)
             loaders.iterated(loader, iterator, sys._getframe(1), started=t0)
+            loader_iterated(iterator)
             return iterator
 
         return __iter__

@@ -50,6 +50,7 @@ class MemoryProbe(WindowProbe):
     def hook(self) -> None:
         self.listen(self.sink.notices.module_called, self._module_called)
         self.listen(self.sink.notices.optimizer_stepped, lambda optimizer: self.optimizers.add(optimizer))
+        self.listen(self.sink.notices.loader_iterated, lambda iterator: self.iterators.add(iterator))
         self.listen(self.sink.notices.batch_fetched, self._note_inputs)
         self.listen(self.sink.notices.compiled, self._compiled_code)
         self.listen(self.sink.notices.exception, self._out_of_memory)
@@ -59,6 +60,7 @@ class MemoryProbe(WindowProbe):
         self.done = not self._enabled
         self.models = Seen()  # outermost modules called (also for reading an out-of-memory error)
         self.optimizers = Seen()  # optimizers stepped
+        self.iterators = Seen()  # DataLoader iterators: a for loop holds them out of its frame's locals
         self._probe: StepMemoryProbe | None = None
         self._measuring = False
         self._step = 0
@@ -93,7 +95,8 @@ class MemoryProbe(WindowProbe):
                     self._probe = StepMemoryProbe(self._device())
                     self._probe.prepare()
             elif not self._measuring:
-                self._probe.begin(list(self.models), list(self.optimizers), per_module=not self._compiled)
+                self._probe.begin(list(self.models), list(self.optimizers), per_module=not self._compiled,
+                                  held=list(self.iterators))
                 self._measuring, self._step = True, steps_done
             else:
                 record: MemoryRecord = {"type": "memory", "step": self._step, **self._probe.end()}
