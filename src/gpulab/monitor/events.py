@@ -29,6 +29,7 @@ from gpulab.monitor.alive.protocol import read_tally, tally_file
 CATEGORIES = ("data_wait", "h2d", "compute", "collective", "sync", "compile", "other")
 EVENTS_PREFIX = "events-"
 TRANSFORM_PREFIX = "transform: "  # a step's count of seconds in one transform inside a DataLoader fetch
+OPS_SPAN = "torch operators outside modules"  # the operators window's compute spans (record/probes/ops.py)
 DDP_WAIT_COUNT = "ddp_wait_s"  # a step's count of seconds DDP waited for its allreduce inside backward
 # A step's count of seconds spent starting passes over DataLoaders - each pass's iter() and its
 # first batch, where the workers start - and of the passes started:

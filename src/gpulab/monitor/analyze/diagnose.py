@@ -14,8 +14,9 @@ from gpulab.monitor.analyze.compiled import compile_findings
 from gpulab.monitor.analyze.contention import core_use
 from gpulab.monitor.analyze.devices import device_busy, not_measured, summarize_devices, used_gpu_indices
 from gpulab.monitor.analyze.findings import finding
-from gpulab.monitor.analyze.step_costs import (PHASE_NAMES, StepCosts, aggregate_summary, percentile, recorded_seconds,
-                                               select_steady, step_seconds, steps_found)
+from gpulab.monitor.analyze.step_costs import (PHASE_NAMES, StepCosts, aggregate_summary, operator_lines,
+                                               operator_lines_as_compute, operator_share, percentile,
+                                               recorded_seconds, select_steady, step_seconds, steps_found)
 from gpulab.monitor.analyze.process import costly_transforms, process_findings
 from gpulab.monitor.events import DDP_WAIT_COUNT, Recording
 
@@ -49,8 +50,15 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         durations = [step_seconds(s) for s in steady]
         report["step_time_s"] = {"median": round(statistics.median(durations), 6),
                                  "p90": round(percentile(durations, 0.9), 6)}
-    step = StepCosts(steady)
+    step = StepCosts(steady, operator_share(rec))
     report["phases"] = step.shares()
+    if step.operator_share:
+        report["operators_outside_modules"] = {
+            "ms_per_step": round(step.operators * 1e3, 3), "lines": operator_lines(rec),
+            "source": "lines whose time is mostly torch functions and tensor methods called outside any "
+                      "nn.Module (a forward written with torch functions), found in a window of steps: compute, "
+                      "as a module's forward would be"}
+        operator_lines_as_compute(rec)
     later = aggregate_summary(rec)
     if later is not None:  # the shares and findings above are of the detailed window
         report["later_steps"] = later
@@ -67,8 +75,8 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         # out-of-memory error say): warm-up steps carry CUDA's start-up and gpulab's own windows'
         # set-up, and no finding about the loop is drawn from them.
         too_few = finding("none", 0.0, f"no step after the warm-up ran outside gpulab's measurement windows "
-                          f"({len(steady)} warm-up step(s), {excluded['profiler_window']} measured for kernels or "
-                          f"memory): too few steps to judge the loop", None, "too_few_steps")
+                          f"({len(steady)} warm-up step(s), {excluded['profiler_window']} measured for kernels, "
+                          f"memory, transforms or operators): too few steps to judge the loop", None, "too_few_steps")
         report["findings"] = with_compile_findings([too_few], compiled)
     else:
         findings = process_findings(rec, step, busy, busy_source, gpus, used, cores)

@@ -8,6 +8,11 @@ outliers) -> what a steady step is made of, on average (StepCosts):
             + syncs        blocked in host syncs
             + compiling    torch.compile compiling
             + other        the user's Python between those calls
+
+A forward written with torch functions rather than nn.Modules runs in "other"; where the
+operators window found the lines whose time is such operators (record/probes/ops.py), their
+share of "other" counts as compute in every steady step, and their stack samples as compute's
+(operator_share, operator_lines_as_compute).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import statistics
 
 from gpulab.monitor.config import OUTLIER_FACTOR
-from gpulab.monitor.events import BINS_PER_OCTAVE, CATEGORIES, Recording, added
+from gpulab.monitor.events import BINS_PER_OCTAVE, CATEGORIES, OPS_SPAN, Recording, added
 
 # The categories in the report's order, as the terminal names them.
 PHASE_NAMES = {
@@ -106,14 +111,56 @@ def phases_text(shares: dict[str, float], sep: str = "  ") -> str:
     return sep.join(f"{PHASE_NAMES[name]} {value:.0%}" for name, value in shown_phases(shares))
 
 
+def operator_lines(rec: Recording) -> list[str]:
+    """The user's lines whose time is mostly torch operators called outside any module: the
+    operators window's seconds of a line (a window step) are at least half of the line's stack
+    samples in "other" (a step of the run); a line that computes in Python around them stays."""
+    window = len(rec.facts.get("ops_window_steps") or ())
+    sampled = rec.hot.get("other") or {}
+    steps = max(1, rec.steps_done)
+    return [where for where, seconds in (rec.facts.get("ops_lines") or {}).items()
+            if window and seconds / window >= sampled.get(where, 0.0) / steps / 2]
+
+
+def operator_share(rec: Recording) -> float:
+    """The share of "other" that is torch operators outside any module, the larger of two
+    measures that each fall short in their own way: the window's operators against the rest of
+    its "other" (its profile function slows the Python around the operators), and the stack
+    samples of operator_lines() against all of "other"'s (a sample after a long call can land
+    on the next line, in "other")."""
+    lines = operator_lines(rec)
+    if not lines:
+        return 0.0
+    window = set(rec.facts["ops_window_steps"])
+    operators = rec.span_seconds.get(OPS_SPAN, 0.0)
+    other = sum(s["excl"].get("other", 0.0) for s in rec.steps if s.get("i") in window)
+    sampled = rec.hot.get("other") or {}
+    return max(operators / (operators + other) if operators > 0 else 0.0,
+               sum(sampled.get(where, 0.0) for where in lines) / sum(sampled.values()) if sampled else 0.0)
+
+
+def operator_lines_as_compute(rec: Recording) -> None:
+    """The stack samples of operator_lines() moved from "other" to "compute" (in place)."""
+    compute = rec.hot.setdefault("compute", {})
+    for where in operator_lines(rec):
+        for tally in (rec.hot_steps, rec.hot_blocked):
+            (tally.get("other") or {}).pop(where, None)
+        seconds = (rec.hot.get("other") or {}).pop(where, None)
+        if seconds is not None:
+            compute[where] = compute.get(where, 0.0) + seconds
+
+
 class StepCosts:
     """Mean seconds per steady step of each part of the sum above, by category (`mean`) and by name
-    (DDP's wait for its allreduce inside backward is a collective already: record/probes/ddp.py)."""
+    (DDP's wait for its allreduce inside backward is a collective already: record/probes/ddp.py).
+    `operator_share`: the share of "other" that is compute (operator_share())."""
 
-    def __init__(self, steady: list[dict]):
+    def __init__(self, steady: list[dict], operator_share: float = 0.0):
         self.n = n = len(steady)
         self.seconds = sum(step_seconds(s) for s in steady) / n
-        self.mean = {c: sum(s["excl"].get(c, 0.0) for s in steady) / n for c in CATEGORIES}
+        self.operator_share = operator_share
+        self.operators = sum(s["excl"].get("other", 0.0) for s in steady) / n * operator_share  # seconds a step
+        self.mean = {c: sum(self._excl(s, c) for s in steady) / n for c in CATEGORIES}
         self.data_wait, self.copies, self.compute, self.collectives, self.syncs, self.compiling, self.other = (
             self.mean[c] for c in ("data_wait", "h2d", "compute", "collective", "sync", "compile", "other"))
         self.counts = {k: v / n for k, v in added({}, *(s.get("counts", {}) for s in steady)).items()}
@@ -128,8 +175,18 @@ class StepCosts:
         shares = []
         for part in parts:
             seconds = sum(step_seconds(s) for s in part)
-            shares.append(sum(s["excl"].get(category, 0.0) for s in part) / seconds if seconds > 0 else 0.0)
+            shares.append(sum(self._excl(s, category) for s in part) / seconds if seconds > 0 else 0.0)
         return shares
+
+    def _excl(self, step: dict, category: str) -> float:
+        """A step's seconds of `category`, with the operators' share of "other" taken as compute."""
+        excl = step["excl"]
+        operators = excl.get("other", 0.0) * self.operator_share
+        if category == "other":
+            return excl.get("other", 0.0) - operators
+        if category == "compute":
+            return excl.get("compute", 0.0) + operators
+        return excl.get(category, 0.0)
 
     def shares(self) -> dict[str, float]:
         return {c: round(self.mean[c] / self.seconds, 4) if self.seconds > 0 else 0.0 for c in PHASE_NAMES}
@@ -162,5 +219,5 @@ def lane_summary(rec: Recording, warmup_steps: int) -> dict:
                "steps": rec.steps_done, "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
     if steady:
         summary["median_step_s"] = round(statistics.median(step_seconds(s) for s in steady), 6)
-        summary["phases"] = StepCosts(steady).shares()
+        summary["phases"] = StepCosts(steady, operator_share(rec)).shares()
     return summary

@@ -32,6 +32,7 @@ from gpulab.monitor.record.probes.kernels import KernelProbe
 from gpulab.monitor.record.probes.loaders import LoaderProbe
 from gpulab.monitor.record.probes.memory_window import MemoryProbe
 from gpulab.monitor.record.probes.modules import ModuleProbe
+from gpulab.monitor.record.probes.ops import OpsProbe
 from gpulab.monitor.record.probes.trainer import TrainerPhasesProbe
 from gpulab.monitor.record.probes.processes import ProcessProbe
 from gpulab.monitor.record.probes.stacks import StackProbe
@@ -58,6 +59,7 @@ def make_probes(cfg: ProfileConfig) -> list[Probe]:
         KernelProbe(cfg.warmup_steps, cfg.kernel_window_steps),
         MemoryProbe(cfg.memory_window, cfg.warmup_steps),
         TransformProbe(cfg.warmup_steps),
+        OpsProbe(cfg.warmup_steps),
         StackProbe(cfg.stack_interval_s),
     ]
 
