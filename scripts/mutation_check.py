@@ -361,7 +361,7 @@ MUTATIONS = [
              ["tests/monitor/test_memory.py::test_batches_waiting_in_a_loader_s_iterator_are_kept_memory"]),
     Mutation("a forward written with torch functions is left in 'other Python' (no operators window)",
              "src/gpulab/monitor/record/probes/ops.py",
-             "            wanted = not self._module_called and", "            wanted = False and not self._module_called and",
+             "            wanted = self._wanted and", "            wanted = False and self._wanted and",
              ["tests/monitor/test_profile_cli.py::test_a_forward_written_with_torch_functions_is_compute_not_python"]),
     Mutation("the lines of operators outside modules keep their stack samples in 'other'",
              "src/gpulab/monitor/analyze/diagnose.py",

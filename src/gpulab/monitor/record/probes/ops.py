@@ -7,8 +7,9 @@ A forward made of torch functions is none of these, so its time lands in "other"
 where an operator returns when its work is done, the whole forward pass. Without a measurement
 the report would call it Python between the training calls and advise vectorizing.
 
-The window opens after warm-up only where no nn.Module was called and the process never used
-CUDA (there an operator's call is its launch, and the kernel window says what the device did).
+The window opens after warm-up only where no nn.Module was called, nothing was compiled, and the
+process never used CUDA (there an operator's call is its launch, and the kernel window says what
+the device did).
 For WINDOW_STEPS steps a profile function (sys.setprofile, the training thread's only) charges
 each torch function or tensor method called from "other" as a compute span named OPS_SPAN, and
 notes the seconds of each user line that called them. The report then counts the operators'
@@ -45,7 +46,7 @@ class OpsProbe(WindowProbe):
             self._token, self._phase = None, "done"
 
     def new_lane(self) -> None:
-        self._module_called = False
+        self._wanted = True
         self._phase = "warm-up"  # -> "window" -> "done"
         self._window_ends = 0
         self._steps: list[int] = []
@@ -56,10 +57,13 @@ class OpsProbe(WindowProbe):
         self._token: int | None = None  # the open span, if a torch operator is running
 
     def hook(self) -> None:
-        self.listen(self.sink.notices.module_called, self._saw_module)
+        self.listen(self.sink.notices.module_called, self._not_wanted)
+        self.listen(self.sink.notices.compiled, self._not_wanted)
 
-    def _saw_module(self, module, args) -> None:
-        self._module_called = True
+    def _not_wanted(self, *what) -> None:
+        """A module ran (its forward is compute already), or torch.compile compiled: compiled code
+        runs its operators where no profile function sees them."""
+        self._wanted = False
 
     @property
     def active(self) -> bool:
@@ -71,7 +75,7 @@ class OpsProbe(WindowProbe):
 
     def on_step_end(self, steps_done: int, may_open: bool) -> None:
         if self._phase == "warm-up" and steps_done >= self._warmup_steps and may_open:
-            wanted = not self._module_called and not torch.cuda.is_initialized() and sys.getprofile() is None
+            wanted = self._wanted and not torch.cuda.is_initialized() and sys.getprofile() is None
             self._phase = "window" if wanted else "done"
             if wanted:
                 self._window_ends = steps_done + WINDOW_STEPS
