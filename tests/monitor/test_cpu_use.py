@@ -166,7 +166,8 @@ def test_a_fetch_that_waits_gets_the_workers_that_keep_up_with_the_step_whatever
 def test_workers_that_wait_get_the_workers_that_keep_up_with_the_step_whatever_the_cores():
     # 1 worker (sampled: 0.01 of a core busy) makes a batch a step, 100 ms, and the rest of the step
     # is 20 ms: 5 keep up. Counted by cores, the trainer's 2 threads and the worker take both.
-    rec = recording(data_wait=80, compute=15, other=5, loader_workers=1)
+    # The loop's thread waits for the batch blocked, in the queue's get.
+    rec = recording(data_wait=80, compute=15, other=5, loader_workers=1, fetch_blocked=0.9)
     fix = diagnose(rec, samples(0.6, 0.01, workers_cores=0.01), [], warmup_steps=2)["findings"][0]["fix"]
     assert fix.startswith("load batches in parallel: DataLoader(num_workers=5, persistent_workers=True) - the loop "
                           "waited on its 1 worker(s), yet they kept 0.01 core(s) busy: their fetches wait (asleep, "
@@ -174,6 +175,11 @@ def test_workers_that_wait_get_the_workers_that_keep_up_with_the_step_whatever_t
     # a worker that computes keeps to what the cores allow
     fix = diagnose(rec, samples(1.9, 0.01, workers_cores=0.95), [], warmup_steps=2)["findings"][0]["fix"]
     assert "no sure win" in fix and "load batches in parallel" not in fix
+    # idle workers that keep up, where the loop's wait is its own work (receiving the batches they
+    # had ready): 4 workers, 0.17 of a core busy, the fetch on a core (a d2l-style script here)
+    rec = recording(data_wait=80, compute=15, other=5, loader_workers=4, fetch_blocked=0.06)
+    fix = diagnose(rec, samples(1.9, 0.01, workers_cores=0.17), [], warmup_steps=2)["findings"][0]["fix"]
+    assert "their fetches wait" not in fix
 
 
 def test_cores_the_job_keeps_busy_get_no_workers_advice():

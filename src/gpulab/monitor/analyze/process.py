@@ -126,7 +126,7 @@ def _input_finding(rec: Recording, step: StepCosts, b: _Budget, cores: CoreUse |
     workers = loader["num_workers"] if loader else 0
     needed = _workers_to_keep_up(step.data_wait, seconds, workers)
     spare = _spare_cores(rec, b.on_cuda, workers, cores)
-    waits = _fetching_waits(rec) if workers == 0 else _workers_wait(workers, cores)
+    waits = _fetching_waits(rec) if workers == 0 else _workers_wait(rec, workers, cores)
     rest = f"{(seconds - step.data_wait) * 1e3:.1f} ms"
     if waits:
         n = min(needed, _most_workers(rec, cores))
@@ -176,10 +176,15 @@ def _fetching_waits(rec: Recording) -> str | None:
     return f"the fetch was blocked (asleep, in I/O) {blocked:.0%} of its time at {where}"
 
 
-def _workers_wait(workers: int, cores: CoreUse | None) -> str | None:
-    """Why the workers' fetches wait rather than compute, in words: with the loop waiting on them,
-    they kept less than WAITING of a core each busy; None when they compute or nothing says."""
+def _workers_wait(rec: Recording, workers: int, cores: CoreUse | None) -> str | None:
+    """Why the workers' fetches wait rather than compute, in words: the loop's thread waited for
+    their batches blocked (at least WAITING of its data wait's samples) while they kept less than
+    WAITING of a core each busy. None when they compute; or when the loop's wait is its own work
+    (receiving and unpickling batches the workers had ready: idle workers that keep up); or when
+    nothing says."""
     if cores is None or cores.children_cores is None or cores.children_cores >= WAITING * workers:
+        return None
+    if blocked_share(rec, "data_wait", hottest(rec, "data_wait")) < WAITING:
         return None
     return (f"the loop waited on its {workers} worker(s), yet they kept {cores.children_cores:.2f} core(s) busy: "
             f"their fetches wait (asleep, in I/O) more than they compute")
