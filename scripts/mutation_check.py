@@ -346,7 +346,7 @@ MUTATIONS = [
              ["tests/memory/test_tensors.py"]),
     Mutation("a loader's workers that sleep get the advice of workers that compute (spare cores only)",
              "src/gpulab/monitor/analyze/process.py",
-             "    waits = _fetching_waits(rec) if workers == 0 else _workers_wait(workers, cores)\n",
+             "    waits = _fetching_waits(rec) if workers == 0 else _workers_wait(rec, workers, cores)\n",
              "    waits = _fetching_waits(rec) if workers == 0 else None\n",
              ["tests/monitor/test_cpu_use.py"]),
     Mutation("idle workers that keep up are taken for workers that wait (the loop's own receiving work)",
