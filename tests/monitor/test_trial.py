@@ -138,8 +138,12 @@ def test_runs_alternate_in_pairs_stop_once_the_ratios_agree_and_threads_are_forc
         tmp_path, monkeypatch, two_cores):
     """Every run sleeps the same, so two pairs agree. The script sets 2 threads itself; --try
     threads=1 makes it 1 in the changed runs only."""
+    jobs, run_job = [], trial.run_job
+    monkeypatch.setattr(trial, "run_job", lambda *args: jobs.append(run_job(*args)) or jobs[-1])
     result, runs = try_noise(tmp_path, "1", ["threads=1"], monkeypatch)
     assert [int(r[1]) for r in runs] == [2, 1, 1, 2]  # as is, changed; changed, as is
+    # each run measures steps only: none inside a measurement window, whose profiler slows it
+    assert [sum(s.get("profiled", False) for lane in job.lanes for s in lane.steps) for job in jobs] == [0, 0, 0, 0]
     assert result["reliable"] and len(result["pairs"]) == 2
     assert result["speedup"] == pytest.approx(1.0, abs=0.08)
     assert result["spread"][0] <= result["speedup"] <= result["spread"][1]

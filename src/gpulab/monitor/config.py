@@ -28,6 +28,10 @@ class ProfileConfig:
     """Measure one step's memory after warm-up (and the kernel window): the peak and what it is made
     of (parameters, gradients, optimizer state, activations per module, inputs, the rest). Two steps,
     left out of the statistics (torch.profiler records their allocations)."""
+    operators_window: bool = True
+    """On a CPU run where no nn.Module ran, time the torch functions called outside any module over 3
+    steps after warm-up (a forward written with torch functions is compute, not Python); left out
+    of the statistics."""
     stack_interval_s: float = 0.02
     """How often the training thread's Python stack is sampled for each phase's hottest user line; 0: off."""
     trace_steps: int = 2000

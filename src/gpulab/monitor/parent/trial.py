@@ -161,8 +161,11 @@ class _Trial:
         """Run the first steps with `change`: the measured steps' times, and the loaders the
         diagnosed process iterated."""
         warmup = self.cfg.warmup_steps
+        # Steps only: a measurement window's steps carry its profiler's cost, and would be some of
+        # the K measured.
         cfg = replace(self.cfg, stop_after_steps=warmup + self.steps, dataloader_overrides=loader_settings(change),
-                      torch_threads=change.get("threads", 0))
+                      torch_threads=change.get("threads", 0), kernel_window_steps=0, memory_window=False,
+                      operators_window=False)
         job = run_job(self.argv, cfg, self.out)
         if job.stopped and job.hang is None:
             raise Stopped(label, job.exit_code)

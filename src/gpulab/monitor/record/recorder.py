@@ -59,7 +59,7 @@ def make_probes(cfg: ProfileConfig) -> list[Probe]:
         KernelProbe(cfg.warmup_steps, cfg.kernel_window_steps),
         MemoryProbe(cfg.memory_window, cfg.warmup_steps),
         TransformProbe(cfg.warmup_steps),
-        OpsProbe(cfg.warmup_steps),
+        OpsProbe(cfg.operators_window, cfg.warmup_steps),
         StackProbe(cfg.stack_interval_s),
     ]
 

@@ -34,8 +34,10 @@ WINDOW_STEPS = 3
 
 
 class OpsProbe(WindowProbe):
-    def __init__(self, warmup_steps: int):
-        self._warmup_steps = warmup_steps
+    """`enabled`: open the window where it is wanted (ProfileConfig.operators_window)."""
+
+    def __init__(self, enabled: bool, warmup_steps: int):
+        self._enabled, self._warmup_steps = enabled, warmup_steps
         self.new_lane()
 
     def after_fork(self) -> None:
@@ -46,7 +48,7 @@ class OpsProbe(WindowProbe):
             self._token, self._phase = None, "done"
 
     def new_lane(self) -> None:
-        self._wanted = True
+        self._wanted = self._enabled
         self._phase = "warm-up"  # -> "window" -> "done"
         self._window_ends = 0
         self._steps: list[int] = []
