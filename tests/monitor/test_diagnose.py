@@ -87,6 +87,49 @@ def test_cpu_compute_bound_with_a_fast_pipeline_reports_nothing():
     assert report["findings"][0]["where"] is None
 
 
+def busy_loop(math: dict | None, compiled: bool = False) -> str:
+    facts = [{"type": "facts", "math": math}] if math else []
+    compiles = [_compiled(99.0, 99.5, "0/0")] if compiled else []
+    report = diagnose(recording(steps(20, data_wait=0.8, compute=40, other=1), extra=facts + compiles), [], [],
+                      warmup_steps=2)
+    assert causes(report) == ["none"]
+    return report["findings"][0]["fix"]
+
+
+def test_a_busy_loop_is_told_the_cheaper_math_it_does_not_use_yet():
+    native = {"device": "cpu", "autocast": None, "channels_last": False, "bf16_native": True}
+    assert busy_loop(native) == ("the loop keeps the device busy; to go faster make the math cheaper (mixed "
+                                 "precision: bf16 autocast, channels_last, torch.compile) or use more devices "
+                                 "(gpulab train --devices ...)")
+    used = busy_loop({**native, "autocast": "bfloat16", "channels_last": True})
+    assert "make the math cheaper (torch.compile)" in used and used.endswith("it uses bfloat16 autocast, channels_last already")
+    assert busy_loop({**native, "autocast": "bfloat16", "channels_last": None}, compiled=True) == (
+        "the loop keeps the device busy; to go faster use more devices (gpulab train --devices ...); it uses "
+        "bfloat16 autocast, torch.compile already")
+    # a CPU that emulates bf16 is told not to use it; no 4-D weights: no channels_last
+    emulated = busy_loop({**native, "channels_last": None, "bf16_native": False})
+    assert "make the math cheaper (torch.compile)" in emulated and "mixed precision" not in emulated
+    assert emulated.endswith("not bf16: this CPU has no native bf16, and torch would emulate it (~3x slower)")
+    assert busy_loop(None) == FIXES["none"]  # not recorded: every way
+
+
+def test_operator_lines_count_as_compute_and_a_python_line_stays():
+    """The operators window timed 6 ms a step of torch functions at the forward's line (train.py:10)
+    and none at the loop's Python (train.py:20); 'other' is 8 ms a step, three quarters of its
+    samples at the forward."""
+    records = steps(60, compute=4, other=8)
+    for s in records[2:5]:
+        s["profiled"] = True
+    facts = {"type": "facts", "ops_window_steps": [2, 3, 4], "ops_lines": {"train.py:10": 0.018}}
+    spans = {"type": "spans", "seconds": {"torch operators outside modules": 0.018}}
+    report = diagnose(recording(records, extra=[facts, spans], hot={"other": {"train.py:10": 0.36, "train.py:20": 0.12}}),
+                      [], [], warmup_steps=2)
+    assert report["phases"]["compute"] == pytest.approx((4 + 6) / 12, abs=0.01)
+    assert report["operators_outside_modules"]["lines"] == ["train.py:10"]
+    top = report["findings"][0]
+    assert top["cause"] == "low_device_utilization" and top["where"] == "train.py:20"
+
+
 def epochs_with_worker_starts(persistent: bool) -> Recording:
     """4 epochs of 5 steps (20 ms data wait, 10 ms compute); each epoch's first step waits 3 s for
     its loader's 4 workers to start (the first epoch's start is paid whatever the settings)."""

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpulab.cli import main
 from gpulab.io import OUTPUTS_RECORD
@@ -87,6 +88,11 @@ def test_fast_in_memory_pipeline_is_not_input_bound(tmp_path, capfd):
     check_report_shape(report)
     assert "input_pipeline" not in [f["cause"] for f in report["findings"]]
     assert report["phases"]["compute"] > report["phases"]["data_wait"]
+    # a busy loop is told the cheaper math it could use, from how it runs: an MLP in fp32, no
+    # 4-D weight (so no channels_last), not compiled; bf16 where this CPU has it natively
+    fix = next(f for f in report["findings"] if f["cause"] == "none")["fix"]
+    assert "torch.compile" in fix and "channels_last" not in fix and "already" not in fix, fix
+    assert ("mixed precision: bf16 autocast" in fix) == torch.ops.mkldnn._is_mkldnn_bf16_supported(), fix
 
 
 def test_python_loop_between_steps_is_found_at_its_line(tmp_path, capfd):

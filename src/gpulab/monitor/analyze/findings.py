@@ -59,8 +59,9 @@ FIXES = {
         "batch (or keep the whole dataset on the GPU)"
     ),
     "too_few_steps": (
-        "profile a longer run: after the warm-up gpulab spends a few steps on its kernel window (CUDA) and "
-        "two on its memory window; the steps after those are the ones it judges (10 or more steps give findings)"
+        "profile a longer run: after the warm-up gpulab spends a few steps on its kernel window (CUDA), "
+        "two on its memory window and, for a model written with torch functions, three on its operators window; "
+        "the steps after those are the ones it judges (10 or more steps give findings)"
     ),
     "no_steps": (
         "let the script reach its training loop: steps are found from optimizer.step(), else from "

@@ -106,7 +106,7 @@ def process_findings(rec: Recording, step: StepCosts, busy: float, busy_source: 
     if b.on_cuda:
         findings += _unexplained_idle(rec, step, b, findings)
     findings.sort(key=lambda f: f["share"], reverse=True)
-    findings = findings or [_nothing_stands_out(step, b)]
+    findings = findings or [_nothing_stands_out(rec, step, b)]
     for f in findings:
         add_support(rec, step, f)
     return findings
@@ -344,7 +344,7 @@ def _unexplained_idle(rec: Recording, step: StepCosts, b: _Budget, findings: lis
     return [finding("low_device_utilization", unexplained, evidence, where, "low_device_utilization")]
 
 
-def _nothing_stands_out(step: StepCosts, b: _Budget) -> dict:
+def _nothing_stands_out(rec: Recording, step: StepCosts, b: _Budget) -> dict:
     seconds = step.seconds
     parts = phases_text({k: v for k, v in step.shares().items() if k != "compute"}, ", ")
     if b.on_cuda:
@@ -356,7 +356,36 @@ def _nothing_stands_out(step: StepCosts, b: _Budget) -> dict:
         # queue is full, whichever call comes next blocks (a loader's gather shows as data wait).
         return finding("none", min(b.busy / seconds, 1.0), f"{head}; the host's {parts} cost nothing then: they are "
                        f"where it waited for the device", None, "none")
-    return finding("none", min(b.busy / seconds, 1.0), f"{head}; {parts}: nothing else stands out", None, "none")
+    return finding("none", min(b.busy / seconds, 1.0), f"{head}; {parts}: nothing else stands out", None,
+                   fix=_cheaper_math(rec))
+
+
+def _cheaper_math(rec: Recording) -> str:
+    """The advice for a busy loop: the ways to cheaper math it does not use yet (the recorder's
+    "math" facts; without them, all of them)."""
+    math = rec.facts.get("math")
+    if not math:
+        return FIXES["none"]
+    tries, used, notes = [], [], []
+    if math["autocast"]:
+        used.append(f"{math['autocast']} autocast")
+    elif math["bf16_native"]:
+        tries.append("mixed precision: bf16 autocast")
+    else:
+        notes.append(f"not bf16: this {math['device'].upper()} has no native bf16, and torch would emulate it "
+                     f"(~3x slower)")
+    if math["channels_last"]:
+        used.append("channels_last")
+    elif math["channels_last"] is False:
+        tries.append("channels_last")
+    (used if rec.compiles else tries).append("torch.compile")
+    fix = "the loop keeps the device busy; to go faster "
+    if tries:
+        fix += f"make the math cheaper ({', '.join(tries)}) or "
+    fix += "use more devices (gpulab train --devices ...)"
+    if used:
+        fix += f"; it uses {', '.join(used)} already"
+    return fix + "".join(f"; {note}" for note in notes)
 
 
 def _sync_finding(rec: Recording, step: StepCosts, b: _Budget) -> dict | None:

@@ -2,7 +2,9 @@
 (always_call: the span also ends when forward raises).
 
 The outermost module call is a compute span and a module_called notice; its return is progress
-(an evaluation loop is no hang). A module called inside a DataLoader fetch is a transform: while
+(an evaluation loop is no hang). Once, at such a call after the first step, it notes how the math
+runs (facts "math": autocast's dtype, channels_last weights, native bf16 on the device), so that
+the report's advice to make the math cheaper names only what the loop does not do yet. A module called inside a DataLoader fetch is a transform: while
 the transforms probe wants them (fetch_modules_wanted), it hears of each (fetch_module_entered /
 _exited). In every other fetch, and in the iterator's start (where DataLoader workers are forked),
 the hooks are paused: global hooks send every module call through torch's slow path (~1.3 us
@@ -24,6 +26,10 @@ class ModuleProbe(Probe):
         self._in_forward = False  # inside the outermost module call: inner calls add nothing but cost
         self._open_calls: list[tuple[torch.nn.Module, int | None]] = []  # (module, span token; None: in a fetch)
         self._fetch_modules_wanted = False
+        self._math: dict | None = None
+
+    def facts(self) -> dict:
+        return {"math": self._math} if self._math is not None else {}
 
     def hook(self) -> None:
         hooks = PausableHooks(register_module_forward_pre_hook(self._make_before()),
@@ -61,6 +67,8 @@ class ModuleProbe(Probe):
                 return
             steps.end_step_after_backward()
             module_called(module, args)
+            if self._math is None and steps.index >= 1:
+                self._math = how_the_math_runs(module, args)
             self._in_forward = True
             open_calls.append((module, steps.enter(type(module).__name__, "compute")))
 
@@ -103,6 +111,25 @@ class ModuleProbe(Probe):
             return wrapper
 
         return make_wrapper
+
+
+def how_the_math_runs(module: torch.nn.Module, args) -> dict:
+    """Autocast's dtype on the input's device (None: off), whether the 4-D weights are channels_last
+    (None: no 4-D weight with more than one input channel, where the layouts differ), and whether
+    the device computes bf16 natively (a CPU without it emulates bf16, ~3x slower)."""
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    kind = x.device.type if x is not None else "cpu"
+    weights = [p for p in module.parameters() if p.dim() == 4 and p.size(1) > 1]
+    if kind == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    else:
+        native = kind == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return {
+        "device": kind,
+        "autocast": str(torch.get_autocast_dtype(kind)).removeprefix("torch.") if torch.is_autocast_enabled(kind) else None,
+        "channels_last": all(w.is_contiguous(memory_format=torch.channels_last) for w in weights) if weights else None,
+        "bf16_native": bool(native),
+    }
 
 
 class PausableHooks:
