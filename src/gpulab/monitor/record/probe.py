@@ -57,7 +57,7 @@ class Probe:
 
 class WindowProbe(Probe):
     """A probe that measures in a window of steps after warm-up, its steps left out of the
-    statistics. The windows take turns, in the recorder's order (kernels, memory, transforms):
+    statistics. The windows take turns, in the recorder's order (kernels, memory, transforms, operators):
     two torch profilers cannot run at once, and a step measured by one would carry another's cost."""
 
     active = False  # is the next step inside this window?
@@ -70,6 +70,20 @@ class WindowProbe(Probe):
 
     def on_step_end(self, steps_done: int, may_open: bool) -> None:
         """Between two steps: open (when `may_open`), measure, or close."""
+
+
+class PhasedWindow(WindowProbe):
+    """A window whose state is one phase, from "warm-up" through "window" (active) to "done" (finished)."""
+
+    _phase = "warm-up"
+
+    @property
+    def active(self) -> bool:
+        return self._phase == "window"
+
+    @property
+    def finished(self) -> bool:
+        return self._phase == "done"
 
 
 def take_turns(windows: list[WindowProbe], steps_done: int) -> bool:

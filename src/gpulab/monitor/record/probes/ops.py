@@ -28,12 +28,12 @@ import torch
 
 from gpulab.monitor.events import OPS_SPAN
 from gpulab.monitor.record.frames import user_site
-from gpulab.monitor.record.probe import WindowProbe
+from gpulab.monitor.record.probe import PhasedWindow
 
 WINDOW_STEPS = 3
 
 
-class OpsProbe(WindowProbe):
+class OpsProbe(PhasedWindow):
     """`enabled`: open the window where it is wanted (ProfileConfig.operators_window)."""
 
     def __init__(self, enabled: bool, warmup_steps: int):
@@ -66,14 +66,6 @@ class OpsProbe(WindowProbe):
         """A module ran (its forward is compute already), or torch.compile compiled: compiled code
         runs its operators where no profile function sees them."""
         self._wanted = False
-
-    @property
-    def active(self) -> bool:
-        return self._phase == "window"
-
-    @property
-    def finished(self) -> bool:
-        return self._phase == "done"
 
     def on_step_end(self, steps_done: int, may_open: bool) -> None:
         if self._phase == "warm-up" and steps_done >= self._warmup_steps and may_open:

@@ -21,13 +21,13 @@ import torch
 from gpulab.monitor.events import TRANSFORM_PREFIX
 from gpulab.monitor.record.frames import user_site
 from gpulab.monitor.record.interpreter import after_import
-from gpulab.monitor.record.probe import WindowProbe
+from gpulab.monitor.record.probe import PhasedWindow
 
 _MAX_DEPTH = 2  # a Compose and its members; deeper calls are part of their transform
 WINDOW_STEPS = 3  # steps whose transforms are timed, after warm-up (~200 calls each at batch 64)
 
 
-class TransformProbe(WindowProbe):
+class TransformProbe(PhasedWindow):
     def __init__(self, warmup_steps: int):
         self._warmup_steps = warmup_steps
         self.calls: dict[str, dict] = {}  # "Normalize" -> {calls, where}
@@ -49,14 +49,6 @@ class TransformProbe(WindowProbe):
     def timing(self) -> bool:
         """Are transforms timed in the current step?"""
         return self._phase in ("warm-up", "window")
-
-    @property
-    def active(self) -> bool:
-        return self._phase == "window"
-
-    @property
-    def finished(self) -> bool:
-        return self._phase == "done"
 
     def on_step_end(self, steps_done: int, may_open: bool) -> None:
         """The window opens after warm-up, if it saw transforms, when no other window runs (`may_open`)."""
