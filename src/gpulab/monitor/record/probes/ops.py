@@ -9,14 +9,12 @@ the report would call it Python between the training calls and advise vectorizin
 
 The window opens after warm-up only where no nn.Module was called, nothing was compiled, and the
 process never used CUDA (there an operator's call is its launch, and the kernel window says what
-the device did).
-For WINDOW_STEPS steps a profile function (sys.setprofile, the training thread's only) charges
-each torch function or tensor method called from "other" as a compute span named OPS_SPAN, and
-notes the seconds of each user line that called them. The report then counts the operators'
-seconds per step as compute in every steady step, and as much of those lines' stack samples as
-compute's: seconds, not a share of "other", since the profile function slows the Python around
-the operators, not the operators. Operators reached through Python operators (`a + b`, `p -= g`) call no function the
-profile function sees: they stay in "other", so the figure is a lower bound.
+the device did). For WINDOW_STEPS steps a profile function (sys.setprofile, the training
+thread's only) charges each torch function or tensor method called from "other" as a compute
+span named OPS_SPAN, and notes the seconds of each user line that called them; the report takes
+the lines whose time is mostly such operators, and their share of "other", for compute
+(analyze/step_costs.py). Operators reached through Python operators (`a + b`, `p -= g`) call no
+function the profile function sees: they stay with their line.
 """
 
 from __future__ import annotations
