@@ -616,7 +616,7 @@ MUTATIONS = [
     Mutation("the measurement windows skipped between steps before they are done", "src/gpulab/monitor/record/recorder.py",
              "        if not all(window.finished for window in self._windows):", "        if False:",
              ["tests/monitor/test_memory.py::test_the_memory_split_matches_what_the_script_counts_itself"]),
-    Mutation("the transform window taken as done while it waits for its turn", "src/gpulab/monitor/record/probes/transforms.py",
+    Mutation("the transform window taken as done while it waits for its turn", "src/gpulab/monitor/record/probe.py",
              '        return self._phase == "done"', '        return self._phase in ("waiting", "done")',
              ["tests/monitor/test_transform_cost.py::test_the_window_opens_after_warm_up_and_the_other_windows_only_if_there_are_transforms"]),
     Mutation("the script by hand anneals its learning rate from the wrong step", "src/gpulab/bench/by_hand.py",
