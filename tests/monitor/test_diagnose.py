@@ -11,7 +11,7 @@ import pytest
 from gpulab.monitor.alive.stall import find_stalls
 from gpulab.monitor.analyze.diagnose import diagnose
 from gpulab.monitor.analyze.findings import FIXES, MIN_SHARE
-from gpulab.monitor.analyze.step_costs import select_steady
+from gpulab.monitor.analyze.step_costs import lane_summary, select_steady
 from gpulab.monitor.events import CATEGORIES, PASS_START_COUNT, PASSES_COUNT, Recording
 
 GPU = {"index": 0, "name": "Test GPU", "uuid": "GPU-1234", "memory_total_mib": 80000.0, "gpm": False}
@@ -122,9 +122,10 @@ def test_operator_lines_count_as_compute_and_a_python_line_stays():
         s["profiled"] = True
     facts = {"type": "facts", "ops_window_steps": [2, 3, 4], "ops_lines": {"train.py:10": 0.018}}
     spans = {"type": "spans", "seconds": {"torch operators outside modules": 0.018}}
-    report = diagnose(recording(records, extra=[facts, spans], hot={"other": {"train.py:10": 0.36, "train.py:20": 0.12}}),
-                      [], [], warmup_steps=2)
+    rec = recording(records, extra=[facts, spans], hot={"other": {"train.py:10": 0.36, "train.py:20": 0.12}})
+    report = diagnose(rec, [], [], warmup_steps=2)
     assert report["phases"]["compute"] == pytest.approx((4 + 6) / 12, abs=0.01)
+    assert lane_summary(rec, warmup_steps=2)["phases"] == report["phases"]  # the process's own line says the same
     assert report["operators_outside_modules"]["lines"] == ["train.py:10"]
     top = report["findings"][0]
     assert top["cause"] == "low_device_utilization" and top["where"] == "train.py:20"

@@ -331,6 +331,9 @@ class Recording:
         self.tally: tuple[int, float] | None = None  # (steps, t of the last) from tally-<pid>.bin
         self.crash: str | None = None  # faulthandler's report of a fatal signal
         self.ranks_here: int | None = None  # ranks recorded on this machine (read_lanes counts them)
+        # (share of "other", lines) of torch operators outside modules: analyze/step_costs.py's
+        # operators_as_compute, once, as it moves those lines' stack samples to compute
+        self.operators: tuple[float, list[str]] | None = None
         folded: list[dict] = []
         for r in records:
             kind = r.get("type")

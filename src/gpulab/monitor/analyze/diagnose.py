@@ -14,9 +14,8 @@ from gpulab.monitor.analyze.compiled import compile_findings
 from gpulab.monitor.analyze.contention import core_use
 from gpulab.monitor.analyze.devices import device_busy, not_measured, summarize_devices, used_gpu_indices
 from gpulab.monitor.analyze.findings import finding
-from gpulab.monitor.analyze.step_costs import (PHASE_NAMES, StepCosts, aggregate_summary, operator_lines,
-                                               operator_lines_as_compute, operator_share, percentile,
-                                               recorded_seconds, select_steady, step_seconds, steps_found)
+from gpulab.monitor.analyze.step_costs import (PHASE_NAMES, StepCosts, aggregate_summary, operators_as_compute,
+                                               percentile, recorded_seconds, select_steady, step_seconds, steps_found)
 from gpulab.monitor.analyze.process import costly_transforms, process_findings
 from gpulab.monitor.events import DDP_WAIT_COUNT, Recording
 
@@ -50,15 +49,15 @@ def diagnose(rec: Recording, samples: list[dict], gpus: list[dict], warmup_steps
         durations = [step_seconds(s) for s in steady]
         report["step_time_s"] = {"median": round(statistics.median(durations), 6),
                                  "p90": round(percentile(durations, 0.9), 6)}
-    step = StepCosts(steady, operator_share(rec))
+    operator_share, operator_lines = operators_as_compute(rec)
+    step = StepCosts(steady, operator_share)
     report["phases"] = step.shares()
-    if step.operator_share:
+    if operator_share:
         report["operators_outside_modules"] = {
-            "ms_per_step": round(step.operators * 1e3, 3), "lines": operator_lines(rec),
+            "ms_per_step": round(step.operators * 1e3, 3), "lines": operator_lines,
             "source": "lines whose time is mostly torch functions and tensor methods called outside any "
                       "nn.Module (a forward written with torch functions), found in a window of steps: compute, "
                       "as a module's forward would be"}
-        operator_lines_as_compute(rec)
     later = aggregate_summary(rec)
     if later is not None:  # the shares and findings above are of the detailed window
         report["later_steps"] = later

@@ -12,7 +12,7 @@ outliers) -> what a steady step is made of, on average (StepCosts):
 A forward written with torch functions rather than nn.Modules runs in "other"; where the
 operators window found the lines whose time is such operators (record/probes/ops.py), their
 share of "other" counts as compute in every steady step, and their stack samples as compute's
-(operator_share, operator_lines_as_compute).
+(operators_as_compute).
 """
 
 from __future__ import annotations
@@ -111,10 +111,28 @@ def phases_text(shares: dict[str, float], sep: str = "  ") -> str:
     return sep.join(f"{PHASE_NAMES[name]} {value:.0%}" for name, value in shown_phases(shares))
 
 
-def operator_lines(rec: Recording) -> list[str]:
-    """The user's lines whose time is mostly torch operators called outside any module: the
-    operators window's seconds of a line (a window step) are at least half of the line's stack
-    samples in "other" (a step of the run); a line that computes in Python around them stays."""
+def operators_as_compute(rec: Recording) -> tuple[float, list[str]]:
+    """(the share of "other" that is torch operators called outside any module, the lines whose
+    time is mostly theirs), those lines' stack samples moved from "other" to "compute" - once per
+    recording, which keeps the answer: every reader of it (the report, each lane's summary) sees
+    the same split."""
+    if rec.operators is None:
+        lines = _operator_lines(rec)
+        rec.operators = (_operator_share(rec, lines), lines)
+        compute = rec.hot.setdefault("compute", {})
+        for where in lines:
+            for tally in (rec.hot_steps, rec.hot_blocked):
+                (tally.get("other") or {}).pop(where, None)
+            seconds = (rec.hot.get("other") or {}).pop(where, None)
+            if seconds is not None:
+                compute[where] = compute.get(where, 0.0) + seconds
+    return rec.operators
+
+
+def _operator_lines(rec: Recording) -> list[str]:
+    """The lines whose operators window's seconds (a window step) are at least half of their
+    stack samples in "other" (a step of the run); a line that computes in Python around its
+    operators stays."""
     window = len(rec.facts.get("ops_window_steps") or ())
     sampled = rec.hot.get("other") or {}
     steps = max(1, rec.steps_done)
@@ -122,13 +140,11 @@ def operator_lines(rec: Recording) -> list[str]:
             if window and seconds / window >= sampled.get(where, 0.0) / steps / 2]
 
 
-def operator_share(rec: Recording) -> float:
-    """The share of "other" that is torch operators outside any module, the larger of two
-    measures that each fall short in their own way: the window's operators against the rest of
-    its "other" (its profile function slows the Python around the operators), and the stack
-    samples of operator_lines() against all of "other"'s (a sample after a long call can land
-    on the next line, in "other")."""
-    lines = operator_lines(rec)
+def _operator_share(rec: Recording, lines: list[str]) -> float:
+    """The larger of two measures, each short in its own way: the window's operators against the
+    rest of its "other" (its profile function slows the Python around the operators), and the
+    stack samples of `lines` against all of "other"'s (a sample after a long call can land on the
+    next line, in "other")."""
     if not lines:
         return 0.0
     window = set(rec.facts["ops_window_steps"])
@@ -139,21 +155,10 @@ def operator_share(rec: Recording) -> float:
                sum(sampled.get(where, 0.0) for where in lines) / sum(sampled.values()) if sampled else 0.0)
 
 
-def operator_lines_as_compute(rec: Recording) -> None:
-    """The stack samples of operator_lines() moved from "other" to "compute" (in place)."""
-    compute = rec.hot.setdefault("compute", {})
-    for where in operator_lines(rec):
-        for tally in (rec.hot_steps, rec.hot_blocked):
-            (tally.get("other") or {}).pop(where, None)
-        seconds = (rec.hot.get("other") or {}).pop(where, None)
-        if seconds is not None:
-            compute[where] = compute.get(where, 0.0) + seconds
-
-
 class StepCosts:
     """Mean seconds per steady step of each part of the sum above, by category (`mean`) and by name
     (DDP's wait for its allreduce inside backward is a collective already: record/probes/ddp.py).
-    `operator_share`: the share of "other" that is compute (operator_share())."""
+    `operator_share`: the share of "other" that is compute (operators_as_compute())."""
 
     def __init__(self, steady: list[dict], operator_share: float = 0.0):
         self.n = n = len(steady)
@@ -219,5 +224,5 @@ def lane_summary(rec: Recording, warmup_steps: int) -> dict:
                "steps": rec.steps_done, "steps_found": steps_found(rec), "median_step_s": None, "phases": None}
     if steady:
         summary["median_step_s"] = round(statistics.median(step_seconds(s) for s in steady), 6)
-        summary["phases"] = StepCosts(steady, operator_share(rec)).shares()
+        summary["phases"] = StepCosts(steady, operators_as_compute(rec)[0]).shares()
     return summary
