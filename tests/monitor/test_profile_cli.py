@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gpulab.cli import main
+from gpulab.devices import native_bf16
 from gpulab.io import OUTPUTS_RECORD
 from gpulab.monitor.analyze.findings import FIXES
 from tests.conftest import assert_one_line_error, disk_full_for, run_cli
@@ -92,7 +93,7 @@ def test_fast_in_memory_pipeline_is_not_input_bound(tmp_path, capfd):
     # 4-D weight (so no channels_last), not compiled; bf16 where this CPU has it natively
     fix = next(f for f in report["findings"] if f["cause"] == "none")["fix"]
     assert "torch.compile" in fix and "channels_last" not in fix and "already" not in fix, fix
-    assert ("mixed precision: bf16 autocast" in fix) == torch.ops.mkldnn._is_mkldnn_bf16_supported(), fix
+    assert ("mixed precision: bf16 autocast" in fix) == native_bf16(torch.device("cpu")), fix
 
 
 def test_python_loop_between_steps_is_found_at_its_line(tmp_path, capfd):

@@ -372,8 +372,8 @@ def _cheaper_math(rec: Recording) -> str:
     elif math["bf16_native"]:
         tries.append("mixed precision: bf16 autocast")
     else:
-        notes.append(f"not bf16: this {math['device'].upper()} has no native bf16, and torch would emulate it "
-                     f"(~3x slower)")
+        device = "CPU" if math["device"] == "cpu" else "device"
+        notes.append(f"not bf16: this {device} has no native bf16, and torch would emulate it (~3x slower)")
     if math["channels_last"]:
         used.append("channels_last")
     elif math["channels_last"] is False:

@@ -50,7 +50,7 @@ class MemoryProbe(WindowProbe):
     def hook(self) -> None:
         self.listen(self.sink.notices.module_called, self._module_called)
         self.listen(self.sink.notices.optimizer_stepped, lambda optimizer: self.optimizers.add(optimizer))
-        self.listen(self.sink.notices.loader_iterated, lambda iterator: self.iterators.add(iterator))
+        self.listen(self.sink.notices.loader_iterated, self._loader_iterated)
         self.listen(self.sink.notices.batch_fetched, self._note_inputs)
         self.listen(self.sink.notices.compiled, self._compiled_code)
         self.listen(self.sink.notices.exception, self._out_of_memory)
@@ -73,6 +73,10 @@ class MemoryProbe(WindowProbe):
     def _note_inputs(self, batch) -> None:
         if self._measuring:
             self._probe.note_inputs(batch)
+
+    def _loader_iterated(self, iterator) -> None:
+        if not self.done:  # every epoch makes a new one: kept only while a window may still come
+            self.iterators.add(iterator)
 
     def _compiled_code(self) -> None:
         self._compiled = True

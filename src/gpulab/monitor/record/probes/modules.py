@@ -4,7 +4,9 @@
 The outermost module call is a compute span and a module_called notice; its return is progress
 (an evaluation loop is no hang). Once, at such a call after the first step, it notes how the math
 runs (facts "math": autocast's dtype, channels_last weights, native bf16 on the device), so that
-the report's advice to make the math cheaper names only what the loop does not do yet. A module called inside a DataLoader fetch is a transform: while
+the report's advice to make the math cheaper names only what the loop does not do yet.
+
+A module called inside a DataLoader fetch is a transform: while
 the transforms probe wants them (fetch_modules_wanted), it hears of each (fetch_module_entered /
 _exited). In every other fetch, and in the iterator's start (where DataLoader workers are forked),
 the hooks are paused: global hooks send every module call through torch's slow path (~1.3 us
@@ -18,6 +20,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from gpulab.devices import native_bf16
 from gpulab.monitor.record.probe import Probe
 
 
@@ -118,17 +121,14 @@ def how_the_math_runs(module: torch.nn.Module, args) -> dict:
     (None: no 4-D weight with more than one input channel, where the layouts differ), and whether
     the device computes bf16 natively (a CPU without it emulates bf16, ~3x slower)."""
     x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    kind = x.device.type if x is not None else "cpu"
+    device = x.device if x is not None else torch.device("cpu")
+    kind = device.type
     weights = [p for p in module.parameters() if p.dim() == 4 and p.size(1) > 1]
-    if kind == "cuda":
-        native = torch.cuda.is_bf16_supported()
-    else:
-        native = kind == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return {
         "device": kind,
         "autocast": str(torch.get_autocast_dtype(kind)).removeprefix("torch.") if torch.is_autocast_enabled(kind) else None,
         "channels_last": all(w.is_contiguous(memory_format=torch.channels_last) for w in weights) if weights else None,
-        "bf16_native": bool(native),
+        "bf16_native": native_bf16(device),
     }
 
 
