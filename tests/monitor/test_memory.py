@@ -77,6 +77,12 @@ def test_batches_waiting_in_a_loader_s_iterator_are_kept_memory(tmp_path):
     assert sizes["dataset"] <= kept <= sizes["dataset"] + 4 * sizes["batch"]
 
 
+def test_a_loader_whose_iterator_takes_no_weak_reference_trains_as_without_gpulab(tmp_path, capfd):
+    code, report = profile(tmp_path, "plain_iterator.py")
+    assert code == 0 and "plain_iterator: done" in capfd.readouterr().out
+    assert report["steps"] == 12 and "error" not in report["memory"]
+
+
 def test_running_out_of_memory_is_the_first_finding(tmp_path):
     code, report = profile(tmp_path, "out_of_memory.py")
     assert code == 1  # the script's own exit code

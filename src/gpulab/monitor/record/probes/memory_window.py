@@ -75,8 +75,12 @@ class MemoryProbe(WindowProbe):
             self._probe.note_inputs(batch)
 
     def _loader_iterated(self, iterator) -> None:
-        if not self.done:  # every epoch makes a new one: kept only while a window may still come
+        if self.done:  # every epoch makes a new one: kept only while a window may still come
+            return
+        try:
             self.iterators.add(iterator)
+        except TypeError:  # a subclass's iterator that takes no weak reference: its batches go uncounted
+            pass
 
     def _compiled_code(self) -> None:
         self._compiled = True
