@@ -122,5 +122,6 @@ def _is_torch_operator(function) -> bool:
     owner = getattr(function, "__self__", None)
     if isinstance(owner, torch.Tensor):
         return True
-    module = getattr(function, "__module__", None) or ""
-    return module == "torch" or module.startswith("torch._C._")
+    # whatever a C function says of itself: an exception here would be raised in the script's own call
+    module = getattr(function, "__module__", None)
+    return isinstance(module, str) and (module == "torch" or module.startswith("torch._C._"))
